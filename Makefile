@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  `make train`  (set up + main job)  and  `make test`  (set up + tests).
+# CPU machines get the local CPU torch wheel; GPU users: `make train TORCH_SPEC=torch` (CUDA build from PyPI).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+BIN := $(VENV)/bin
+
+.PHONY: setup setup-test train test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+
+setup-test: setup
+	$(BIN)/pip install -q -e ".[test]"
+
+# The main job: gpt2-tiny on the shipped Shakespeare corpus, 2 ranks (tp=2), fp32, DeepSpeed launcher.
+train: setup
+	PATH=$(abspath $(BIN)):$$PATH OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(NPROC) train.py \
+		--deepspeed_config ds_configs/cpu_fp32.json --model gpt2-tiny --tp 2 --pp 1 \
+		--steps 200 --log-jsonl runs/main/log.jsonl --tensorboard runs/main/tb
+
+test: setup-test
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,96 @@
+"""Cross entropy over vocab-sharded logits without ever materialising the full vocabulary.
+
+Per token: loss = log(sum_j exp(z_j - m)) - (z_target - m), with m the global max. Each rank holds
+a slice of the vocabulary, so we all-reduce three small [b, s] tensors (max, the target logit, the
+sum of exponentials) instead of gathering [b, s, V] logits. Padded vocabulary columns (ids >=
+``vocab_size``) are set to -inf so they never take probability mass.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .layers import tp_world_and_rank
+
+
+def _vocab_range(logits: torch.Tensor, group) -> tuple[int, int]:
+    _, rank = tp_world_and_rank(group)
+    per_rank = logits.shape[-1]
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def _mask_padding(logits: torch.Tensor, start: int, vocab_size: int | None) -> torch.Tensor:
+    if vocab_size is None or start + logits.shape[-1] <= vocab_size:
+        return logits
+    valid = torch.arange(start, start + logits.shape[-1], device=logits.device) < vocab_size
+    return logits.masked_fill(~valid, float("-inf"))
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size, ignore_index):
+        start, end = _vocab_range(logits, group)
+        ctx.input_dtype = logits.dtype
+        logits = _mask_padding(logits.float(), start, vocab_size)
+
+        # Subtract the global max for stability; the max needs no gradient.
+        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        ignored = target == ignore_index
+        outside = (target < start) | (target >= end) | ignored
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = _all_reduce(target_logit, group)
+
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad = softmax  # d loss / d z = softmax - one_hot(target); reuse the buffer
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *,
+                                 vocab_size: int | None = None, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of vocab-sharded ``logits`` [..., V_pad/t] against ``target`` [...].
+
+    ``reduction``: "none" (per token, 0 where ignored), "sum", or "mean" over non-ignored tokens.
+    The result dtype is float32 whatever the logits dtype (bf16 logits lose too much in log-sum-exp).
+    """
+    losses = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, ignore_index)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "mean":
+        count = (target != ignore_index).sum().clamp(min=1)
+        return losses.sum() / count
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def gather_vocab_parallel_logits(logits: torch.Tensor, group, vocab_size: int | None = None) -> torch.Tensor:
+    """Full logits [..., V] from vocab shards (evaluation and parity checks only: costs b*s*V memory)."""
+    world, _ = tp_world_and_rank(group)
+    if world > 1:
+        parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
+    return logits if vocab_size is None else logits[..., :vocab_size]

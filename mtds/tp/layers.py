@@ -1,0 +1,188 @@
+"""Tensor-parallel layers (Megatron names): column/row parallel linear and vocab-parallel embedding.
+
+Initialisation is layout independent: each layer fills the *full* (unsharded) weight with its
+``init_method`` and keeps only this rank's slice, so the model a seed produces is the same for every
+tensor-parallel size. That is what lets runs at different layouts be compared step by step.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+                       reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def tp_world_and_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def default_init(tensor: torch.Tensor) -> None:
+    nn.init.normal_(tensor, mean=0.0, std=0.02)
+
+
+def mark_tensor_parallel(param: torch.Tensor, partition_dim: int, segments: Sequence[int] | None = None) -> None:
+    """Attributes DeepSpeed reads (grad-norm clipping, checkpoint tools) and mtds's own HF/checkpoint code."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+    param.partition_segments = tuple(segments) if segments else None
+
+
+def shard_rows(full: torch.Tensor, dim: int, world: int, rank: int,
+               segments: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``; each segment (e.g. q|k|v) is split separately."""
+    segments = list(segments) if segments else [full.shape[dim]]
+    if sum(segments) != full.shape[dim]:
+        raise ValueError(f"segments {segments} do not add up to dim {dim} of size {full.shape[dim]}")
+    pieces = []
+    for part in full.split(segments, dim=dim):
+        if part.shape[dim] % world:
+            raise ValueError(f"size {part.shape[dim]} is not divisible by tensor parallel size {world}")
+        pieces.append(part.chunk(world, dim=dim)[rank])
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def unshard_rows(shards: Sequence[torch.Tensor], dim: int, segments: Sequence[int] | None = None) -> torch.Tensor:
+    """Inverse of :func:`shard_rows` given every rank's slice (rank order)."""
+    world = len(shards)
+    if not segments:
+        return torch.cat(list(shards), dim=dim)
+    local = [s // world for s in segments]
+    per_rank = [shard.split(local, dim=dim) for shard in shards]
+    return torch.cat([per_rank[r][i] for i in range(len(segments)) for r in range(world)], dim=dim)
+
+
+def _sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitMethod | None,
+                       segments: Sequence[int] | None, dtype, device) -> nn.Parameter:
+    world, rank = tp_world_and_rank(group)
+    full = torch.empty(*shape, dtype=torch.float32)
+    (init_method or default_init)(full)
+    local = shard_rows(full, dim, world, rank, segments)
+    param = nn.Parameter(local.to(dtype=dtype or torch.get_default_dtype(), device=device))
+    mark_tensor_parallel(param, dim, segments)
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: rank i computes Y_i = X A_i + b_i.
+
+    ``output_segments`` (e.g. ``[q, k, v]`` or ``[gate, up]``) splits each segment over the ranks
+    separately, so a fused projection hands every rank matching pieces of each.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
+                 gather_output: bool = False, init_method: InitMethod | None = None,
+                 output_segments: Sequence[int] | None = None, dtype=None, device=None):
+        super().__init__()
+        world, _ = tp_world_and_rank(group)
+        self.group = group
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.output_segments = tuple(output_segments) if output_segments else None
+        self.weight = _sharded_parameter((out_features, in_features), 0, group, init_method,
+                                         output_segments, dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=self.weight.dtype, device=device))
+            mark_tensor_parallel(self.bias, 0, output_segments)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.gather_output:
+            return y
+        y = gather_from_tensor_parallel_region(y, self.group)
+        if self.output_segments and self.group is not None:
+            # The gather yields [rank0 pieces | rank1 pieces | ...]; put segments back in order.
+            y = unshard_rows(y.chunk(dist.get_world_size(self.group), dim=-1), y.dim() - 1, self.output_segments)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: rank i computes X_i A_i, the partial sums are all-reduced.
+
+    The bias is replicated and added once, after the reduction (adding it per rank would count it t times).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: InitMethod | None = None, dtype=None, device=None):
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.weight = _sharded_parameter((out_features, in_features), 1, group, init_method, None, dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}"
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of ``multiple * t`` so every shard is equal and aligned."""
+    step = multiple * tp_size
+    return int(math.ceil(vocab_size / step) * step)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary; each rank looks up only its token range.
+
+    Padding rows (ids >= vocab_size) are zero and are masked out of the logits by
+    :func:`vocab_parallel_cross_entropy` / :func:`gather_vocab_parallel_logits`.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int, *, group=None, init_method: InitMethod | None = None,
+                 pad_to_multiple_of: int = 128, dtype=None, device=None):
+        super().__init__()
+        world, rank = tp_world_and_rank(group)
+        self.group = group
+        self.vocab_size = vocab_size
+        self.embedding_dim = embedding_dim
+        self.padded_vocab_size = padded_vocab_size(vocab_size, world, pad_to_multiple_of)
+        per_rank = self.padded_vocab_size // world
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+
+        def init_padded(full: torch.Tensor) -> None:
+            (init_method or default_init)(full[:vocab_size])
+            full[vocab_size:].zero_()
+
+        self.weight = _sharded_parameter((self.padded_vocab_size, embedding_dim), 0, group, init_padded,
+                                         None, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size}, padded={self.padded_vocab_size}, dim={self.embedding_dim}"
+
+
+def parallel_lm_logits(hidden: torch.Tensor, vocab_shard_weight: torch.Tensor, group) -> torch.Tensor:
+    """Vocab-sharded logits: enter the TP region (grad all-reduce) and multiply by this rank's rows."""
+    return F.linear(copy_to_tensor_parallel_region(hidden, group), vocab_shard_weight)

@@ -1,0 +1,172 @@
+"""Autograd-aware collectives that move activations in and out of tensor-parallel regions.
+
+Megatron (Shoeybi et al. 2019, Fig. 3) needs two conjugate operators per parallel region:
+``f`` = identity forward / all-reduce backward (enter a region), ``g`` = all-reduce forward /
+identity backward (leave it). Scatter/gather split the last (hidden) dim; the sequence variants
+(Korthikanti et al. 2022) reduce-scatter / all-gather along the sequence dim.
+
+The process group is always an explicit argument (``None`` means no tensor parallelism), so these
+functions read no global state. Collectives are called through ``torch.distributed`` attributes at
+call time, which keeps them visible to :mod:`mtds.comm_trace`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_gather_single(out, x, group) -> None:
+    # torch >= 2.13 renamed all_gather_into_tensor; look up at call time so tracing sees it.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter_single(out, x, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if _world(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {world} tensor-parallel ranks")
+    return x.chunk(world, dim=dim)[_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    # Gather along dim 0 (one contiguous collective), then move the blocks to ``dim``.
+    _all_gather_single(out, x, group)
+    if dim == 0 or dim == -x.dim():
+        return out
+    return torch.cat(out.chunk(world, dim=0), dim=dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
+    # Put ``dim`` blocks one after another along dim 0 so one reduce_scatter_tensor does the work.
+    stacked = torch.cat(x.chunk(world, dim=dim), dim=0).contiguous()
+    out = torch.empty((stacked.shape[0] // world,) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, stacked, group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, grad.dim() - 1), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, -1), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """``f``: identity forward, all-reduce of the gradient backward."""
+    return x if _world(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """``g``: all-reduce forward, identity backward."""
+    return x if _world(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim; backward all-gathers the gradient."""
+    return x if _world(group) == 1 else _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the last dim; backward keeps this rank's chunk of the gradient."""
+    return x if _world(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Sum partial results and keep this rank's sequence chunk (``g`` with sequence parallelism)."""
+    return x if _world(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim % x.dim())
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """All-gather sequence chunks (``f`` with sequence parallelism); backward reduce-scatters."""
+    return x if _world(group) == 1 else _GatherFromSequence.apply(x, group, dim % x.dim())

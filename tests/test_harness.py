@@ -1,0 +1,55 @@
+"""The multi-rank runner itself: results come back, failures and hangs surface as RankFailure."""
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.dist import RankFailure, spawn
+
+
+def _rank_and_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    return "ok"
+
+
+def _hang_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(120)
+    return "ok"
+
+
+def _die_hard():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_results_in_rank_order(n):
+    assert spawn(_rank_and_world, n) == [(r, n) for r in range(n)]
+
+
+def test_failing_rank_reports_its_traceback():
+    with pytest.raises(RankFailure) as err:
+        spawn(_fail_on_rank_one, 2, timeout=60)
+    assert "rank 1 failed" in str(err.value) and "boom on rank one" in str(err.value)
+
+
+def test_hanging_rank_times_out():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="did not finish within 5 s"):
+        spawn(_hang_on_rank_zero, 2, timeout=5)
+    assert time.monotonic() - start < 40
+
+
+def test_killed_rank_is_noticed_quickly():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 failed"):
+        spawn(_die_hard, 2, timeout=50)
+    assert time.monotonic() - start < 40
