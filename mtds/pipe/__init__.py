@@ -1,0 +1,5 @@
+"""Pipeline parallelism: GPT as DeepSpeed LayerSpecs, built into a PipelineModule (or one stage)."""
+from .module import SequentialGPT, build_model, build_pipeline_module
+from .specs import gpt_layer_specs
+
+__all__ = ["build_model", "build_pipeline_module", "SequentialGPT", "gpt_layer_specs"]

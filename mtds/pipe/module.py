@@ -1,0 +1,83 @@
+"""Build the trainable GPT for a layout: a DeepSpeed ``PipelineModule`` when p > 1, otherwise a plain
+``nn.Module`` from the *same* specs (so ZeRO-2/3, which DeepSpeed forbids with its pipeline engine,
+work with tensor parallelism, and both paths hold identical layers and weights)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from mtds.config import ModelConfig
+from mtds.layout import ParallelGroups
+from mtds.model import LMLoss, TransformerLayer
+from mtds.tp import RNGTracker, checkpoint
+
+from .specs import CHECKPOINTABLE_LAYERS, PARTITION_METHOD, gpt_layer_specs, tied_lm_logits
+
+
+def _recompute(tracker: RNGTracker, function, *args):
+    """PipelineModule's ``activation_checkpoint_func`` signature, replaying our TP RNG streams."""
+    return checkpoint(function, tracker, *args)
+
+
+def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
+                          recompute_interval: int = 0):
+    from deepspeed.pipe import PipelineModule
+    specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker)
+    return PipelineModule(layers=specs, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
+                          partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
+                          activation_checkpoint_func=partial(_recompute, rng_tracker),
+                          checkpointable_layers=CHECKPOINTABLE_LAYERS)
+
+
+class SequentialGPT(nn.Module):
+    """The single-stage model: the pipeline specs built in order, called like a pipeline would."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
+                 recompute_interval: int = 0):
+        super().__init__()
+        specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker)
+        self.embedding = specs[0].build()
+        self.layers = nn.ModuleList(spec.build() for spec in specs[1:-2])
+        self.final_norm = specs[-2].build()
+        # Tied: one table serves input and output; untied: a separate vocab-parallel head.
+        self.lm_head = None if cfg.tie_word_embeddings else specs[-1].build()
+        self.loss_fn = LMLoss(cfg, groups.tp_group)
+        self.rng_tracker = rng_tracker
+        self.recompute_interval = recompute_interval
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embedding(input_ids)
+        k = self.recompute_interval
+        if k and self.training:
+            for start in range(0, len(self.layers), k):
+                hidden = checkpoint(self._run_blocks(start, start + k), self.rng_tracker, hidden)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden)
+        hidden = self.final_norm(hidden)
+        return tied_lm_logits(self.embedding, hidden) if self.lm_head is None else self.lm_head(hidden)
+
+    def _run_blocks(self, start: int, stop: int):
+        def run(hidden):
+            for layer in self.layers[start:stop]:
+                hidden = layer(hidden)
+            return hidden
+        return run
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.logits(input_ids)
+        return logits if labels is None else self.loss_fn(logits, labels)
+
+
+def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
+                recompute_interval: int = 0) -> nn.Module:
+    """PipelineModule for p > 1, SequentialGPT for p = 1."""
+    groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
+                              ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
+    builder = build_pipeline_module if groups.layout.pp > 1 else SequentialGPT
+    return builder(cfg, groups, seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval)
+
+
+__all__ = ["build_model", "build_pipeline_module", "SequentialGPT", "TransformerLayer"]

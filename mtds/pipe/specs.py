@@ -1,0 +1,39 @@
+"""Model config + layout -> the ordered list of DeepSpeed ``LayerSpec``s that make a GPT.
+
+    [embedding] [block 1] ... [block L] [final norm] [LM head]
+
+With tied embeddings the first and last entries are ``TiedLayerSpec("embed", GPTEmbedding)``: each
+end stage builds its own copy (same seed, so the same weights) and DeepSpeed all-reduces their
+gradients over the stages that share it. Specs are lazy: a stage builds only the layers it owns.
+"""
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from mtds.config import ModelConfig
+from mtds.model import FinalNorm, GPTEmbedding, LMHead, TransformerLayer
+
+TIED_KEY = "embed"
+TIED_WEIGHT = "word_embeddings.weight"
+# DeepSpeed partitions by counting layers whose class name matches (``type:`` method), so every
+# stage gets whole transformer blocks and the embedding/head ride with the first/last stage.
+PARTITION_METHOD = f"type:{TransformerLayer.__name__}"
+CHECKPOINTABLE_LAYERS = [TransformerLayer.__name__]
+
+
+def tied_lm_logits(embedding: GPTEmbedding, hidden):
+    """Forward of the tied copy on the last stage: the embedding table used as output projection."""
+    return embedding.lm_logits(hidden)
+
+
+def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker) -> list:
+    common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker)
+    if cfg.tie_word_embeddings:
+        first = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, tied_weight_attr=TIED_WEIGHT, **common)
+        last = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, forward_fn=tied_lm_logits,
+                             tied_weight_attr=TIED_WEIGHT, **common)
+    else:
+        first = LayerSpec(GPTEmbedding, cfg, **common)
+        last = LayerSpec(LMHead, cfg, tp_group=tp_group, seed=seed)
+    blocks = [LayerSpec(TransformerLayer, cfg, i, **common) for i in range(1, cfg.num_layers + 1)]
+    return [first, *blocks, LayerSpec(FinalNorm, cfg, seed=seed), last]

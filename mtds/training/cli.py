@@ -1,0 +1,120 @@
+"""Command line of train.py: flags -> TrainConfig -> run(), with one-line errors and a clean exit."""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from .config import TrainConfig
+
+EPILOG = textwrap.dedent("""\
+    examples:
+      deepspeed --num_gpus 2 train.py --deepspeed_config ds_configs/cpu_fp32.json --tp 2 --steps 50
+      torchrun --nproc_per_node 8 train.py --deepspeed_config ds_configs/cpu_fp32.json --tp 2 --pp 2
+      deepspeed --num_gpus 8 train.py --deepspeed_config ds_configs/ptdp_bf16.json --model gpt2-medium --tp 4 --pp 2
+
+    The data-parallel size is derived: d = world size / (tp * pp). Global and micro batch come from the
+    DeepSpeed config; gradient accumulation (= pipeline micro-batches) is derived from them and d.
+    """)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Train a GPT with 3D parallelism (tensor x pipeline x data) on DeepSpeed.")
+    g = p.add_argument_group("layout and model")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
+                   help="DeepSpeed JSON (batch sizes, precision, ZeRO stage, optimizer); see ds_configs/")
+    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
+                   help="tensor parallel size t (must divide attention heads) [1]")
+    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
+                   help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
+    g.add_argument("--model", default="gpt2-tiny",
+                   help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
+                        "file/directory [gpt2-tiny]")
+    g.add_argument("--init-from-hf", metavar="DIR", help="start from HuggingFace weights in DIR")
+    g.add_argument("--dropout", type=float, help="hidden and attention dropout (overrides the model config)")
+    g.add_argument("--activation-checkpointing", nargs="?", const=1, default=0, type=int, metavar="K",
+                   help="recompute activations every K transformer blocks in backward (bare flag: K=1)")
+    g.add_argument("--seed", type=int, default=1234, help="weights, data order and dropout all follow it [1234]")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="text/json/jsonl/csv/parquet file or directory, a save_to_disk directory, or a "
+                                  "datasets hub name [shipped Shakespeare corpus]")
+    g.add_argument("--text-column", default="text", help="field holding the text [text]")
+    g.add_argument("--tokenizer", help="HF tokenizer name or path [shipped byte-level BPE]")
+    g.add_argument("--seq-length", type=int, default=128, help="tokens per sample [128]")
+    g.add_argument("--num-proc", type=int, default=1, help="processes for tokenization [1]")
+    g.add_argument("--eval-split", type=float, default=0.02, help="fraction held out for evaluation [0.02]")
+    g.add_argument("--eval-data", help="separate evaluation data (instead of --eval-split)")
+    g.add_argument("--eval-interval", type=int, default=0, help="evaluate every N steps (0: at the end) [0]")
+    g.add_argument("--eval-iters", type=int, default=4, help="global batches per evaluation [4]")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps [100]")
+    g.add_argument("--lr", type=float, help="peak learning rate (overrides the DeepSpeed config)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay [0]")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps [0]")
+    g.add_argument("--lr-decay", choices=("cosine", "linear", "constant"), default="cosine",
+                   help="decay after warm-up (unless the DeepSpeed config has a scheduler) [cosine]")
+
+    g = p.add_argument_group("checkpoints and logs")
+    g.add_argument("--save", metavar="DIR", help="checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=0, help="save every N steps (and at the end) [0]")
+    g.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    g.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per step (and per evaluation)")
+    g.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    g.add_argument("--check-replicas", type=int, default=0, metavar="N",
+                   help="every N steps verify TP-replicated and tied weights are identical [off]")
+    g.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a collective gives up [600]")
+    # Set by the deepspeed launcher; the rank comes from the environment anyway.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    overrides = {}
+    if args.dropout is not None:
+        overrides.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    return TrainConfig(
+        deepspeed_config=args.deepspeed_config, model=args.model, model_overrides=overrides, tp=args.tp, pp=args.pp,
+        data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
+        num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
+        min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
+        activation_checkpointing=args.activation_checkpointing, init_from_hf=args.init_from_hf, save=args.save,
+        save_interval=args.save_interval, load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+        progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
+        dist_timeout_s=args.dist_timeout)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "bad input": reported as one line, not a traceback."""
+    from mtds.data import DataError
+    from mtds.layout import LayoutError
+
+    from .checkpoint import CheckpointError
+    from .consistency import ReplicaMismatch
+    from .ds_config import ConfigError
+    return (LayoutError, ConfigError, DataError, CheckpointError, ReplicaMismatch, ValueError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from .distributed import shutdown
+    code = 0
+    try:
+        cfg = config_from_args(args)
+        from .loop import run
+        run(cfg)
+    except user_errors() as err:
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        code = 2
+    except Exception:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    shutdown(code)

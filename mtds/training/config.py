@@ -1,0 +1,53 @@
+"""Everything one training run needs, as one frozen value (the CLI builds it; Python users too)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    deepspeed_config: Any                       # path to DeepSpeed JSON, or the dict itself
+    model: Any = "gpt2-tiny"                    # preset name, HF config.json/dir, or ModelConfig
+    model_overrides: dict = field(default_factory=dict)   # e.g. {"hidden_dropout": 0.1}
+    tp: int = 1
+    pp: int = 1
+    # data
+    data: str | None = None                     # None: the shipped corpus
+    text_column: str = "text"
+    tokenizer: str | None = None                # None: the shipped tokenizer
+    seq_length: int = 128
+    num_proc: int = 1
+    eval_split: float = 0.02
+    eval_data: str | None = None
+    eval_interval: int = 0                      # 0: evaluate only at the end
+    eval_iters: int = 4                         # global batches per evaluation
+    # optimisation
+    steps: int = 100
+    lr: float | None = None                     # overrides optimizer.params.lr
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_decay: str = "cosine"                    # cosine | linear | constant (ignored if the config has a scheduler)
+    seed: int = 1234
+    activation_checkpointing: int = 0           # recompute every k transformer blocks; 0 off
+    init_from_hf: str | None = None
+    # checkpoints and logs
+    save: str | None = None
+    save_interval: int = 0
+    load: str | None = None
+    log_jsonl: str | None = None
+    tensorboard: str | None = None
+    progress: bool | None = None                # None: a bar when stdout is a TTY
+    check_replicas_interval: int = 0            # verify TP-replicated/tied weights agree every N steps
+    trace_comm: bool = True                     # count bytes per collective (cheap)
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {self.steps}")
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
+        if self.lr_decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
+        if self.activation_checkpointing < 0:
+            raise ValueError("--activation-checkpointing takes a block interval >= 0")

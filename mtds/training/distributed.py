@@ -1,0 +1,55 @@
+"""Start and stop torch.distributed the way DeepSpeed expects, on CUDA (NCCL) or CPU (gloo)."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def device_and_backend() -> tuple[torch.device, str]:
+    """CUDA + NCCL where a GPU is visible, else CPU + gloo (never hard-coded)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[torch.device, str]:
+    """Initialise (or reuse) the default process group through DeepSpeed, with a finite timeout.
+
+    A single process started without a launcher becomes a world of one (MASTER_* defaults).
+    """
+    import deepspeed
+    # DeepSpeed JIT-builds a shared-memory op (~40 s) at init that only inference all-reduce uses.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    device, backend = device_and_backend()
+    if not dist.is_initialized():
+        for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+            os.environ.setdefault(key, default)
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "gloo":
+        # Ranks share the cores: one BLAS thread each unless the user said otherwise.
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return device, backend
+
+
+def shutdown(exit_code: int) -> None:
+    """Leave cleanly: barrier, destroy the group, flush, ``os._exit``.
+
+    gloo ranks otherwise abort at interpreter exit now and then ("terminate called without an
+    active exception"), turning a good run into a failed one.
+    """
+    try:
+        if dist.is_initialized():
+            if exit_code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

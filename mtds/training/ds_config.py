@@ -1,0 +1,110 @@
+"""Read a user's DeepSpeed JSON, check it against the layout, and settle the batch arithmetic.
+
+DeepSpeed owns the semantics (ZeRO, precision, loss scaling, optimizer); this module only refuses
+combinations that cannot work, with one line saying what to change, before DeepSpeed fails deep
+inside its engine, and derives: global batch B = micro batch b x gradient accumulation m x d.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mtds.layout import ParallelLayout
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config that cannot run with this layout or machine."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch: int       # B: samples per optimizer step, all data-parallel ranks together
+    micro_batch: int        # b: samples per forward pass per rank
+    accumulation: int       # m: micro-batches per step per data-parallel rank (= pipeline micro-batches)
+
+
+def load_ds_config(source: str | os.PathLike | dict) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    path = os.fspath(source)
+    if not os.path.isfile(path):
+        raise ConfigError(f"DeepSpeed config {path!r} not found: pass --deepspeed_config with a JSON file "
+                          f"(see ds_configs/)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
+
+
+def precision(config: dict) -> str:
+    if config.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if config.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def zero_stage(config: dict) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def plan_batch(config: dict, dp: int) -> BatchPlan:
+    """Fill in whichever of B, b, m the config leaves out; refuse inconsistent ones."""
+    B = config.get("train_batch_size")
+    b = config.get("train_micro_batch_size_per_gpu")
+    m = config.get("gradient_accumulation_steps")
+    if b is None and B is not None and m is not None:
+        b = B // (m * dp) if B % (m * dp) == 0 else None
+    if b is None:
+        raise ConfigError("the DeepSpeed config needs train_micro_batch_size_per_gpu (or train_batch_size "
+                          "with gradient_accumulation_steps)")
+    if B is None:
+        B = b * (m or 1) * dp
+    if B % (b * dp):
+        raise ConfigError(f"train_batch_size {B} is not divisible by micro batch {b} x data parallel size {dp}: "
+                          f"use a multiple of {b * dp}")
+    derived = B // (b * dp)
+    if m is not None and m != derived:
+        raise ConfigError(f"train_batch_size {B} != micro batch {b} x gradient_accumulation_steps {m} x data "
+                          f"parallel size {dp}: drop gradient_accumulation_steps and it is derived ({derived})")
+    return BatchPlan(global_batch=B, micro_batch=b, accumulation=derived)
+
+
+def prepare_ds_config(config: dict, layout: ParallelLayout, *, device_type: str, lr: float | None = None) -> tuple[dict, BatchPlan]:
+    """Validate ``config`` for ``layout`` and return a copy with consistent batch keys."""
+    config = copy.deepcopy(config)
+    stage = zero_stage(config)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}")
+    if layout.pp > 1 and stage > 1:
+        raise ConfigError(f"ZeRO stage {stage} cannot be combined with pipeline parallelism (DeepSpeed's pipeline "
+                          f"engine supports ZeRO 0-1): use --pp 1 for ZeRO-{stage}, or ZeRO-1 with --pp {layout.pp}")
+    if config.get("fp16", {}).get("enabled") and config.get("bf16", {}).get("enabled"):
+        raise ConfigError("the DeepSpeed config enables both fp16 and bf16: keep one")
+    if precision(config) == "fp16":
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError(f"fp16 is not supported on this {device_type} device: use a bf16 or fp32 config "
+                              f"(e.g. ds_configs/cpu_bf16.json)")
+
+    plan = plan_batch(config, layout.dp)
+    config["train_batch_size"] = plan.global_batch
+    config["train_micro_batch_size_per_gpu"] = plan.micro_batch
+    config["gradient_accumulation_steps"] = plan.accumulation
+
+    optimizer = config.get("optimizer")
+    if optimizer is not None:
+        params = optimizer.setdefault("params", {})
+        if lr is not None:
+            params["lr"] = lr
+        # DeepSpeed's fused Adam is a JIT-compiled CUDA/C++ op; on CPU torch's AdamW is the right tool
+        # (and it is what the single-process references use).
+        if device_type == "cpu" and optimizer.get("type", "").lower() in ("adam", "adamw"):
+            params.setdefault("torch_adam", True)
+    config.setdefault("steps_per_print", 10 ** 9)  # we log every step ourselves
+    config.setdefault("wall_clock_breakdown", False)
+    return config, plan

@@ -1,0 +1,64 @@
+"""Gradient-norm clipping that is correct for every layout.
+
+The global norm counts each distinct parameter once:
+  - TP-sharded parameters (``tensor_model_parallel``) on every TP rank (each rank holds a slice),
+  - TP-replicated parameters (norms, row-parallel biases) only on TP rank 0,
+  - pipeline-tied copies (``ds_pipe_replicated``, set by DeepSpeed on the non-owning stage) never,
+then sums squares over the model-parallel group (tensor x pipeline). Data-parallel replicas hold the
+same averaged gradients, so they need no reduction.
+
+DeepSpeed's own path for fp32 without ZeRO (``clip_grad_norm_``) decides "TP rank 0" with the
+pipeline grid's model-parallel rank, which spans pipe x tensor, and so drops replicated parameters
+of every stage but the first; mtds replaces it with this function on that path.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mtds.layout import ParallelGroups
+
+
+def global_grad_norm(parameters: Iterable[torch.Tensor], groups: ParallelGroups) -> float:
+    squares = None
+    for p in parameters:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if getattr(p, "tensor_model_parallel", False) or groups.tp_rank == 0:
+            s = p.grad.detach().float().pow(2).sum()
+            squares = s if squares is None else squares + s
+    if squares is None:
+        squares = torch.zeros((), device=_device(parameters))
+    squares = squares.reshape(1).clone()
+    if groups.layout.model_parallel_size > 1:
+        dist.all_reduce(squares, group=groups.mp_group)
+    return math.sqrt(squares.item())
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, groups: ParallelGroups) -> float:
+    """Scale gradients in place so the global norm is at most ``max_norm``; return the pre-clip norm."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(parameters, groups)
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for p in parameters:
+            p.grad.detach().mul_(coefficient)
+    return norm
+
+
+def _device(parameters) -> torch.device:
+    for p in parameters:
+        return p.device
+    return torch.device("cpu")
+
+
+def install_fp32_clipping(engine, groups: ParallelGroups) -> None:
+    """Replace the engine's fp32/no-ZeRO clipping with :func:`clip_grad_norm` and record the norm."""
+
+    def clip_fp32_gradients():
+        engine._global_grad_norm = clip_grad_norm(engine.module.parameters(), engine.gradient_clipping(), groups)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients

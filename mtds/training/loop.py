@@ -1,0 +1,214 @@
+"""``run(TrainConfig)``: set up layout, data, model and DeepSpeed engine, then train and report.
+
+Order of set-up (each step needs the previous one):
+  1. torch.distributed (+ the collective tracer, which must wrap functions before DeepSpeed caches them)
+  2. layout (validated against world size and model), process groups, RNG streams
+  3. data (rank 0 tokenizes into the cache first, the others then read it)
+  4. model (PipelineModule for p > 1) and the DeepSpeed engine (ZeRO, precision, optimizer, scheduler)
+  5. optional resume, then the step loop with logging, evaluation and checkpoints
+"""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mtds.comm_trace import CommTracer
+from mtds.config import ModelConfig, resolve_model_config
+from mtds.layout import ParallelGroups, ParallelLayout
+from mtds.metrics import hardware_flops_per_iteration, model_flops_per_iteration, peak_tflops
+from mtds.pipe import build_model
+from mtds.tp import model_parallel_seed
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .distributed import init_distributed
+from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, zero_stage
+from .grad_norm import install_fp32_clipping
+from .logger import StepLogger
+from .schedule import build_scheduler
+from .steps import eval_loss, train_step
+
+
+@dataclass
+class RunResult:
+    """What a run returns on every rank (tests compare these across layouts)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    comm: dict = field(default_factory=dict)          # bytes per collective/group, last step
+    layout: str = ""
+    final_step: int = 0
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    """Peak bytes resident: CUDA allocator peak on GPU, peak RSS of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib / 2 ** 20
+
+
+def _build_data(cfg: TrainConfig, model_cfg: ModelConfig, batch: BatchPlan, groups: ParallelGroups, logger):
+    from mtds.data import (MicroBatchStream, build_packed_dataset, build_train_eval, check_seq_length,
+                           check_vocab, load_tokenizer)
+    check_seq_length(cfg.seq_length, model_cfg.max_position_embeddings)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    check_vocab(tokenizer, model_cfg.vocab_size)
+
+    def build(spec):
+        return build_packed_dataset(spec, tokenizer, cfg.seq_length, text_column=cfg.text_column,
+                                    num_proc=cfg.num_proc, show_progress=dist.get_rank() == 0)
+
+    # Rank 0 fills the tokenization cache; the rest wait, then read it (no concurrent writers).
+    if dist.get_rank() == 0:
+        train_ds, eval_ds = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
+        dist.barrier()
+    else:
+        dist.barrier()
+        train_ds, eval_ds = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
+    logger.info(f"data: {len(train_ds)} training samples of {cfg.seq_length + 1} tokens"
+                + (f", {len(eval_ds)} held out" if eval_ds is not None else ""))
+    needs = dict(need_inputs=groups.is_first_stage or groups.layout.pp == 1,
+                 need_labels=groups.is_last_stage or groups.layout.pp == 1)
+    stream = MicroBatchStream(train_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
+                              dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, **needs)
+
+    def eval_stream():
+        if eval_ds is None:
+            return None
+        return MicroBatchStream(eval_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
+                                dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, shuffle=False,
+                                name="evaluation", **needs)
+
+    eval_stream()  # fail now, not at the first evaluation, if the held-out set is too small
+    return stream, eval_stream
+
+
+def run(cfg: TrainConfig) -> RunResult:
+    device, backend = init_distributed(cfg.dist_timeout_s)
+    tracer = CommTracer().install() if cfg.trace_comm else None
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp)
+    model_cfg = resolve_model_config(cfg.model, **cfg.model_overrides)
+    layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
+                       hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
+                       num_layers=model_cfg.num_layers)
+    ds_config, batch = prepare_ds_config(load_ds_config(cfg.deepspeed_config), layout, device_type=device.type,
+                                         lr=cfg.lr)
+    groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
+    if tracer is not None:
+        for name in ("tp", "dp", "pp"):
+            tracer.name_group(getattr(groups, f"{name}_group"), name)
+    tracker = model_parallel_seed(cfg.seed, groups.tp_rank, device)
+
+    # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
+    reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
+    logger = StepLogger(enabled=reporting, total_steps=cfg.steps, jsonl_path=cfg.log_jsonl,
+                        tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
+    logger.info(f"mtds: layout {layout} on {world} {device.type} rank(s) [{backend}], {precision(ds_config)}, "
+                f"ZeRO-{zero_stage(ds_config)}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
+                f"accumulation {batch.accumulation} x dp {layout.dp}")
+
+    stream, eval_stream = _build_data(cfg, model_cfg, batch, groups, logger)
+
+    model = build_model(model_cfg, groups, seed=cfg.seed, rng_tracker=tracker,
+                        recompute_interval=cfg.activation_checkpointing)
+    if cfg.init_from_hf:
+        from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
+        load_hf_into_stages(model, cfg.init_from_hf, model_cfg, groups)
+
+    import deepspeed
+    scheduler = None
+    if "scheduler" not in ds_config and "optimizer" in ds_config:
+        base_lr = ds_config["optimizer"]["params"].get("lr", 1e-3)
+        scheduler = lambda opt: build_scheduler(opt, base_lr=base_lr, min_lr=cfg.min_lr,  # noqa: E731
+                                                warmup=cfg.warmup_steps, total=cfg.steps, decay=cfg.lr_decay)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+        mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
+    if precision(ds_config) == "fp32" and zero_stage(ds_config) == 0:
+        install_fp32_clipping(engine, groups)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, heads "
+                f"{model_cfg.num_heads}, vocab {model_cfg.vocab_size}; {n_params:,} parameters on the reporting rank")
+
+    start_step = 0
+    if cfg.load:
+        start_step, state = ckpt.load(engine, cfg.load, groups)
+        stream.load_state_dict(state["data"])
+        logger.info(f"resumed from {cfg.load} at step {start_step} ({stream.consumed_samples} samples consumed)")
+
+    result = RunResult(layout=str(layout), final_step=start_step)
+    tokens_per_step = batch.global_batch * cfg.seq_length
+    flops_model = model_flops_per_iteration(batch.global_batch, cfg.seq_length, model_cfg.num_layers,
+                                            model_cfg.hidden_size, model_cfg.vocab_size)
+    flops_hw = hardware_flops_per_iteration(batch.global_batch, cfg.seq_length, model_cfg.num_layers,
+                                            model_cfg.hidden_size, model_cfg.vocab_size,
+                                            recompute="full" if cfg.activation_checkpointing else "none")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = peak_tflops(device_name, precision(ds_config)) if device_name else None
+
+    def evaluate(step: int) -> None:
+        es = eval_stream()
+        if es is None:
+            return
+        loss = eval_loss(engine, es, groups, batch.accumulation, cfg.eval_iters, device)
+        result.eval_losses.append((step, loss))
+        logger.log({"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}, kind="eval")
+
+    for step in range(start_step + 1, cfg.steps + 1):
+        if tracer is not None:
+            tracer.reset()
+        skipped_before, lr = engine.skipped_steps, engine.get_lr()[0]
+        start = time.perf_counter()
+        loss = train_step(engine, stream, groups, batch.accumulation, device)
+        elapsed = time.perf_counter() - start
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        skipped = engine.skipped_steps > skipped_before
+        scale = getattr(engine.optimizer, "loss_scale", None) or getattr(engine.optimizer, "cur_scale", None)
+        tflops_model = flops_model / elapsed / world / 1e12
+        record = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "loss_scale": float(scale) if scale is not None else 1.0, "skipped": skipped,
+            "tokens_per_s": tokens_per_step / elapsed, "tflops_model": tflops_model,
+            "tflops_hw": flops_hw / elapsed / world / 1e12, "mfu": tflops_model / peak if peak else None,
+            "peak_mem_gib": _peak_memory_gib(device), "step_time_s": elapsed,
+            "comm_bytes": tracer.total_bytes() if tracer is not None else None,
+            "consumed_samples": stream.consumed_samples,
+        }
+        logger.log(record)
+        result.losses.append(loss)
+        result.grad_norms.append(grad_norm)
+        result.skipped.append(skipped)
+        result.final_step = step
+        if tracer is not None:
+            result.comm = tracer.summary()
+        if cfg.check_replicas_interval and step % cfg.check_replicas_interval == 0:
+            from .consistency import check_replicas
+            check_replicas(engine.module, groups)
+        if cfg.eval_interval and step % cfg.eval_interval == 0:
+            evaluate(step)
+        if cfg.save and cfg.save_interval and step % cfg.save_interval == 0:
+            ckpt.save(engine, cfg.save, step, {"data": stream.state_dict()}, groups)
+
+    if cfg.steps > start_step:
+        if not (cfg.eval_interval and cfg.steps % cfg.eval_interval == 0):
+            evaluate(cfg.steps)
+        if cfg.save and not (cfg.save_interval and cfg.steps % cfg.save_interval == 0):
+            ckpt.save(engine, cfg.save, cfg.steps, {"data": stream.state_dict()}, groups)
+    logger.close()
+    if tracer is not None:
+        tracer.uninstall()
+    sys.stdout.flush()
+    return result
