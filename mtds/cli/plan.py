@@ -1,0 +1,146 @@
+"""`mtds-plan`: predict memory and throughput of 3D layouts, rank them, or evaluate one.
+
+Modes:
+  rank (default)      every feasible layout ranked by predicted step time;
+  evaluate            one layout (given when --tp or --pp is passed, or with --evaluate); knobs
+                      left out are chosen by the planner and reported;
+  --calibrate         measure this machine into a device profile (GPU type "local").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mtds.plan.candidate import RECOMPUTE_CHOICES, Workload
+from mtds.plan.hardware import DEFAULT_PROFILE, Cluster, get_gpu, gpu_names
+from mtds.plan.model_spec import ModelSpec, resolve_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mtds-plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = ap.add_argument_group("model")
+    m.add_argument("--model", help="preset name or HF config (file/dir); explicit sizes override it")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 51200)")
+    m.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    m.add_argument("--ffn-hidden", type=int, default=None, help="MLP width (default 4*hidden)")
+    c = ap.add_argument_group("cluster")
+    c.add_argument("--gpu", default="A100-80GB", help=f"one of {', '.join(gpu_names())}")
+    c.add_argument("--gpus", type=int, help="total GPUs")
+    c.add_argument("--nodes", type=int, help="nodes (GPUs = nodes x gpus-per-node)")
+    c.add_argument("--gpus-per-node", type=int)
+    c.add_argument("--intra-gbps", type=float, help="override intra-node GB/s per GPU per direction")
+    c.add_argument("--inter-gbps", type=float, help="override inter-node GB/s per GPU per direction")
+    c.add_argument("--profile", help=f"device profile for --gpu local (default {DEFAULT_PROFILE})")
+    w = ap.add_argument_group("workload")
+    w.add_argument("--global-batch", type=int, help="sequences per step")
+    w.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    w.add_argument("--tokens", type=float, default=300e9, help="tokens for the days-to-train estimate")
+    lay = ap.add_argument_group("layout knobs (left out = chosen by the planner)")
+    lay.add_argument("--tp", type=int)
+    lay.add_argument("--pp", type=int)
+    lay.add_argument("--dp", type=int)
+    lay.add_argument("--microbatch", type=int)
+    lay.add_argument("--virtual-stages", type=int)
+    lay.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    lay.add_argument("--recompute", choices=RECOMPUTE_CHOICES)
+    lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    o = ap.add_argument_group("output")
+    o.add_argument("--evaluate", action="store_true", help="evaluate one layout even without --tp/--pp")
+    o.add_argument("--top", type=int, default=10, help="layouts to show when ranking (0 = all)")
+    o.add_argument("--show-infeasible", action="store_true", help="also list infeasible layouts and why")
+    o.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    o.add_argument("--calibrate", action="store_true", help="measure this machine and save a device profile")
+    o.add_argument("--calibrate-ranks", type=int, default=2, help="gloo ranks for --calibrate")
+    return ap
+
+
+def _model(args) -> ModelSpec:
+    sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
+             "seq": args.seq, "ffn_hidden": args.ffn_hidden}
+    if args.model:
+        spec = resolve_model(args.model, seq=args.seq)
+        return ModelSpec(**{**spec.__dict__, **{k: v for k, v in sizes.items() if v is not None}})
+    missing = [k for k in ("layers", "hidden", "heads") if sizes[k] is None]
+    if missing:
+        raise SystemExit(f"mtds-plan: give --model or all of --layers/--hidden/--heads (missing {missing})")
+    return ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab or 51200,
+                     seq=args.seq or 2048, ffn_hidden=args.ffn_hidden)
+
+
+def _cluster(args, precision: str) -> Cluster:
+    gpu = get_gpu(args.gpu, precision, profile=args.profile)
+    per_node = args.gpus_per_node or gpu.gpus_per_node
+    gpus = args.gpus or (args.nodes * per_node if args.nodes else None)
+    if not gpus:
+        raise SystemExit("mtds-plan: give --gpus or --nodes")
+    return Cluster(gpu, gpus, gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps,
+                   inter_gbps=args.inter_gbps)
+
+
+def _calibrate(args) -> int:
+    from mtds.plan.calibrate import run_calibration, save_profile
+
+    prof = run_calibration(world_size=args.calibrate_ranks)
+    path = save_profile(prof, args.profile)
+    if args.json:
+        print(json.dumps({**prof, "path": str(path)}, indent=2))
+    else:
+        print(f"device profile written to {path}")
+        for k, v in prof.items():
+            print(f"  {k}: {v}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.calibrate:
+        return _calibrate(args)
+    if not args.global_batch:
+        raise SystemExit("mtds-plan: --global-batch is required")
+    precision = args.precision or ("fp32" if args.gpu == "local" else "bf16")
+    try:
+        model, cluster = _model(args), _cluster(args, precision)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"mtds-plan: {exc}")
+    work = Workload(args.global_batch, precision, args.tokens)
+    knobs = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage",
+                                           "recompute", "sequence_parallel")}
+
+    from mtds.plan import report
+    from mtds.plan.search import evaluate, plan
+
+    if args.evaluate or args.tp is not None or args.pp is not None:
+        pr = evaluate(model, work, cluster, **knobs)
+        if args.json:
+            print(json.dumps({**pr.as_dict(), **report.context_dict(model, work, cluster)}, indent=2))
+        elif sys.stdout.isatty():
+            report.render_table(model, work, cluster, [pr], title="Evaluated layout")
+            if pr.reasons:
+                print("infeasible: " + "; ".join(pr.reasons))
+        else:
+            print(report.render_text(pr))
+        return 0 if pr.feasible else 1
+
+    result = plan(model, work, cluster, keep_infeasible=args.show_infeasible, **knobs)
+    top = None if args.top == 0 else args.top
+    if args.json:
+        print(json.dumps(report.plan_dict(model, work, cluster, result, top, args.show_infeasible), indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        shown = result.feasible if top is None else result.feasible[:top]
+        report.render_table(model, work, cluster, shown,
+                            title=f"{len(result.feasible)} feasible layouts, fastest first", console=console)
+        if args.show_infeasible:
+            report.render_infeasible(result.infeasible, console)
+    return 0 if result.feasible else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Compute time of one transformer layer (and the output layer) for one microbatch on one GPU.
+
+Two kinds of kernels:
+  * GEMMs, timed by a roofline: max(FLOPs / (peak * eff(n)), bytes / HBM), with the matmul
+    efficiency eff(n) = gemm_max_fraction * n / (n + gemm_half_dim) where n is the GEMM's
+    smallest dimension (small dimensions under-fill tensor-core tiles);
+  * memory-bound element-wise kernels (layer norm, bias+GeLU, softmax, dropout, residual),
+    timed as bytes moved / achievable HBM bandwidth.
+Backward = 2x forward for both (data and weight gradients), the standard 1:2 ratio behind the
+72 = 3 x 24 coefficient of PTD-P (arXiv 2104.04473) eq. 3.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from mtds.plan.candidate import Layout, Workload
+from mtds.plan.hardware import Cluster
+from mtds.plan.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds for the forward of the whole layer, and of its attention core alone."""
+
+    forward: float
+    attention_core: float
+
+
+def gemm_time(m: float, n: float, k: float, cluster: Cluster, batch: float = 1.0, elem_bytes: int = 2) -> float:
+    """Roofline time of `batch` GEMMs [m x k] @ [k x n]: 2 m n k FLOPs, operands read once."""
+    c = cluster.calib
+    peak = cluster.gpu.peak_tflops * 1e12
+    smallest = min(m, n, k)
+    eff = c.gemm_max_fraction * smallest / (smallest + c.gemm_half_dim)
+    flops = 2.0 * m * n * k * batch
+    bytes_moved = elem_bytes * (m * k + k * n + m * n) * batch
+    return max(flops / (peak * eff), bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * c.hbm_efficiency))
+
+
+def elementwise_time(bytes_moved: float, cluster: Cluster) -> float:
+    return bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * cluster.calib.hbm_efficiency)
+
+
+def layer_forward(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> PassTimes:
+    """Forward time of one layer (cached: it depends only on t, b and sequence parallelism)."""
+    return _layer_forward(model, layout.tp, layout.microbatch, layout.sequence_parallel, work, cluster)
+
+
+@lru_cache(maxsize=4096)
+def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, work: Workload,
+                   cluster: Cluster) -> PassTimes:
+    """Forward time of one layer for one microbatch on one of the t tensor-parallel GPUs.
+
+    GEMMs per layer (Megatron TP split, arXiv 1909.08053 Fig. 3): QKV [bs x h]@[h x 3h/t],
+    scores (b a/t) x [s x h/a]@[h/a x s], context (b a/t) x [s x s]@[s x h/a],
+    projection [bs x h/t]@[h/t x h], FC1 [bs x h]@[h x f/t], FC2 [bs x f/t]@[f/t x h].
+    Element-wise bytes (16-bit values, reads + writes, fused kernels as in Megatron):
+      hidden-size ops: 2 layer norms (4 B/elem each) + 2 dropout-add-residual (7 B/elem each)
+        = 22 bytes x s b h, divided by t with sequence parallelism (else replicated);
+      bias + GeLU on the f/t intermediate: 4 bytes x s b f / t;
+      QKV split/transposes and context transpose: 4 bytes x s b 4h / t;
+      scale-mask-softmax (4 B) + dropout (5 B) on the b a/t s^2 scores: 9 bytes each.
+    """
+    s, h, a, f = model.seq, model.hidden, model.heads, model.ffn
+    w = work.bytes_per_value
+    tokens = s * b
+    hd = h / a
+    heads_local = b * a / t
+    linear = (gemm_time(tokens, 3 * h / t, h, cluster, elem_bytes=w)
+              + gemm_time(tokens, h, h / t, cluster, elem_bytes=w)
+              + gemm_time(tokens, f / t, h, cluster, elem_bytes=w)
+              + gemm_time(tokens, h, f / t, cluster, elem_bytes=w))
+    attn_gemm = (gemm_time(s, s, hd, cluster, batch=heads_local, elem_bytes=w)
+                 + gemm_time(s, hd, s, cluster, batch=heads_local, elem_bytes=w))
+    scale = w / 2.0
+    hidden_ops = 22.0 * tokens * h / (t if sequence_parallel else 1)
+    ffn_ops = 4.0 * tokens * f / t
+    transposes = 4.0 * tokens * 4 * h / t
+    softmax_ops = 9.0 * heads_local * s * s
+    elem = elementwise_time(scale * (hidden_ops + ffn_ops + transposes), cluster)
+    attn_elem = elementwise_time(scale * softmax_ops, cluster)
+    core = attn_gemm + attn_elem
+    return PassTimes(forward=linear + elem + core, attention_core=core)
+
+
+def layer_compute_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+    """Forward + backward (+ recomputation) compute of one layer for one microbatch.
+
+    none: F + 2F; full: F + F (recomputed forward) + 2F; selective: F + 2F + attention core.
+    """
+    p = layer_forward(model, layout, work, cluster)
+    extra = {"none": 0.0, "selective": p.attention_core, "full": p.forward}[layout.recompute]
+    return 3.0 * p.forward + extra
+
+
+def output_layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+    """Logits GEMM [bs x h]@[h x V/t] forward + backward, and the fp32 vocab-parallel cross
+    entropy (about 4 passes over 4-byte logits: max, exp-sum, softmax, gradient)."""
+    s, b, h, t = model.seq, layout.microbatch, model.hidden, layout.tp
+    v = model.padded_vocab(t) / t
+    gemm = gemm_time(s * b, v, h, cluster, elem_bytes=work.bytes_per_value)
+    return 3.0 * gemm + elementwise_time(16.0 * s * b * v, cluster)
+
+
+def optimizer_time(n_params_local: float, cluster: Cluster) -> float:
+    """Adam step, memory bound: ~28 bytes per local parameter (read fp32 master, m, v and the
+    grad, write master, m, v and the 16-bit copy)."""
+    return elementwise_time(28.0 * n_params_local, cluster)

@@ -1,0 +1,1 @@
+"""Reference tables shipped with the planner (published numbers, each file cites its source)."""

@@ -1,0 +1,111 @@
+"""GPU types (from the shipped hardware table) and clusters built from them.
+
+A cluster is n_nodes x gpus_per_node GPUs. Intra-node links are NVLink/NVSwitch (every GPU reaches
+every other GPU of its node at the per-direction NVLink bandwidth); inter-node traffic goes
+through one InfiniBand HCA per GPU (DGX A100 / Selene, arXiv 2104.04473 Section 5).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from mtds.metrics import peak_tflops as _metrics_peak
+from mtds.plan.calibration import CALIBRATIONS, LOCAL_CALIBRATION, Calibration
+from mtds.plan.tables import load_table
+
+# Short names accepted on the command line -> rows of hardware.csv.
+GPU_ALIASES = {
+    "A100": "A100-SXM4-80GB", "A100-80GB": "A100-SXM4-80GB", "A100-SXM4-80GB": "A100-SXM4-80GB",
+    "H100": "H100-SXM5-80GB", "H100-80GB": "H100-SXM5-80GB", "H100-SXM5-80GB": "H100-SXM5-80GB",
+    "V100": "V100-SXM2-32GB", "V100-32GB": "V100-SXM2-32GB", "V100-SXM2-32GB": "V100-SXM2-32GB",
+}
+
+DEFAULT_PROFILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mtds" / "device_profile.json"
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Datasheet numbers of one GPU type; bandwidths in GB/s (1e9 bytes/s) per direction."""
+
+    name: str
+    peak_tflops: float          # dense tensor-core peak for the training precision
+    hbm_gib: float
+    hbm_gbps: float
+    nvlink_gbps: float          # per GPU, per direction
+    internode_gbps: float       # per GPU (one HCA each), per direction
+    gpus_per_node: int
+    calibration: Calibration = field(default_factory=Calibration)
+
+
+def gpu_names() -> list[str]:
+    return sorted(GPU_ALIASES) + ["local"]
+
+
+def get_gpu(name: str, precision: str = "bf16", profile: str | os.PathLike | None = None) -> GPUSpec:
+    """GPU spec by name ("A100-80GB", "H100", "V100", or "local" for a calibrated profile)."""
+    if name == "local":
+        return load_profile(profile or DEFAULT_PROFILE)
+    full = GPU_ALIASES.get(name) or GPU_ALIASES.get(name.upper())
+    if full is None:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(gpu_names())}")
+    row = next(r for r in load_table("hardware.csv") if r["gpu"] == full)
+    family = full.split("-")[0]
+    peak = row["peak_tflops_bf16"] if precision in ("bf16", "fp16") else _metrics_peak(full, precision)
+    if precision == "bf16" and family == "V100":
+        raise ValueError("V100 has no bf16 tensor cores; use --precision fp16")
+    return GPUSpec(
+        name=full, peak_tflops=float(peak), hbm_gib=float(row["hbm_gib"]), hbm_gbps=float(row["hbm_gbps"]),
+        nvlink_gbps=float(row["nvlink_gbps_per_dir"]), internode_gbps=float(row["internode_gbps_per_gpu"]),
+        gpus_per_node=int(row["gpus_per_node"]), calibration=CALIBRATIONS[family],
+    )
+
+
+def load_profile(path: str | os.PathLike) -> GPUSpec:
+    """GPU spec from a `mtds-plan --calibrate` profile: measured rates, unit efficiencies."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no device profile at {path}; run `mtds-plan --calibrate` first")
+    prof = json.loads(path.read_text())
+    return GPUSpec(
+        name=f"local:{prof.get('device', 'cpu')}", peak_tflops=float(prof["matmul_tflops"]),
+        hbm_gib=float(prof["memory_gib"]), hbm_gbps=float(prof["memory_gbps"]),
+        nvlink_gbps=float(prof["allreduce_busbw_gbps"]), internode_gbps=float(prof["allreduce_busbw_gbps"]),
+        gpus_per_node=int(prof.get("devices_per_node", 2)),
+        calibration=LOCAL_CALIBRATION.with_overrides(hop_latency_s=float(prof.get("allreduce_latency_s", 50e-6))),
+    )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `gpus_per_node` GPUs of one type; bandwidth overrides in GB/s."""
+
+    gpu: GPUSpec
+    gpus: int
+    gpus_per_node: int | None = None
+    intra_gbps: float | None = None
+    inter_gbps: float | None = None
+
+    @property
+    def per_node(self) -> int:
+        return min(self.gpus_per_node or self.gpu.gpus_per_node, self.gpus)
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.per_node)
+
+    @property
+    def calib(self) -> Calibration:
+        return self.gpu.calibration
+
+    def link_gbps(self, group_span: int) -> float:
+        """Effective per-GPU bandwidth (GB/s) of a collective whose ranks span `group_span`
+        consecutive GPUs: NVLink if they fit in one node, else the per-GPU InfiniBand HCA
+        (the slowest link of the ring bounds it)."""
+        if group_span <= self.per_node:
+            return (self.intra_gbps or self.gpu.nvlink_gbps) * self.calib.nvlink_efficiency
+        return (self.inter_gbps or self.gpu.internode_gbps) * self.calib.ib_efficiency
+
+    def with_gpu(self, **kw) -> "Cluster":
+        return replace(self, **kw)

@@ -1,0 +1,141 @@
+"""Predicted memory per GPU: model states (ZeRO) + activations (Korthikanti) + reserve.
+
+Evaluated for the first pipeline stage (most activations in flight) and the last stage (output
+layer, logits); the larger total is reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtds.plan.candidate import Layout, Workload
+from mtds.plan.hardware import Cluster
+from mtds.plan.model_spec import ModelSpec
+
+GIB = 1024.0 ** 3
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float          # reserve + ZeRO-3 gathered working buffers
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def gib(self) -> dict:
+        d = {k: getattr(self, k) / GIB for k in ("params", "grads", "optimizer", "activations", "other")}
+        d["total"] = self.total / GIB
+        return d
+
+
+def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
+    """Parameters held by one GPU of the first or last pipeline stage.
+
+    Per layer, QKV/projection/MLP weights are split t ways; projection and FC2 biases and the
+    layer norms are replicated (Megatron, arXiv 1909.08053 Section 3). The word embedding
+    (padded vocab, split t ways) lives on the first stage and, tied, on the last one.
+    """
+    t, p, h, f = layout.tp, layout.pp, model.hidden, model.ffn
+    sharded = 4 * h * h + 2 * h * f + 3 * h + f
+    replicated = 6 * h
+    per_layer = sharded / t + replicated
+    embed = model.padded_vocab(t) * h / t
+    n = per_layer * model.layers / p
+    if stage == "first":
+        n += embed + model.seq * h
+    if stage == "last" or p == 1:
+        n += 2 * h + (embed if p > 1 else 0.0)  # final norm; tied head copy on a separate stage
+    return n
+
+
+def model_state_bytes(n_params: float, layout: Layout, work: Workload) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per GPU under ZeRO stage 0-3.
+
+    Mixed-precision Adam (Rajbhandari et al. 2020, ZeRO, arXiv 1910.02054 Section 3.1):
+    2 bytes params + 2 bytes grads + K=12 bytes fp32 master/momentum/variance per parameter;
+    stage 1 shards the K part over d, stage 2 also the grads, stage 3 also the params.
+    fp32 training: 4 + 4 + 8 (Adam m, v).
+    """
+    w = work.bytes_per_value
+    k = 8.0 if work.precision == "fp32" else 12.0
+    d, z = layout.dp, layout.zero_stage
+    params = w * n_params / (d if z >= 3 else 1)
+    grads = w * n_params / (d if z >= 2 else 1)
+    opt = k * n_params / (d if z >= 1 else 1)
+    return params, grads, opt
+
+
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload, stored: bool = True) -> float:
+    """Activation bytes one transformer layer keeps for one microbatch.
+
+    Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, with s, b, h, a, t:
+      no TP:              s b h (34 + 5 a s / h)
+      TP:                 s b h (10 + 24/t + 5 a s / (h t))
+      TP + SP:            s b h (34/t + 5 a s / (h t))
+      selective recompute drops the 5 a s/(h t) attention term (only with stored=True);
+      full recompute stores only the layer input, 2 s b h (2 s b h / t with SP).
+    stored=False gives the full working set of one layer during its (re)computation.
+    Coefficients assume 16-bit activations; fp32 doubles them.
+    """
+    s, b, h, a, t = model.seq, layout.microbatch, model.hidden, model.heads, layout.tp
+    sbh = s * b * h
+    scale = work.bytes_per_value / 2.0
+    attn = 5.0 * a * s / (h * t)
+    if stored and layout.recompute == "full":
+        return scale * 2.0 * sbh / (t if layout.sequence_parallel else 1)
+    linear = 34.0 / t if layout.sequence_parallel else 10.0 + 24.0 / t
+    if stored and layout.recompute == "selective":
+        attn = 0.0
+    return scale * sbh * (linear + attn)
+
+
+def in_flight_layers(model: ModelSpec, layout: Layout, work: Workload) -> float:
+    """Layer-microbatches whose activations the first stage holds at its peak.
+
+    1F1B keeps min(p, m) microbatches of l/p layers (~l layers' worth); the interleaved
+    schedule multiplies this by (1 + (p-1)/(p v)) (Korthikanti 2022 Section 4.2.3).
+    """
+    p, v = layout.pp, layout.virtual_stages
+    m = layout.microbatches(work.global_batch)
+    n = min(p, m) * model.layers / p
+    if v > 1:
+        n *= 1.0 + (p - 1) / (p * v)
+    return n
+
+
+def predict_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> MemoryBreakdown:
+    """Memory of the fuller of the first and last stage."""
+    best = None
+    w = work.bytes_per_value
+    t = layout.tp
+    for stage in ("first", "last") if layout.pp > 1 else ("first",):
+        n = stage_params(model, layout, stage)
+        params, grads, opt = model_state_bytes(n, layout, work)
+        act = 0.0
+        if stage == "first":
+            act += in_flight_layers(model, layout, work) * activation_bytes_per_layer(model, layout, work)
+        else:
+            act += model.layers / layout.pp * activation_bytes_per_layer(model, layout, work)
+        if layout.recompute != "none":
+            # the layer being recomputed / back-propagated holds its full activations once
+            act += activation_bytes_per_layer(model, layout, work, stored=False)
+        if stage == "last" or layout.pp == 1:
+            # fp32 logits and their gradient for the vocab-parallel cross entropy: 2 x 4 s b V / t
+            act += 8.0 * model.seq * layout.microbatch * model.padded_vocab(t) / t
+        other = cluster.calib.memory_reserve_gib * GIB
+        if layout.zero_stage >= 3:
+            # gathered weights of the current and the prefetched module (largest: MLP, h x f / t)
+            other += 2 * model.hidden * model.ffn / t * w
+        if layout.zero_stage >= 1:
+            # gradient reduce bucket (DeepSpeed default reduce_bucket_size 5e8 elements)
+            other += min(5e8, n) * w
+        mb = MemoryBreakdown(params, grads, opt, act, other)
+        if best is None or mb.total > best.total:
+            best = mb
+    return best

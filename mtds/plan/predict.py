@@ -1,0 +1,159 @@
+"""Predict step time, throughput and memory of one layout: the planner's core.
+
+Step time of one pipeline (PTD-P, arXiv 2104.04473, eq. 1 extended with communication):
+    T_step = m * (l/p) * (t_layer + t_tp)           compute + tensor-parallel collectives
+           + m * t_output + t_optimizer              last stage's logits/loss, Adam step
+           + (p - 1)/v * (l/p) * (t_layer + t_tp)   pipeline bubble, fraction (p-1)/(v m)
+           + 2 (v m + p - 1) * t_p2p                 activations/gradients between stages
+           + exposed data-parallel communication
+with m = B/(b d) microbatches. Tensor parallelism issues 2 all-reduces of s b h values in the
+forward and 2 in the backward of every layer (Megatron, arXiv 1909.08053 Section 3), plus 2 more
+when the forward is recomputed; sequence parallelism swaps each for an all-gather +
+reduce-scatter pair of the same volume (Korthikanti 2022 Section 4.2.2). Pipeline messages carry
+s b h values, divided by t with the scatter/gather optimisation (PTD-P Section 4.1).
+Data parallelism all-reduces 16-bit gradients once per step (ZeRO 1/2: reduce-scatter +
+all-gather, same volume); ZeRO-3 all-gathers parameters in forward and backward and
+reduce-scatters gradients for every microbatch: 3 Psi per microbatch (ZeRO, arXiv 1910.02054
+Section 7.2.2), partly hidden behind compute by prefetching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtds.plan import comm, compute
+from mtds.plan.candidate import RECOMPUTE_CHOICES, Layout, Workload
+from mtds.plan.hardware import Cluster
+from mtds.plan.memory import GIB, MemoryBreakdown, predict_memory, stage_params
+from mtds.plan.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Everything the planner reports about one layout."""
+
+    layout: Layout
+    step_time_s: float
+    time_breakdown_s: dict            # compute, tp_comm, pp_comm, dp_comm, bubble
+    memory: MemoryBreakdown
+    memory_capacity_gib: float
+    tflops_per_gpu: float             # hardware FLOPs (with recomputation), as PTD-P reports
+    model_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    days_to_train: float
+    fits: bool
+    reasons: tuple = field(default=())   # why infeasible (empty if feasible)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    def as_dict(self) -> dict:
+        mem = self.memory.gib()
+        return {
+            **self.layout.as_dict(),
+            "step_time_s": self.step_time_s,
+            "time_breakdown_s": dict(self.time_breakdown_s),
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "days_to_train": self.days_to_train,
+            "memory_gib_per_gpu": mem["total"],
+            "memory_breakdown_gib": {k: v for k, v in mem.items() if k != "total"},
+            "memory_capacity_gib": self.memory_capacity_gib,
+            "fits": self.fits,
+            "feasible": self.feasible,
+            "reasons": list(self.reasons),
+        }
+
+
+def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> list[str]:
+    """Divisibility and support constraints; each message says what is wrong."""
+    t, p, d, b, v = layout.tp, layout.pp, layout.dp, layout.microbatch, layout.virtual_stages
+    out = []
+    if min(t, p, d, b, v) < 1:
+        out.append("all sizes must be >= 1")
+        return out
+    if layout.gpus != cluster.gpus:
+        out.append(f"t*p*d = {layout.gpus} != {cluster.gpus} GPUs")
+    if model.heads % t or model.hidden % t or model.ffn % t:
+        out.append(f"t={t} does not divide heads={model.heads} / hidden={model.hidden} / ffn={model.ffn}")
+    if model.layers % (p * v):
+        out.append(f"layers={model.layers} not divisible by p*v={p * v}")
+    if work.global_batch % (b * d):
+        out.append(f"global batch {work.global_batch} not divisible by b*d={b * d}")
+    m = layout.microbatches(work.global_batch)
+    if v > 1 and p == 1:
+        out.append("virtual stages need p > 1")
+    if v > 1 and m % p:
+        out.append(f"interleaved schedule needs microbatches m={m} divisible by p={p}")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        out.append("zero stage must be 0-3")
+    if layout.zero_stage >= 2 and p > 1:
+        out.append("DeepSpeed supports ZeRO-2/3 only without pipeline parallelism (p=1)")
+    if layout.recompute not in RECOMPUTE_CHOICES:
+        out.append(f"recompute must be one of {RECOMPUTE_CHOICES}")
+    if layout.sequence_parallel and (t == 1 or model.seq % t):
+        out.append("sequence parallelism needs t > 1 dividing the sequence length")
+    return out
+
+
+def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
+    """Evaluate one layout (structural problems are reported, numbers still computed if possible)."""
+    reasons = structural_problems(model, layout, work, cluster)
+    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
+    w = work.bytes_per_value
+    m = max(1, layout.microbatches(work.global_batch))
+    s, b, h = model.seq, layout.microbatch, model.hidden
+    layers_per_stage = model.layers / p
+
+    t_layer = compute.layer_compute_time(model, layout, work, cluster)
+    n_tp_collectives = 4 + (2 if layout.recompute == "full" else 0)
+    t_tp = n_tp_collectives * comm.all_reduce(s * b * h * w, t, 1, cluster)
+    t_out = compute.output_layer_time(model, layout, work, cluster)
+    n_local = max(stage_params(model, layout, "first"), stage_params(model, layout, "last") if p > 1 else 0.0)
+    n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
+
+    compute_s = m * layers_per_stage * t_layer + m * t_out + compute.optimizer_time(n_opt, cluster)
+    tp_s = m * layers_per_stage * t_tp
+    bubble_s = (p - 1) / v * layers_per_stage * (t_layer + t_tp)
+    pp_s = 0.0
+    if p > 1:
+        cross_node = t * d * p > cluster.per_node
+        # each of the t ranks sends its 1/t slice, the receiver all-gathers it over NVLink
+        # (scatter/gather optimisation, PTD-P Section 4.1)
+        t_p2p = comm.p2p(s * b * h * w / t, cross_node, cluster) + comm.all_gather(s * b * h * w, t, 1, cluster)
+        pp_s = 2 * (v * m + p - 1) * t_p2p
+
+    grad_bytes = n_local * w
+    if layout.zero_stage >= 3:
+        per_mb = (2 * comm.all_gather(grad_bytes, d, t, cluster) + comm.reduce_scatter(grad_bytes, d, t, cluster))
+        z = m * per_mb / cluster.calib.zero3_comm_efficiency
+        busy = compute_s + tp_s
+        # prefetching overlaps gathers with compute, but both contend for SMs and HBM: the
+        # combined time is the k-norm (C^k + Z^k)^(1/k) (k=1 serial, k->inf perfect overlap)
+        k = cluster.calib.zero3_overlap_exponent
+        dp_s = (busy ** k + z ** k) ** (1.0 / k) - busy
+    else:
+        dp_s = (1.0 - cluster.calib.dp_overlap) * comm.all_reduce(grad_bytes, d, t, cluster)
+
+    step = compute_s + tp_s + bubble_s + pp_s + dp_s
+    mem = predict_memory(model, layout, work, cluster)
+    capacity = cluster.gpu.hbm_gib
+    fits = mem.total <= capacity * GIB
+    if not fits:
+        reasons.append(f"needs {mem.total / GIB:.1f} GiB per GPU > {capacity:.0f} GiB")
+
+    n = cluster.gpus
+    hw = model.hardware_flops(work.global_batch, layout.recompute) / (n * step) / 1e12
+    mf = model.model_flops(work.global_batch) / (n * step) / 1e12
+    peak = cluster.gpu.peak_tflops
+    # days = (T / (B s)) steps x step time; equals PTD-P's 8 T Psi / (n X) under full recompute
+    days = work.train_tokens / (work.global_batch * s) * step / 86400.0
+    return Prediction(
+        layout=layout, step_time_s=step,
+        time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s},
+        memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
+        mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
+    )

@@ -1,0 +1,185 @@
+"""Unit tests of the planner's formulas, search and command line (hand-checked numbers)."""
+import json
+
+import pytest
+
+from mtds.plan import comm
+from mtds.plan.candidate import Layout, Workload
+from mtds.plan.hardware import Cluster, get_gpu
+from mtds.plan.memory import activation_bytes_per_layer, model_state_bytes, predict_memory
+from mtds.plan.model_spec import ModelSpec
+from mtds.plan.predict import predict
+from mtds.plan.search import evaluate, plan
+
+A100 = get_gpu("A100-80GB")
+GPT3 = ModelSpec(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+
+
+def test_gpu_table_and_aliases():
+    assert A100.peak_tflops == 312 and A100.gpus_per_node == 8 and A100.hbm_gib == 80
+    assert get_gpu("H100").peak_tflops == 989
+    assert get_gpu("V100", "fp16").peak_tflops == 125
+    with pytest.raises(ValueError):
+        get_gpu("V100", "bf16")
+    with pytest.raises(ValueError):
+        get_gpu("TPU")
+
+
+def test_general_ffn_flops_match_metrics_at_4h():
+    from mtds import metrics
+
+    a = ModelSpec(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
+    for mode in ("none", "selective", "full"):
+        assert a.hardware_flops(8, mode) == pytest.approx(metrics.hardware_flops_per_iteration(8, 128, 4, 256, 1000, mode))
+    # general path (f = 4h + 1): one extra MLP column adds 2 matmuls x 2 FLOPs x h per token-layer, x3 passes
+    b = ModelSpec(layers=4, hidden=256, heads=4, vocab=1000, seq=128, ffn_hidden=1025)
+    ref = metrics.model_flops_per_iteration(8, 128, 4, 256, 1000)
+    assert b.model_flops(8) == pytest.approx(ref + 3 * 8 * 128 * 4 * (4 * 256))
+    full_ref = metrics.hardware_flops_per_iteration(8, 128, 4, 256, 1000, "full")
+    assert b.hardware_flops(8, "full") == pytest.approx(full_ref + 4 * 8 * 128 * 4 * (4 * 256))
+
+
+def test_vocab_padding():
+    assert GPT3.padded_vocab(1) == 51200
+    assert ModelSpec(2, 64, 4, 50257, 128).padded_vocab(8) == 51200   # ceil(50257/1024)*1024
+
+
+def test_zero_model_state_bytes():
+    # ZeRO paper Section 3.1 / Fig. 1: Psi=7.5B, d=64 -> 120 GB baseline, 31.4 GB P_os, 16.6 GB P_os+g, 1.9 GB P_os+g+p
+    psi, work = 7.5e9, Workload(64)
+    totals = [sum(model_state_bytes(psi, Layout(1, 1, 64, 1, zero_stage=z), work)) / 1e9 for z in range(4)]
+    assert totals == pytest.approx([120.0, 31.4, 16.6, 1.875], rel=0.01)
+
+
+def test_korthikanti_activation_formulas():
+    m = ModelSpec(layers=1, hidden=12288, heads=96, vocab=51200, seq=2048)
+    w = Workload(1)
+    sbh = 2048 * 12288
+    lay = lambda **kw: Layout(8, 1, 1, 1, **kw)
+    attn = 5 * 96 * 2048 / (12288 * 8)
+    assert activation_bytes_per_layer(m, lay(recompute="none"), w) == pytest.approx(sbh * (10 + 24 / 8 + attn))
+    assert activation_bytes_per_layer(m, lay(recompute="none", sequence_parallel=True), w) == \
+        pytest.approx(sbh * (34 / 8 + attn))
+    assert activation_bytes_per_layer(m, lay(recompute="selective", sequence_parallel=True), w) == \
+        pytest.approx(sbh * 34 / 8)
+    assert activation_bytes_per_layer(m, lay(recompute="full"), w) == pytest.approx(2 * sbh)
+
+
+def test_ring_collective_costs():
+    # 8 GPUs in one node: 2*(7/8)*1 GB / (300 GB/s * 0.6) + 14 * 5 us
+    c = Cluster(A100, 8)
+    assert comm.all_reduce(1e9, 8, 1, c) == pytest.approx(2 * 7 / 8 * 1e9 / 180e9 + 14 * 5e-6)
+    # a 2-rank group with stride 8 spans two nodes: InfiniBand, 25 GB/s * 0.9
+    c16 = Cluster(A100, 16)
+    assert comm.all_gather(1e9, 2, 8, c16) == pytest.approx(0.5e9 / 22.5e9 + 5e-6)
+    assert comm.all_reduce(1e9, 1, 1, c) == 0.0
+
+
+def test_bubble_shrinks_with_virtual_stages():
+    work, cluster = Workload(64), Cluster(A100, 64)
+    base = dict(tp=8, pp=8, dp=1, microbatch=1, recompute="full")
+    p1 = predict(GPT3, Layout(**base, virtual_stages=1), work, cluster)
+    p4 = predict(GPT3, Layout(**base, virtual_stages=4), work, cluster)
+    # bubble = (p-1)/v of one microbatch's stage time: ratio exactly 4
+    assert p1.time_breakdown_s["bubble"] / p4.time_breakdown_s["bubble"] == pytest.approx(4.0)
+    assert p4.time_breakdown_s["pp_comm"] > p1.time_breakdown_s["pp_comm"]
+    m = 64
+    assert p1.time_breakdown_s["bubble"] / (p1.time_breakdown_s["compute"] + p1.time_breakdown_s["tp_comm"]) == \
+        pytest.approx(7 / m, rel=0.05)
+
+
+def test_prediction_internal_consistency():
+    work, cluster = Workload(1536), Cluster(A100, 1536)
+    pr = predict(GPT3, Layout(8, 12, 16, 1, 2, 0, "full"), work, cluster)
+    assert pr.step_time_s == pytest.approx(sum(pr.time_breakdown_s.values()))
+    assert pr.tflops_per_gpu > pr.model_tflops_per_gpu          # full recompute executes 4/3 x
+    assert pr.mfu == pytest.approx(pr.model_tflops_per_gpu / 312)
+    # days ~ 8 T P / (n X) under full recompute (PTD-P Section 5.1; it drops the s/(6h) attention
+    # term, 2.8% for GPT-3), X = hardware FLOP/s
+    days = 8 * 300e9 * GPT3.params / (1536 * pr.tflops_per_gpu * 1e12) / 86400
+    assert pr.days_to_train == pytest.approx(days * (1 + 2048 / (6 * 12288)), rel=0.01)
+    assert pr.memory.total == predict_memory(GPT3, pr.layout, work, cluster).total
+
+
+def test_infeasible_reasons():
+    work, cluster = Workload(1536), Cluster(A100, 1536)
+    pr = predict(GPT3, Layout(8, 7, 1536 // 56, 1), work, cluster)
+    assert any("t*p*d" in r for r in pr.reasons) and any("layers=96" in r for r in pr.reasons)
+    pr = predict(GPT3, Layout(1, 1, 1536, 1, zero_stage=0, recompute="none"), work, cluster)
+    assert not pr.fits and any("GiB" in r for r in pr.reasons)
+    pr = predict(GPT3, Layout(8, 12, 16, 1, zero_stage=3), work, cluster)
+    assert any("ZeRO-2/3" in r for r in pr.reasons)
+
+
+def test_search_ranks_and_respects_fixed_knobs():
+    model = ModelSpec(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048)
+    res = plan(model, Workload(512), Cluster(A100, 32), keep_infeasible=True, recompute="full", zero_stage=0)
+    times = [pr.step_time_s for pr in res.feasible]
+    assert times == sorted(times) and len(times) > 5
+    assert all(pr.layout.recompute == "full" and pr.layout.zero_stage == 0 for pr in res.feasible)
+    assert all(pr.fits for pr in res.feasible)
+    assert res.infeasible and all(reasons for _, reasons in res.infeasible)
+    ev = evaluate(model, Workload(512), Cluster(A100, 32), tp=1, pp=1)
+    assert ev.layout.tp == 1 and ev.layout.pp == 1 and ev.layout.dp == 32 and ev.feasible
+
+
+def test_selective_beats_full_recompute_korthikanti():
+    # Table 5 trend: SP + selective is ~25% faster than full recompute at the same layout
+    work, cluster = Workload(64), Cluster(A100, 64)
+    full = predict(GPT3, Layout(8, 8, 1, 1, 1, 0, "full"), work, cluster)
+    sel = predict(GPT3, Layout(8, 8, 1, 1, 1, 0, "selective", True), work, cluster)
+    assert 0.65 < sel.step_time_s / full.step_time_s < 0.85
+
+
+def _run_cli(capsys, *argv):
+    from mtds.cli.plan import main
+
+    rc = main(list(argv))
+    return rc, capsys.readouterr().out
+
+
+def test_cli_evaluate_json(capsys):
+    rc, out = _run_cli(capsys, "--layers", "96", "--hidden", "12288", "--heads", "96", "--vocab", "51200",
+                       "--seq", "2048", "--gpu", "A100-80GB", "--gpus", "1536", "--global-batch", "1536",
+                       "--tp", "8", "--pp", "12", "--microbatch", "1", "--recompute", "full", "--json")
+    d = json.loads(out)
+    assert rc == 0
+    for key in ("tflops_per_gpu", "model_tflops_per_gpu", "mfu", "step_time_s", "memory_gib_per_gpu", "fits",
+                "virtual_stages", "zero_stage", "sequence_parallel", "time_breakdown_s", "memory_breakdown_gib"):
+        assert key in d
+    assert d["tp"] == 8 and d["pp"] == 12 and d["dp"] == 16 and d["fits"] is True
+    assert 130 < d["tflops_per_gpu"] < 175
+
+
+def test_cli_zero3_json(capsys):
+    rc, out = _run_cli(capsys, "--layers", "96", "--hidden", "12288", "--heads", "96", "--gpus", "1536",
+                       "--global-batch", "1536", "--zero-stage", "3", "--tp", "1", "--pp", "1", "--json")
+    d = json.loads(out)
+    assert d["zero_stage"] == 3 and d["dp"] == 1536 and d["tflops_per_gpu"] < 80
+
+
+def test_cli_rank_json_and_table(capsys):
+    args = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000", "--seq", "128",
+            "--gpus", "8", "--global-batch", "16"]
+    rc, out = _run_cli(capsys, *args, "--json", "--top", "3", "--show-infeasible")
+    d = json.loads(out)
+    assert rc == 0 and len(d["layouts"]) == 3 and "infeasible" in d
+    assert d["layouts"][0]["step_time_s"] <= d["layouts"][-1]["step_time_s"]
+    rc, out = _run_cli(capsys, *args, "--top", "2")
+    assert rc == 0 and "feasible layouts" in out
+
+
+def test_cli_requires_model(capsys):
+    from mtds.cli.plan import main
+
+    with pytest.raises(SystemExit):
+        main(["--gpus", "8", "--global-batch", "8"])
+
+
+def test_model_from_preset():
+    pytest.importorskip("mtds.config")
+    from mtds.plan.model_spec import resolve_model
+
+    spec = resolve_model("gpt2-small")
+    assert (spec.layers, spec.hidden, spec.heads, spec.seq) == (12, 768, 12, 1024)
+    assert spec.params == pytest.approx(124.4e6, rel=2e-3)   # GPT-2 small, tied embeddings
