@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -42,7 +43,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        value = fn(*args)
+        # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
+        value = pickle.dumps(fn(*args))
         results.put((rank, True, value))
         dist.barrier()
         dist.destroy_process_group()
@@ -108,4 +110,4 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     missing = [r for r in range(world_size) if r not in values]
     if missing:
         raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock)")
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]

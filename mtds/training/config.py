@@ -41,6 +41,8 @@ class TrainConfig:
     check_replicas_interval: int = 0            # verify TP-replicated/tied weights agree every N steps
     trace_comm: bool = True                     # count bytes per collective (cheap)
     dist_timeout_s: float = 600.0
+    # Python API only: functions called as fn(engine, groups) once the engine exists (hooks, probes).
+    on_engine_ready: tuple = ()
 
     def __post_init__(self) -> None:
         if self.steps < 0:

@@ -137,6 +137,8 @@ def run(cfg: TrainConfig) -> RunResult:
         mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
     if precision(ds_config) == "fp32" and zero_stage(ds_config) == 0:
         install_fp32_clipping(engine, groups)
+    for callback in cfg.on_engine_ready:
+        callback(engine, groups)
 
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, heads "

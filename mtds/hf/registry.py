@@ -1,0 +1,59 @@
+"""Registry of per-architecture adapters and the architecture-agnostic entry points that dispatch to them.
+
+Each adapter module (gpt2, neox, llama) provides MODEL_TYPE, HF_ARCHITECTURE, BASE_PREFIX, IGNORED_KEYS,
+KEY_ALIASES, config_from_hf(dict), config_to_hf(cfg) and weight_table(cfg).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from mtds.config import ModelConfig
+
+from . import gpt2, llama, neox
+from .common import UnsupportedHFConfig
+from .table import WeightMap, table_to_hf, table_to_layers
+
+ADAPTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, neox, llama)}
+
+
+def adapter_for(model_type: str) -> ModuleType:
+    if model_type not in ADAPTERS:
+        raise UnsupportedHFConfig(f"HF model_type {model_type!r} is not supported; supported: {', '.join(ADAPTERS)}")
+    return ADAPTERS[model_type]
+
+
+def model_config_from_hf(hf_config: Any) -> ModelConfig:
+    """ModelConfig from a transformers PretrainedConfig or a config.json dict."""
+    d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    return adapter_for(d.get("model_type", "<missing model_type>")).config_from_hf(d)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json contents for cfg.architecture (refuses what that architecture cannot express)."""
+    return adapter_for(cfg.architecture).config_to_hf(cfg)
+
+
+def hf_config_from_model_config(cfg: ModelConfig):
+    """transformers PretrainedConfig for export (save_pretrained, building the HF model)."""
+    from transformers import AutoConfig
+    d = dict(hf_config_dict(cfg))
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def weight_table(cfg: ModelConfig) -> list[WeightMap]:
+    return adapter_for(cfg.architecture).weight_table(cfg)
+
+
+def hf_state_to_layers(cfg: ModelConfig, get_tensor: Callable[[str], torch.Tensor],
+                       layers: Iterable[int] | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Lazily yield (global layer index, {our param name: full tensor}), reading each HF key via
+    get_tensor(key) only when its layer is reached; ``layers`` restricts to a subset (a pipeline stage)."""
+    return table_to_layers(weight_table(cfg), get_tensor, layers)
+
+
+def layers_to_hf_state(cfg: ModelConfig, layers) -> dict[str, torch.Tensor]:
+    """HF state dict from {layer index: {name: full tensor}} (or an iterable of such pairs)."""
+    return table_to_hf(weight_table(cfg), layers)

@@ -1,0 +1,54 @@
+"""Causal self-attention, Megatron style: fused column-parallel QKV, heads split over TP ranks,
+row-parallel output projection (one all-reduce in forward, one in backward)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtds.config import ModelConfig
+from mtds.tp import ColumnParallelLinear, RowParallelLinear
+
+from .init import normal_init, output_init
+from .parallel import check_tensor_parallel
+from .rotary import apply_rotary, rotary_cos_sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None):
+        super().__init__()
+        t, _ = check_tensor_parallel(cfg, tp_group)
+        self.cfg, self.rng_tracker = cfg, rng_tracker
+        self.local_heads, self.local_kv_heads = cfg.num_heads // t, cfg.kv_heads // t
+        d = cfg.head_dim
+        # Segments [q, k, v]: each is split over ranks separately, so rank r holds query heads
+        # r*H/t.. and key/value heads r*KV/t.., exactly the kv heads its query heads attend with.
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, group=tp_group, bias=cfg.qkv_bias,
+                                        init_method=normal_init(cfg.init_std),
+                                        output_segments=[cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d])
+        self.out_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, group=tp_group,
+                                          bias=cfg.linear_bias, input_is_parallel=True, init_method=output_init(cfg))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.cfg.head_dim
+        q, k, v = self.qkv(x).split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
+        q = q.view(b, s, self.local_heads, d).transpose(1, 2)        # [b, heads, s, d]
+        k = k.view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        if self.cfg.position_embedding == "rotary":
+            cos, sin = rotary_cos_sin(self.cfg, s, x.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        p = self.cfg.attention_dropout if self.training else 0.0
+        # Attention probabilities are sharded by head: their dropout must differ across TP ranks.
+        forked = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
+        if self.local_kv_heads != self.local_heads:
+            # GQA: query head i reads kv head i // group (HF repeat_kv order). Explicit repeat rather than
+            # sdpa's enable_gqa, which needs torch >= 2.5.
+            group = self.local_heads // self.local_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        with forked:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.out_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))

@@ -1,0 +1,46 @@
+"""Input embedding (global layer 0): vocab-parallel token table + optional learned positions.
+
+It also owns the tied output head: lm_logits() multiplies by the same (vocab-sharded) table, which
+is what the pipeline's TiedLayerSpec calls on the last stage.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtds.config import ModelConfig
+from mtds.tp import VocabParallelEmbedding, parallel_lm_logits
+
+from .init import normal_init, seeded
+
+EMBEDDING_LAYER = 0
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker=None):
+        super().__init__()
+        self.cfg, self.tp_group = cfg, tp_group
+        with seeded(seed, EMBEDDING_LAYER):
+            self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=tp_group,
+                                                          init_method=normal_init(cfg.init_std),
+                                                          pad_to_multiple_of=cfg.make_vocab_size_divisible_by)
+            if cfg.position_embedding == "learned":
+                self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                normal_init(cfg.init_std)(self.position_embeddings.weight.data)
+            else:
+                self.position_embeddings = None
+        self.dropout = nn.Dropout(cfg.hidden_dropout)   # replicated activations: default generator
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            seq = input_ids.shape[1]
+            if seq > self.cfg.max_position_embeddings:
+                raise ValueError(f"sequence length {seq} exceeds max_position_embeddings "
+                                 f"{self.cfg.max_position_embeddings}")
+            hidden = hidden + self.position_embeddings(torch.arange(seq, device=input_ids.device))
+        return self.dropout(hidden)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied head: vocab-sharded logits [b, s, V_pad/t] from the embedding table."""
+        return parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group)

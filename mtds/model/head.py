@@ -1,0 +1,51 @@
+"""Output side: final norm (global layer L+1), untied LM head (L+2), vocab-parallel loss."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtds.config import ModelConfig
+from mtds.tp import mark_tensor_parallel, parallel_lm_logits, shard_rows, vocab_parallel_cross_entropy
+from mtds.tp.layers import tp_world_and_rank
+
+from .init import normal_init, seeded
+from .norms import make_norm
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 1234):
+        super().__init__()
+        with seeded(seed, cfg.num_layers + 1):   # norms start at ones; seeded anyway for uniformity
+            self.norm = make_norm(cfg)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class LMHead(nn.Module):
+    """Untied output projection, sharded over the padded vocabulary like VocabParallelEmbedding
+    (padding rows are zero and masked out by the loss / gather)."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234):
+        super().__init__()
+        self.tp_group = tp_group
+        t, rank = tp_world_and_rank(tp_group)
+        full = torch.zeros(cfg.padded_vocab_size(t), cfg.hidden_size)
+        with seeded(seed, cfg.num_layers + 2):
+            normal_init(cfg.init_std)(full[:cfg.vocab_size])   # full table, then slice: independent of t
+        self.weight = nn.Parameter(shard_rows(full, 0, t, rank))
+        mark_tensor_parallel(self.weight, 0)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return parallel_lm_logits(hidden, self.weight, self.tp_group)
+
+
+class LMLoss:
+    """Mean token cross entropy over vocab-sharded logits. labels[b, i] is the target of position i
+    (already shifted by the data pipeline); -100 is ignored. Padded vocab columns never win."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None):
+        self.vocab_size, self.tp_group = cfg.vocab_size, tp_group
+
+    def __call__(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size)

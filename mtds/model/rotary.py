@@ -1,0 +1,34 @@
+"""Rotary position embeddings (RoFormer), HF NeoX/Llama "rotate_half" convention.
+
+The first rotary_dim dims of each head are split into two halves (x1, x2) rotated as pairs
+(x1_i, x2_i) by angle pos * base^(-2i/rotary_dim); the remaining dims pass through (partial rotary).
+"""
+from __future__ import annotations
+
+import torch
+
+from mtds.config import ModelConfig
+
+
+def rotary_cos_sin(cfg: ModelConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [seq, rotary_dim]. Recomputed per call in float32 (cheap next to attention),
+    so no frequency buffer can be rounded by a later model.half()/bfloat16()."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, s, head_dim]; cos/sin: [s, rotary_dim]."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    rot = rot * cos + _rotate_half(rot) * sin
+    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
