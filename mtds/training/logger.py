@@ -28,7 +28,7 @@ def format_step(record: dict[str, Any], total_steps: int) -> str:
 
 
 class StepLogger:
-    def __init__(self, *, enabled: bool, total_steps: int, start_step: int = 0, jsonl_path: str | None = None,
+    def __init__(self, *, enabled: bool, total_steps: int, append: bool = False, jsonl_path: str | None = None,
                  tensorboard_dir: str | None = None, progress: bool | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
@@ -37,7 +37,8 @@ class StepLogger:
             return
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self._jsonl = open(jsonl_path, "a" if start_step else "w")
+            # A resumed run continues the log of the run it resumes.
+            self._jsonl = open(jsonl_path, "a" if append else "w")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(tensorboard_dir)
@@ -45,7 +46,12 @@ class StepLogger:
             progress = sys.stdout.isatty()
         if progress:
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def start_at(self, step: int) -> None:
+        """Resumed runs start the progress bar at the step they resume from."""
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
 
     def info(self, message: str) -> None:
         if self.enabled:

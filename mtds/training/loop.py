@@ -112,7 +112,7 @@ def run(cfg: TrainConfig) -> RunResult:
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
-    logger = StepLogger(enabled=reporting, total_steps=cfg.steps, jsonl_path=cfg.log_jsonl,
+    logger = StepLogger(enabled=reporting, total_steps=cfg.steps, append=bool(cfg.load), jsonl_path=cfg.log_jsonl,
                         tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
     logger.info(f"mtds: layout {layout} on {world} {device.type} rank(s) [{backend}], {precision(ds_config)}, "
                 f"ZeRO-{zero_stage(ds_config)}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
@@ -148,6 +148,7 @@ def run(cfg: TrainConfig) -> RunResult:
     if cfg.load:
         start_step, state = ckpt.load(engine, cfg.load, groups)
         stream.load_state_dict(state["data"])
+        logger.start_at(start_step)
         logger.info(f"resumed from {cfg.load} at step {start_step} ({stream.consumed_samples} samples consumed)")
 
     result = RunResult(layout=str(layout), final_step=start_step)

@@ -1,0 +1,120 @@
+"""train.py as users run it: --help, the README main job under the deepspeed launcher, torchrun with a
+pipeline plus save/resume, and bad input -> one line on stderr, exit code 2, no traceback, no hang."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtds.testing import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CPU = "ds_configs/cpu_fp32.json"
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+
+
+def _run(args, timeout=300):
+    return subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(n, *args, timeout=300):
+    return _run([str(BIN / "torchrun"), "--nproc_per_node", str(n), "--master_port", str(free_port()),
+                 "train.py", *args], timeout=timeout)
+
+
+def _single(*args):
+    return _run([sys.executable, "train.py", *args])
+
+
+def test_help_explains_the_options():
+    out = _single("--help")
+    assert out.returncode == 0
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--deepspeed_config", "--model",
+                 "--activation-checkpointing", "--save", "--load", "--log-jsonl", "--tensorboard", "derived"):
+        assert flag in out.stdout, flag
+
+
+def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
+    """The README's first command (minus set-up and with fewer steps)."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--deepspeed_config ds_configs/cpu_fp32.json --model gpt2-tiny --tp 2 --pp 1" in makefile
+    log = tmp_path / "log.jsonl"
+    out = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
+                "--deepspeed_config", CPU, "--model", "gpt2-tiny", "--tp", "2", "--pp", "1", "--steps", "3",
+                "--log-jsonl", str(log), "--tensorboard", str(tmp_path / "tb")], timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s", "tflops_model", "tflops_hw",
+                "mfu", "peak_mem_gib"):
+        assert key in train[0], key
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert any(r["kind"] == "eval" for r in records)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert "step 3/3 | loss" in out.stdout
+
+
+def test_torchrun_pipeline_saves_and_resumes(tmp_path):
+    common = ["--deepspeed_config", CPU, "--tp", "1", "--pp", "2", "--seq-length", "64", "--eval-split", "0",
+              "--save", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "log.jsonl")]
+    first = _torchrun(2, *common, "--steps", "2", timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step2"
+    second = _torchrun(2, *common, "--steps", "4", "--load", str(tmp_path / "ckpt"), timeout=400)
+    assert second.returncode == 0, second.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def _assert_one_line_error(out, expected, launcher=False):
+    # Our ranks exit 2; torchrun reports any failed child as its own exit 1 plus a summary of its own.
+    assert out.returncode == (1 if launcher else 2), (out.returncode, out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], out.stderr[-3000:]
+    if not launcher:
+        assert "Traceback" not in out.stderr
+    else:
+        assert "exitcode  : 2" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--deepspeed_config", CPU, "--tp", "3"], "world size 1 is not divisible by tp*pp = 3*1 = 3"),
+    (["--deepspeed_config", "ds_configs/nope.json"], "DeepSpeed config 'ds_configs/nope.json' not found"),
+    (["--deepspeed_config", CPU, "--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
+    (["--deepspeed_config", CPU, "--load", "/no/such/ckpt"], "checkpoint directory '/no/such/ckpt' does not exist"),
+    (["--deepspeed_config", CPU, "--model", "gpt5-huge"], "unknown model 'gpt5-huge'"),
+    (["--deepspeed_config", CPU, "--seq-length", "4096"], "4096"),
+])
+def test_bad_input_single_process(args, expected):
+    _assert_one_line_error(_single(*args), expected)
+
+
+def test_invalid_json_config(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    _assert_one_line_error(_single("--deepspeed_config", str(bad)), "is not valid JSON")
+
+
+def test_fp16_refused_where_unsupported():
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this device supports fp16: nothing to refuse")
+    _assert_one_line_error(_single("--deepspeed_config", "ds_configs/ptdp_fp16.json"), "fp16 is not supported")
+
+
+def test_bad_input_on_two_ranks(tmp_path):
+    zero3_with_pipeline = _torchrun(2, "--deepspeed_config", "ds_configs/cpu_zero3_fp32.json", "--pp", "2")
+    _assert_one_line_error(zero3_with_pipeline, "ZeRO stage 3 cannot be combined with pipeline parallelism",
+                           launcher=True)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 96, "n_head": 3, "n_layer": 2, "vocab_size": 8192,
+                                  "n_positions": 128}))
+    heads = _torchrun(2, "--deepspeed_config", CPU, "--tp", "2", "--model", str(config))
+    _assert_one_line_error(heads, "tensor parallel size 2 does not divide the 3 attention heads", launcher=True)
