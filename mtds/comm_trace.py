@@ -71,7 +71,6 @@ class CommTracer:
 
     group_names: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: defaultdict(CollectiveStats))
-    _originals: dict = field(default_factory=dict)
 
     def name_group(self, group, name: str) -> None:
         """Label a process group (e.g. "tp", "dp", "pp") so stats are reported per role."""
@@ -84,18 +83,24 @@ class CommTracer:
         return self.group_names.get(group, "other")
 
     def install(self) -> "CommTracer":
+        """Start counting. The first install in a process puts wrappers on ``torch.distributed``;
+        they stay (DeepSpeed may have cached them) and report to whichever tracers are active."""
         for name, (kind, group_pos, payload_pos) in _TRACED.items():
-            original = getattr(dist, name, None)
-            if original is None or name in self._originals:
+            current = getattr(dist, name, None)
+            if current is None:
                 continue
-            self._originals[name] = original
-            setattr(dist, name, self._wrap(kind, group_pos, payload_pos, original))
+            if not hasattr(current, "_mtds_tracers"):
+                current = _wrap(kind, group_pos, payload_pos, current)
+                setattr(dist, name, current)
+            if self not in current._mtds_tracers:
+                current._mtds_tracers.append(self)
         return self
 
     def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        self._originals.clear()
+        for name in _TRACED:
+            current = getattr(dist, name, None)
+            if current is not None and self in getattr(current, "_mtds_tracers", ()):
+                current._mtds_tracers.remove(self)
 
     def __enter__(self) -> "CommTracer":
         return self.install()
@@ -103,17 +108,10 @@ class CommTracer:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def _wrap(self, kind: str, group_pos: int, payload_pos: int | None, original):
-        @functools.wraps(original)
-        def traced(*args, **kwargs):
-            group = _argument(args, kwargs, group_pos, ("group",))
-            entry = self.stats[(kind, self._group_label(group))]
-            entry.calls += 1
-            if payload_pos is not None:
-                entry.bytes += _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES))
-            return original(*args, **kwargs)
-
-        return traced
+    def record(self, kind: str, group, nbytes: int) -> None:
+        entry = self.stats[(kind, self._group_label(group))]
+        entry.calls += 1
+        entry.bytes += nbytes
 
     def reset(self) -> None:
         self.stats.clear()
@@ -125,3 +123,19 @@ class CommTracer:
 
     def total_bytes(self, group: str | None = None) -> int:
         return sum(s.bytes for (kind, g), s in self.stats.items() if group in (None, g) and kind != "barrier")
+
+
+def _wrap(kind: str, group_pos: int, payload_pos: int | None, original):
+    tracers: list[CommTracer] = []
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        if tracers:
+            group = _argument(args, kwargs, group_pos, ("group",))
+            nbytes = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES)) if payload_pos is not None else 0
+            for tracer in tracers:
+                tracer.record(kind, group, nbytes)
+        return original(*args, **kwargs)
+
+    traced._mtds_tracers = tracers
+    return traced

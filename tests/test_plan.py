@@ -66,9 +66,9 @@ def test_korthikanti_activation_formulas():
 
 
 def test_ring_collective_costs():
-    # 8 GPUs in one node: 2*(7/8)*1 GB / (300 GB/s * 0.6) + 14 * 5 us
+    # 8 GPUs in one node: 2*(7/8)*1 GB / (300 GB/s * 0.77) + 14 * 5 us
     c = Cluster(A100, 8)
-    assert comm.all_reduce(1e9, 8, 1, c) == pytest.approx(2 * 7 / 8 * 1e9 / 180e9 + 14 * 5e-6)
+    assert comm.all_reduce(1e9, 8, 1, c) == pytest.approx(2 * 7 / 8 * 1e9 / 231e9 + 14 * 5e-6)
     # a 2-rank group with stride 8 spans two nodes: InfiniBand, 25 GB/s * 0.9
     c16 = Cluster(A100, 16)
     assert comm.all_gather(1e9, 2, 8, c16) == pytest.approx(0.5e9 / 22.5e9 + 5e-6)
@@ -84,8 +84,9 @@ def test_bubble_shrinks_with_virtual_stages():
     assert p1.time_breakdown_s["bubble"] / p4.time_breakdown_s["bubble"] == pytest.approx(4.0)
     assert p4.time_breakdown_s["pp_comm"] > p1.time_breakdown_s["pp_comm"]
     m = 64
+    # compute also carries the last stage's logits and the optimizer step, which the bubble does not
     assert p1.time_breakdown_s["bubble"] / (p1.time_breakdown_s["compute"] + p1.time_breakdown_s["tp_comm"]) == \
-        pytest.approx(7 / m, rel=0.05)
+        pytest.approx(7 / m, rel=0.08)
 
 
 def test_prediction_internal_consistency():
@@ -183,3 +184,19 @@ def test_model_from_preset():
     spec = resolve_model("gpt2-small")
     assert (spec.layers, spec.hidden, spec.heads, spec.seq) == (12, 768, 12, 1024)
     assert spec.params == pytest.approx(124.4e6, rel=2e-3)   # GPT-2 small, tied embeddings
+
+
+def test_fp32_grad_accumulation_memory_and_time():
+    # 16-bit training without ZeRO-2/3 keeps fp32 gradients: 2 + 4 + 12 = 18 bytes/param
+    calib = A100.calibration
+    states = model_state_bytes(1e9, Layout(1, 1, 1, 1), Workload(8), calib.main_grad_bytes)
+    assert sum(states) == pytest.approx(18e9)
+    assert sum(model_state_bytes(1e9, Layout(1, 1, 1, 1), Workload(8))) == pytest.approx(16e9)  # ZeRO paper
+    # the unfused accumulation pass is paid once per microbatch: b=1 costs 8x the b=8 pass
+    model, work, cluster = ModelSpec(8, 1024, 16, 51200, 2048), Workload(8), Cluster(A100, 1)
+    small = predict(model, Layout(1, 1, 1, 1), work, cluster).time_breakdown_s["compute"]
+    big = predict(model, Layout(1, 1, 1, 8), work, cluster).time_breakdown_s["compute"]
+    from mtds.plan.compute import grad_accumulation_time
+    from mtds.plan.memory import stage_params
+    t_acc = grad_accumulation_time(stage_params(model, Layout(1, 1, 1, 1), "first"), 2, 4, cluster)
+    assert t_acc > 0 and small - big >= 7 * t_acc * 0.99

@@ -98,11 +98,12 @@ def test_korthikanti_table5_iteration_time_within_15pct(row, mode):
     assert abs(rel(pr.step_time_s, ref)) <= 0.15, (pr.step_time_s, ref)
 
 
-# Known misses (reported, not tuned away): the model predicts a smaller-t / larger-p layout of the
-# same option space to be faster than the paper's t=8 choice by more than 3% for these rows
-# (TP all-reduces + replicated layer norms/dropout at t=8 cost more than the extra pipeline
-# bubble / p2p at v>1). strict=True: if the model changes and they pass, the marker must go.
-RECOMMENDATION_MISSES = {7.5, 18.4, 39.1, 76.1, 145.6, 529.6}
+# Known misses (reported, not tuned away): even with fp32 gradient accumulation (memory and a
+# per-microbatch pass), NCCL-level NVLink efficiency and allocator fragmentation, the model predicts
+# a smaller-t / deeper interleaved pipeline to be faster than the paper's t=8 layout by more than 3%
+# for these rows (18.4B: t2 p4 v5 b2 by 13%; 39.1B: t4 p4 v6 b3 by 9%; 145.6B: t4 p16 v5 b2 by 3.4%).
+# See docs/planner.md. strict=True: if the model changes and they pass, the marker must go.
+RECOMMENDATION_MISSES = {18.4, 39.1, 145.6}
 
 
 def _maybe_xfail(row):

@@ -5,9 +5,10 @@ datasheet peak) or a latency, set once per GPU type and never per workload or pe
 
 A100 values: matmul and HBM fractions are typical cuBLAS / STREAM-like figures for A100-SXM4;
 NVLink 0.6 and InfiniBand 0.9 are the link efficiencies of the Calculon model (Isaev et al.,
-SC'23, "Calculon: a methodology and tool for high-level co-design of systems and LLMs").
-H100 and V100 reuse the A100 fractions with the Calculon NVLink factor for H100; they are
-not validated against published runs (no table ships for them).
+SC'23, "Calculon: a methodology and tool for high-level co-design of systems and LLMs") for
+InfiniBand, and nccl-tests-style all-reduce bus bandwidth on an NVSwitch node for NVLink.
+H100 and V100 reuse the A100 fractions; they are not validated against published runs (no table
+ships for them).
 """
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class Calibration:
     # Fraction of datasheet HBM bandwidth reached by memory-bound kernels
     # (layer norm, softmax, dropout, GeLU, optimizer step).
     hbm_efficiency: float = 0.80
-    # Fraction of per-direction NVLink bandwidth a ring collective reaches (Calculon: 0.6 A100).
-    nvlink_efficiency: float = 0.60
+    # Fraction of per-direction NVLink bandwidth a ring all-reduce reaches on large (>= 16 MB)
+    # messages. nccl-tests all_reduce_perf on an 8x A100 NVSwitch node reports ~230 GB/s bus
+    # bandwidth of the 300 GB/s per direction: 0.77. (The colleague's first value, 0.6 from
+    # Calculon, over-charged every t=8 layout by ~25% of its TP time.)
+    nvlink_efficiency: float = 0.77
     # Fraction of per-GPU InfiniBand bandwidth a ring collective or p2p reaches (Calculon: 0.9).
     ib_efficiency: float = 0.90
     # Per-step latency of a ring collective hop / of a p2p message, seconds.
@@ -45,6 +49,23 @@ class Calibration:
     zero3_overlap_exponent: float = 2.5
     # Memory not available to the model: CUDA context, allocator fragmentation, comm buffers.
     memory_reserve_gib: float = 3.0
+    # Fraction of the allocated bytes (model states + activations) the PyTorch caching allocator
+    # additionally loses to fragmentation (block rounding, split blocks that cannot be reused for
+    # differently sized tensors); 5-10% is typical of long training runs. Keeps the planner from
+    # recommending layouts that fit only to the last few hundred MB.
+    allocator_fragmentation: float = 0.05
+    # Bytes per parameter of the gradient-accumulation buffer that 16-bit training keeps
+    # without ZeRO-2/3: Megatron's DDP `main_grad` and DeepSpeed's bf16 optimizer accumulate
+    # gradients in fp32 (4 bytes), which is also the fp32 gradient the Adam step consumes. This
+    # replaces the 2-byte gradient of the ZeRO paper's 2+2+12 accounting (-> 2+4+12 = 18).
+    main_grad_bytes: float = 4.0
+    # Whether adding each microbatch's weight gradient into the accumulation buffer is fused
+    # into the weight-gradient GEMM. False (the PTD-P-era Megatron hook `main_grad.add_(grad)`,
+    # and PyTorch autograd's `.grad +=`): a separate memory-bound pass per microbatch over every
+    # local parameter, reading the new gradient and reading + writing the accumulator
+    # (2 + 4 + 4 = 10 bytes/param in bf16). It is what makes many small microbatches (b=1,
+    # m in the hundreds) cost more than the bubble formula alone says.
+    fused_grad_accumulation: bool = False
 
     def with_overrides(self, **kw) -> "Calibration":
         return replace(self, **kw)
@@ -52,7 +73,7 @@ class Calibration:
 
 CALIBRATIONS: dict[str, Calibration] = {
     "A100": Calibration(),
-    "H100": Calibration(nvlink_efficiency=0.65),
+    "H100": Calibration(),
     "V100": Calibration(),
 }
 
@@ -60,5 +81,5 @@ CALIBRATIONS: dict[str, Calibration] = {
 LOCAL_CALIBRATION = Calibration(
     gemm_max_fraction=1.0, gemm_half_dim=1.0, hbm_efficiency=1.0, nvlink_efficiency=1.0,
     ib_efficiency=1.0, hop_latency_s=50e-6, dp_overlap=0.0, zero3_comm_efficiency=1.0,
-    zero3_overlap_exponent=1.0, memory_reserve_gib=1.0,
+    zero3_overlap_exponent=1.0, memory_reserve_gib=1.0, allocator_fragmentation=0.0,
 )

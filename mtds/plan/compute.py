@@ -103,6 +103,14 @@ def output_layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster:
     return 3.0 * gemm + elementwise_time(16.0 * s * b * v, cluster)
 
 
+def grad_accumulation_time(n_params_local: float, grad_bytes: float, acc_bytes: float, cluster: Cluster) -> float:
+    """Adding one microbatch's weight gradients into the accumulation buffer (unfused): read the
+    new gradient (grad_bytes) and read + write the accumulator (2 x acc_bytes) per parameter."""
+    if cluster.calib.fused_grad_accumulation:
+        return 0.0
+    return elementwise_time((grad_bytes + 2.0 * acc_bytes) * n_params_local, cluster)
+
+
 def optimizer_time(n_params_local: float, cluster: Cluster) -> float:
     """Adam step, memory bound: ~28 bytes per local parameter (read fp32 master, m, v and the
     grad, write master, m, v and the 16-bit copy)."""

@@ -22,7 +22,7 @@ class MemoryBreakdown:
     grads: float
     optimizer: float
     activations: float
-    other: float          # reserve + ZeRO-3 gathered working buffers
+    other: float          # reserve, allocator fragmentation, ZeRO buffers
 
     @property
     def total(self) -> float:
@@ -54,19 +54,34 @@ def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
     return n
 
 
-def model_state_bytes(n_params: float, layout: Layout, work: Workload) -> tuple[float, float, float]:
+def grad_buffer_bytes(layout: Layout, work: Workload, main_grad_bytes: float | None) -> float:
+    """Bytes per parameter of the gradient (accumulation) buffer.
+
+    The ZeRO paper counts 16-bit gradients (2 bytes). Frameworks that accumulate in fp32
+    (Megatron `main_grad`, DeepSpeed bf16 optimizer) keep `main_grad_bytes` (4) per parameter
+    instead, unless ZeRO-2/3 partitions the gradients. fp32 training: 4.
+    """
+    w = work.bytes_per_value
+    if main_grad_bytes is None or work.precision == "fp32" or layout.zero_stage >= 2:
+        return float(w)
+    return float(max(w, main_grad_bytes))
+
+
+def model_state_bytes(n_params: float, layout: Layout, work: Workload,
+                      main_grad_bytes: float | None = None) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU under ZeRO stage 0-3.
 
     Mixed-precision Adam (Rajbhandari et al. 2020, ZeRO, arXiv 1910.02054 Section 3.1):
     2 bytes params + 2 bytes grads + K=12 bytes fp32 master/momentum/variance per parameter;
     stage 1 shards the K part over d, stage 2 also the grads, stage 3 also the params.
-    fp32 training: 4 + 4 + 8 (Adam m, v).
+    fp32 training: 4 + 4 + 8 (Adam m, v). With `main_grad_bytes` (the calibration's fp32
+    accumulation buffer) the 2-byte gradient of stages 0-1 becomes 4 bytes (see grad_buffer_bytes).
     """
     w = work.bytes_per_value
     k = 8.0 if work.precision == "fp32" else 12.0
     d, z = layout.dp, layout.zero_stage
     params = w * n_params / (d if z >= 3 else 1)
-    grads = w * n_params / (d if z >= 2 else 1)
+    grads = grad_buffer_bytes(layout, work, main_grad_bytes) * n_params / (d if z >= 2 else 1)
     opt = k * n_params / (d if z >= 1 else 1)
     return params, grads, opt
 
@@ -116,7 +131,7 @@ def predict_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cl
     t = layout.tp
     for stage in ("first", "last") if layout.pp > 1 else ("first",):
         n = stage_params(model, layout, stage)
-        params, grads, opt = model_state_bytes(n, layout, work)
+        params, grads, opt = model_state_bytes(n, layout, work, cluster.calib.main_grad_bytes)
         act = 0.0
         if stage == "first":
             act += in_flight_layers(model, layout, work) * activation_bytes_per_layer(model, layout, work)
@@ -129,6 +144,7 @@ def predict_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cl
             # fp32 logits and their gradient for the vocab-parallel cross entropy: 2 x 4 s b V / t
             act += 8.0 * model.seq * layout.microbatch * model.padded_vocab(t) / t
         other = cluster.calib.memory_reserve_gib * GIB
+        other += cluster.calib.allocator_fragmentation * (params + grads + opt + act)
         if layout.zero_stage >= 3:
             # gathered weights of the current and the prefetched module (largest: MLP, h x f / t)
             other += 2 * model.hidden * model.ffn / t * w

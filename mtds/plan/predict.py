@@ -3,7 +3,10 @@
 Step time of one pipeline (PTD-P, arXiv 2104.04473, eq. 1 extended with communication):
     T_step = m * (l/p) * (t_layer + t_tp)           compute + tensor-parallel collectives
            + m * t_output + t_optimizer              last stage's logits/loss, Adam step
-           + (p - 1)/v * (l/p) * (t_layer + t_tp)   pipeline bubble, fraction (p-1)/(v m)
+           + m * t_grad_accumulation                 add each microbatch's weight grads to the
+                                                     fp32 buffer (unfused, calibration)
+           + (p - 1)/v * ((l/p) * (t_layer + t_tp)  pipeline bubble, fraction (p-1)/(v m)
+                         + t_grad_accumulation)
            + 2 (v m + p - 1) * t_p2p                 activations/gradients between stages
            + exposed data-parallel communication
 with m = B/(b d) microbatches. Tensor parallelism issues 2 all-reduces of s b h values in the
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from mtds.plan import comm, compute
 from mtds.plan.candidate import RECOMPUTE_CHOICES, Layout, Workload
 from mtds.plan.hardware import Cluster
-from mtds.plan.memory import GIB, MemoryBreakdown, predict_memory, stage_params
+from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
 from mtds.plan.model_spec import ModelSpec
 
 
@@ -115,9 +118,17 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
     n_local = max(stage_params(model, layout, "first"), stage_params(model, layout, "last") if p > 1 else 0.0)
     n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
 
-    compute_s = m * layers_per_stage * t_layer + m * t_out + compute.optimizer_time(n_opt, cluster)
+    # every microbatch adds its weight gradients into the (fp32) accumulation buffer; with
+    # ZeRO-2/3 only the local 1/d partition is accumulated
+    n_acc = n_local / (d if layout.zero_stage >= 2 else 1)
+    t_acc = compute.grad_accumulation_time(n_acc, w, grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes),
+                                           cluster)
+    compute_s = (m * layers_per_stage * t_layer + m * t_out + m * t_acc
+                 + compute.optimizer_time(n_opt, cluster))
     tp_s = m * layers_per_stage * t_tp
-    bubble_s = (p - 1) / v * layers_per_stage * (t_layer + t_tp)
+    # the accumulation pass runs in each microbatch's backward on every stage, so it belongs to
+    # the per-microbatch stage time that the bubble idles for
+    bubble_s = (p - 1) / v * (layers_per_stage * (t_layer + t_tp) + t_acc)
     pp_s = 0.0
     if p > 1:
         cross_node = t * d * p > cluster.per_node

@@ -2,8 +2,9 @@
 
 Any knob the caller fixes (tp, pp, dp, microbatch, virtual_stages, zero_stage, recompute,
 sequence_parallel) is held; the others range over every value that can work:
-  t  divides the GPU count and the head count, at most one node (TP across nodes is never
-     competitive: its all-reduces would run over InfiniBand, PTD-P takeaway #1);
+  t  divides the GPU count, the head count and the node size (TP across nodes is never
+     competitive: its all-reduces would run over InfiniBand, PTD-P takeaway #1; a t that does not
+     divide the node size would make some tensor groups straddle two nodes);
   p  divides n/t and the layer count; d = n/(t p);
   b  divides B/d (up to `max_microbatch`);  v divides l/p (v > 1 only with p > 1);
   ZeRO 0-3 (2-3 only with p = 1, DeepSpeed), recompute none/selective/full, SP on/off (t > 1).
@@ -40,7 +41,10 @@ class PlanResult:
 def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed: dict, max_microbatch: int = 64):
     """Yield every Layout consistent with the fixed knobs (structural checks come later)."""
     n = cluster.gpus
-    tps = [fixed["tp"]] if fixed.get("tp") else [t for t in _divisors(n) if t <= cluster.per_node and model.heads % t == 0]
+    # t divides the node size so that no tensor-parallel group straddles two nodes (with rank
+    # order t innermost, t=6 on 8-GPU nodes would put ranks 6-11 on two nodes, over InfiniBand)
+    tps = [fixed["tp"]] if fixed.get("tp") else [t for t in _divisors(n) if cluster.per_node % t == 0
+                                                   and model.heads % t == 0]
     for t in tps:
         pps = [fixed["pp"]] if fixed.get("pp") else [p for p in _divisors(n // t) if model.layers % p == 0] if n % t == 0 else []
         for p in pps:

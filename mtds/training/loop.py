@@ -93,8 +93,9 @@ def _build_data(cfg: TrainConfig, model_cfg: ModelConfig, batch: BatchPlan, grou
 
 
 def run(cfg: TrainConfig) -> RunResult:
-    device, backend = init_distributed(cfg.dist_timeout_s)
+    # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
     tracer = CommTracer().install() if cfg.trace_comm else None
+    device, backend = init_distributed(cfg.dist_timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
 
     layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp)
@@ -146,8 +147,9 @@ def run(cfg: TrainConfig) -> RunResult:
 
     start_step = 0
     if cfg.load:
-        start_step, state = ckpt.load(engine, cfg.load, groups)
-        stream.load_state_dict(state["data"])
+        start_step, state = ckpt.load(engine, cfg.load, groups, model_cfg=model_cfg)
+        if "data" in state:   # weights-only checkpoints (mtds-convert hf-to-mtds) start the data afresh
+            stream.load_state_dict(state["data"])
         logger.start_at(start_step)
         logger.info(f"resumed from {cfg.load} at step {start_step} ({stream.consumed_samples} samples consumed)")
 
@@ -203,13 +205,15 @@ def run(cfg: TrainConfig) -> RunResult:
         if cfg.eval_interval and step % cfg.eval_interval == 0:
             evaluate(step)
         if cfg.save and cfg.save_interval and step % cfg.save_interval == 0:
-            ckpt.save(engine, cfg.save, step, {"data": stream.state_dict()}, groups)
+            ckpt.save(engine, cfg.save, step, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
+                      tokenizer=cfg.tokenizer)
 
     if cfg.steps > start_step:
         if not (cfg.eval_interval and cfg.steps % cfg.eval_interval == 0):
             evaluate(cfg.steps)
         if cfg.save and not (cfg.save_interval and cfg.steps % cfg.save_interval == 0):
-            ckpt.save(engine, cfg.save, cfg.steps, {"data": stream.state_dict()}, groups)
+            ckpt.save(engine, cfg.save, cfg.steps, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
+                      tokenizer=cfg.tokenizer)
     logger.close()
     if tracer is not None:
         tracer.uninstall()

@@ -1,0 +1,54 @@
+"""Launch one scheme: its DeepSpeed config with the shared batch written to the output directory, then
+``torchrun -m compare.entry`` (train.py's CLI plus a collective counter) as a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from mtds.testing import free_port
+
+from .schemes import REPO, Scheme
+
+
+def effective_config(scheme: Scheme, out_dir: str, global_batch: int | None, micro_batch: int | None) -> str:
+    """The scheme's config with the batch every scheme shares (same samples per step, same order)."""
+    with open(scheme.config) as f:
+        config = json.load(f)
+    if global_batch:
+        config["train_batch_size"] = global_batch
+    if micro_batch:
+        config["train_micro_batch_size_per_gpu"] = micro_batch
+    config.pop("gradient_accumulation_steps", None)     # derived by mtds from B, b and d
+    path = os.path.join(out_dir, "ds_config.json")
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+def launch(scheme: Scheme, *, nproc: int, model: str, steps: int, seq_length: int, out_dir: str,
+           global_batch: int | None = None, micro_batch: int | None = None, extra: list[str] = (),
+           timeout: float = 3600.0) -> dict:
+    """Run the scheme to completion; return where its logs are and how long it took."""
+    scheme.data_parallel(nproc)
+    os.makedirs(out_dir, exist_ok=True)
+    config = effective_config(scheme, out_dir, global_batch, micro_batch)
+    log = os.path.join(out_dir, "log.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), "-m", "compare.entry", os.path.join(out_dir, "probe"),
+           "--deepspeed_config", config, "--tp", str(scheme.tp), "--pp", str(scheme.pp), "--model", model,
+           "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", log, "--no-progress",
+           "--eval-split", "0", "--lr-decay", "constant", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    start = time.monotonic()
+    with open(os.path.join(out_dir, "stdout.txt"), "w") as out:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0:
+        with open(os.path.join(out_dir, "stdout.txt")) as f:
+            tail = "".join(f.readlines()[-30:])
+        raise RuntimeError(f"{scheme.name} failed (exit {proc.returncode}); last output:\n{tail}")
+    return {"scheme": scheme, "log": log, "probe_dir": os.path.join(out_dir, "probe"), "config": config,
+            "wall_s": time.monotonic() - start, "command": cmd}
