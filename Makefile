@@ -23,7 +23,8 @@ setup-test: setup
 train: setup
 	PATH=$(abspath $(BIN)):$$PATH OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(NPROC) train.py \
 		--deepspeed_config ds_configs/cpu_fp32.json --model gpt2-tiny --tp 2 --pp 1 \
-		--steps 200 --log-jsonl runs/main/log.jsonl --tensorboard runs/main/tb
+		--steps 200 --warmup-steps 20 --log-jsonl runs/main/log.jsonl --tensorboard runs/main/tb \
+		--plot runs/main/curves.png
 
 test: setup-test
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests

@@ -47,7 +47,8 @@ def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
     log = tmp_path / "log.jsonl"
     out = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
                 "--deepspeed_config", CPU, "--model", "gpt2-tiny", "--tp", "2", "--pp", "1", "--steps", "3",
-                "--log-jsonl", str(log), "--tensorboard", str(tmp_path / "tb")], timeout=400)
+                "--log-jsonl", str(log), "--tensorboard", str(tmp_path / "tb"),
+                "--plot", str(tmp_path / "curves.png")], timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -58,6 +59,7 @@ def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
     assert train[-1]["loss"] < train[0]["loss"]
     assert any(r["kind"] == "eval" for r in records)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "step 3/3 | loss" in out.stdout
 
 

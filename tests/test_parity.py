@@ -11,6 +11,7 @@ REL_TOL = 1e-5
 # (t, p, d) -> ZeRO stages to run (ZeRO-2/3 only without a pipeline: DeepSpeed forbids them with one)
 LAYOUTS = {
     2: [((2, 1, 1), (0, 1, 2, 3)), ((1, 2, 1), (0, 1)), ((1, 1, 2), (0, 1, 2, 3))],
+    3: [((1, 3, 1), (1,))],   # 4 blocks over 3 stages: uneven partition (2, 1, 1)
     4: [((2, 2, 1), (0, 1)), ((2, 1, 2), (0, 1, 2, 3)), ((1, 2, 2), (0, 1))],
     8: [((2, 2, 2), (0, 1))],
 }

@@ -63,11 +63,11 @@ def _tokenizer_dir(path: str) -> str | None:
 
 
 def run_hf_to_mtds(args) -> str:
-    from mtds.hf.checkpoint import HFCheckpoint
     from mtds.hf.init import hf_model_config
     from mtds.hf.load import open_hf_checkpoint
     from mtds.hf.registry import hf_state_to_layers
     from mtds.layout import ParallelLayout
+    from mtds.reshard.hf_source import StreamingHFCheckpoint
     from mtds.reshard.writer import write_weights_checkpoint
 
     if not os.path.isdir(args.hf):
@@ -76,7 +76,7 @@ def run_hf_to_mtds(args) -> str:
     ParallelLayout(tp=args.tp, pp=args.pp, dp=1).check_model(
         num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
-    source = HFCheckpoint(args.hf)                      # reads only index/headers now
+    source = StreamingHFCheckpoint(args.hf)             # reads only index/headers now
     get_tensor = open_hf_checkpoint(cfg, source)        # refuses tensors our model has no place for
     if os.path.isdir(args.out) and os.listdir(args.out):
         raise FileExistsError(f"output directory {args.out!r} is not empty")

@@ -2,15 +2,32 @@
 the data-stream position, the RNG streams and a description of model and layout.
 
 DeepSpeed writes ``DIR/global_stepN/`` (per-layer model states for pipelines, ZeRO optimizer
-partitions) and ``DIR/latest``; mtds's extra state rides in ``client_state``.
+partitions) and ``DIR/latest``; mtds's extra state rides in ``client_state``, and rank 0 adds
+``mtds_meta.json`` (model config, layout, tokenizer) so tools need only the directory.
+
+Loading picks one of three paths:
+  * same (t, p) and an optimizer state DeepSpeed can read as is -> DeepSpeed's own load;
+  * another layout (or another d under ZeRO-1/2) -> DeepSpeed universal checkpointing: rank 0
+    converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
+    weights, Adam moments and step; the loss scaler, LR schedule, data position and RNG come along.
+    Where DeepSpeed stops (ZeRO-0 checkpoints and engines) mtds.reshard.zero0 does the same job;
+  * weights-only checkpoints (``mtds-convert hf-to-mtds``) -> module weights only, step 0.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
 
+from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
+from mtds.reshard.errors import CheckpointFormatError
+from mtds.reshard.meta import CheckpointMeta
+from mtds.reshard.universal import ensure_universal, universal_dir, universal_info
+from mtds.reshard.zero0 import PARAM_NAMES_KEY, load_universal_into_zero0
+
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"   # deepspeed.checkpoint.constants
 
 
 class CheckpointError(RuntimeError):
@@ -21,40 +38,191 @@ def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
-def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups) -> str:
+def _zero_stage(engine) -> int:
+    return int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
+
+
+def _precision(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
+def _default_tokenizer(tokenizer: str | None) -> str | None:
+    if tokenizer is not None:
+        return os.path.abspath(tokenizer) if os.path.isdir(tokenizer) else tokenizer
+    from mtds.data import SHIPPED_TOKENIZER
+    return str(SHIPPED_TOKENIZER)
+
+
+def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups, *,
+         model_cfg: ModelConfig | None = None, tokenizer: str | None = None) -> str:
+    layout = groups.layout
     state = {
         "mtds_step": step,
-        "mtds_layout": {"tp": groups.layout.tp, "pp": groups.layout.pp, "dp": groups.layout.dp},
+        "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
         "mtds_rng": {"cpu": torch.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        # Without ZeRO the Adam state is keyed by position: the names let us reshard it (zero0.py).
+        PARAM_NAMES_KEY: [name for name, p in engine.module.named_parameters() if p.requires_grad],
         **extra,
     }
+    if model_cfg is not None:
+        # DeepSpeed's ds_to_universal reads these patterns from the checkpoint to merge TP slices.
+        state[UNIVERSAL_CHECKPOINT_INFO] = universal_info(model_cfg, layout.tp)
     engine.save_checkpoint(directory, tag=tag_for(step), client_state=state)
-    return os.path.join(directory, tag_for(step))
+    tag_dir = os.path.join(directory, tag_for(step))
+    if model_cfg is not None:
+        if dist.get_rank() == 0:
+            CheckpointMeta(model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp, step=step,
+                           zero_stage=_zero_stage(engine), precision=_precision(engine),
+                           tokenizer=_default_tokenizer(tokenizer), pipeline=layout.pp > 1).save(tag_dir)
+        dist.barrier()
+    return tag_dir
 
 
-def load(engine, directory: str, groups: ParallelGroups) -> tuple[int, dict]:
-    """Resume ``engine`` from ``directory`` (the ``latest`` tag); return (step, client_state)."""
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _read_meta(directory: str) -> tuple[str, CheckpointMeta | None]:
+    with open(os.path.join(directory, "latest")) as f:
+        tag = f.read().strip()
+    tag_dir = os.path.join(directory, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"{directory!r}: 'latest' names {tag!r}, which does not exist (partial checkpoint)")
+    try:
+        return tag, CheckpointMeta.load(tag_dir)
+    except CheckpointFormatError:
+        return tag, None          # saved without model_cfg (older runs): DeepSpeed's own checks only
+
+
+def _check_model(meta: CheckpointMeta, model_cfg: ModelConfig | None, directory: str) -> None:
+    if model_cfg is None:
+        return
+    from mtds.hf.init import check_same_model
+    try:
+        check_same_model(model_cfg, meta.model_config, directory)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {directory!r} is of a different model: {_one_line(err)}") from None
+
+
+def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool:
+    layout = groups.layout
+    if (meta.tp, meta.pp) != (layout.tp, layout.pp) or meta.zero_stage != _zero_stage(engine):
+        return True
+    # ZeRO-1/2 partition the optimizer state over d: another d needs re-partitioning.
+    return meta.zero_stage > 0 and meta.dp != layout.dp
+
+
+def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConfig | None = None
+         ) -> tuple[int, dict]:
+    """Resume ``engine`` from ``directory`` (the ``latest`` tag) at any layout; return (step, client_state)."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist: check --load")
     if not os.path.isfile(os.path.join(directory, "latest")):
         raise CheckpointError(f"{directory!r} has no 'latest' file: pass the directory given to --save "
                               f"(it holds global_stepN/ folders and 'latest')")
-    try:
-        path, state = engine.load_checkpoint(directory, load_optimizer_states=True, load_lr_scheduler_states=True)
-    except Exception as err:  # DeepSpeed raises many kinds; the user needs to know which file is bad
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"cannot load checkpoint from {directory!r} ({type(err).__name__}: {first_line}); "
-                              f"it may be partial or corrupt, or saved with a different model") from None
-    if path is None or state is None:
-        raise CheckpointError(f"no loadable checkpoint in {directory!r}: DeepSpeed found none for its 'latest' tag")
-    saved = state.get("mtds_layout")
-    if saved and (saved["tp"], saved["pp"]) != (groups.layout.tp, groups.layout.pp):
-        raise CheckpointError(f"checkpoint was saved at tp={saved['tp']} pp={saved['pp']} but this run uses "
-                              f"tp={groups.layout.tp} pp={groups.layout.pp}: convert it first (mtds-convert reshard)")
+    tag, meta = _read_meta(directory)
+    if meta is not None:
+        _check_model(meta, model_cfg, directory)
+    if meta is not None and meta.weights_only:
+        return _load_weights_only(engine, directory, tag, meta, groups, model_cfg)
+    if meta is not None and _needs_reshard(meta, engine, groups):
+        path, state = _load_resharded(engine, directory, tag, meta, groups)
+    else:
+        path, state = _deepspeed_load(engine, directory, tag)
     rng = state.get("mtds_rng")
     if rng:
         torch.set_rng_state(rng["cpu"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return int(state.get("mtds_step", engine.global_steps)), state
+
+
+def _deepspeed_load(engine, directory: str, tag: str, **kwargs) -> tuple[str, dict]:
+    try:
+        path, state = engine.load_checkpoint(directory, tag=tag, **{"load_optimizer_states": True,
+                                                                     "load_lr_scheduler_states": True, **kwargs})
+    except Exception as err:  # DeepSpeed raises many kinds; the user needs to know which file is bad
+        raise CheckpointError(f"cannot load checkpoint from {directory!r} ({type(err).__name__}: {_one_line(err)}); "
+                              f"it may be partial or corrupt, or saved with a different model") from None
+    if path is None or state is None:
+        raise CheckpointError(f"no loadable checkpoint in {directory!r}: DeepSpeed found none for tag {tag!r}")
+    return path, state
+
+
+def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, groups: ParallelGroups):
+    """Another layout: a universal checkpoint (converted once by rank 0), loaded by DeepSpeed into ZeRO-1/2
+    engines and by us into ZeRO-0 ones (DeepSpeed cannot)."""
+    target_zero = _zero_stage(engine)
+    if meta.zero_stage == 0 and target_zero > 0:
+        raise CheckpointError(f"{directory!r} was saved without ZeRO (tp={meta.tp} pp={meta.pp} dp={meta.dp}): "
+                              f"resume it with ZeRO-0 (any layout), or at its saved layout")
+    if target_zero == 0 and _precision(engine) != "fp32":
+        raise CheckpointError(f"resharding into a {_precision(engine)} run without ZeRO is not supported: use "
+                              f"ZeRO-1 (any layout) or resume at tp={meta.tp} pp={meta.pp}")
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            ensure_universal(directory, tag)
+        except CheckpointFormatError as err:
+            error[0] = str(err)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(error[0])
+    universal = universal_dir(directory, tag)
+    if target_zero == 0:
+        return _load_universal_zero0(engine, universal, os.path.join(directory, tag), meta, groups)
+    config = engine._config
+    config.load_universal_checkpoint = True   # read by load_checkpoint and the ZeRO optimizer only
+    try:
+        return _deepspeed_load(engine, directory, os.path.basename(universal))
+    finally:
+        config.load_universal_checkpoint = False
+
+
+# Keys of an engine file that are DeepSpeed's, not client_state.
+_ENGINE_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+                "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+                "ds_version", "checkpoint_parallel_dimensions")
+
+
+def _load_universal_zero0(engine, universal: str, tag_dir: str, meta: CheckpointMeta, groups: ParallelGroups):
+    """What DeepSpeed's load would do, for an engine without ZeRO: weights and Adam state from the
+    universal folder, step/scheduler/client state from the saved engine file (identical on all ranks)."""
+    try:
+        load_universal_into_zero0(engine, universal, meta.model_config, groups.layout.tp, groups.tp_rank)
+    except CheckpointFormatError as err:
+        raise CheckpointError(str(err)) from None
+    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # A scheduler sets the optimizer's lr only when it steps: the next step must use the saved lr.
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = state["skipped_steps"]
+    return universal, {k: v for k, v in state.items() if k not in _ENGINE_KEYS}
+
+
+def _load_weights_only(engine, directory: str, tag: str, meta: CheckpointMeta, groups: ParallelGroups,
+                       model_cfg: ModelConfig | None) -> tuple[int, dict]:
+    layout = groups.layout
+    if (meta.tp, meta.pp) == (layout.tp, layout.pp) and _zero_stage(engine) < 3:
+        _deepspeed_load(engine, directory, tag, load_optimizer_states=False, load_lr_scheduler_states=False,
+                        load_module_only=True)
+        return 0, {}
+    if model_cfg is None or _zero_stage(engine) == 3:
+        raise CheckpointError(f"{directory!r} holds weights for tp={meta.tp} pp={meta.pp}; convert again with "
+                              f"mtds-convert hf-to-mtds --tp {layout.tp} --pp {layout.pp}")
+    # Another layout: every rank reads its layers from the logical tensors, then the optimizer's
+    # fp32 master copy (ZeRO-1/2, bf16) is refreshed from the new module weights.
+    from mtds.hf.init import load_checkpoint_into_stages
+    load_checkpoint_into_stages(engine.module, os.path.join(directory, tag), model_cfg, groups)
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None) or \
+        getattr(engine.optimizer, "_restore_from_bit16_weights", None)
+    if refresh is not None:
+        refresh()
+    return 0, {}

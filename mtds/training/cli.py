@@ -29,10 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel size t (must divide attention heads) [1]")
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
                    help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
-    g.add_argument("--model", default="gpt2-tiny",
+    g.add_argument("--model",
                    help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
-                        "file/directory [gpt2-tiny]")
-    g.add_argument("--init-from-hf", metavar="DIR", help="start from HuggingFace weights in DIR")
+                        "file/directory [the --init-from-hf directory, else gpt2-tiny]")
+    g.add_argument("--init-from-hf", metavar="DIR", help="start from HuggingFace weights in DIR (each rank reads "
+                                                         "only its layers and shards)")
     g.add_argument("--dropout", type=float, help="hidden and attention dropout (overrides the model config)")
     g.add_argument("--activation-checkpointing", nargs="?", const=1, default=0, type=int, metavar="K",
                    help="recompute activations every K transformer blocks in backward (bare flag: K=1)")
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
     g.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per step (and per evaluation)")
     g.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars")
+    g.add_argument("--plot", metavar="PNG", help="write loss / learning-rate / throughput curves here at the end")
     g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps verify TP-replicated and tied weights are identical [off]")
@@ -78,13 +80,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.dropout is not None:
         overrides.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
     return TrainConfig(
-        deepspeed_config=args.deepspeed_config, model=args.model, model_overrides=overrides, tp=args.tp, pp=args.pp,
+        deepspeed_config=args.deepspeed_config, model=args.model or args.init_from_hf or "gpt2-tiny",
+        model_overrides=overrides, tp=args.tp, pp=args.pp,
         data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, init_from_hf=args.init_from_hf, save=args.save,
         save_interval=args.save_interval, load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+        plot=args.plot,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
         dist_timeout_s=args.dist_timeout)
 

@@ -37,6 +37,7 @@ class TrainConfig:
     load: str | None = None
     log_jsonl: str | None = None
     tensorboard: str | None = None
+    plot: str | None = None                     # PNG of loss / lr / throughput at the end
     progress: bool | None = None                # None: a bar when stdout is a TTY
     check_replicas_interval: int = 0            # verify TP-replicated/tied weights agree every N steps
     trace_comm: bool = True                     # count bytes per collective (cheap)

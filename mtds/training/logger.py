@@ -32,6 +32,7 @@ class StepLogger:
                  tensorboard_dir: str | None = None, progress: bool | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
+        self.records: list[dict[str, Any]] = []   # kept for the end-of-run plot
         self._jsonl = self._tb = self._bar = None
         if not enabled:
             return
@@ -66,6 +67,7 @@ class StepLogger:
     def log(self, record: dict[str, Any], *, kind: str = "train") -> None:
         if not self.enabled:
             return
+        self.records.append({"kind": kind, **record})
         if kind == "train":
             self._write(format_step(record, self.total_steps))
         else:
@@ -81,7 +83,10 @@ class StepLogger:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    def close(self) -> None:
+    def close(self, plot_path: str | None = None, title: str = "") -> None:
+        if self.enabled and plot_path and self.records:
+            from .plot import plot_run
+            self._write(f"plot: {plot_run(self.records, plot_path, title)}")
         for handle in (self._jsonl, self._tb, self._bar):
             if handle is not None:
                 handle.close()

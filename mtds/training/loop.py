@@ -214,7 +214,7 @@ def run(cfg: TrainConfig) -> RunResult:
         if cfg.save and not (cfg.save_interval and cfg.steps % cfg.save_interval == 0):
             ckpt.save(engine, cfg.save, cfg.steps, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
                       tokenizer=cfg.tokenizer)
-    logger.close()
+    logger.close(plot_path=cfg.plot, title=f"{layout} {precision(ds_config)} ZeRO-{zero_stage(ds_config)}")
     if tracer is not None:
         tracer.uninstall()
     sys.stdout.flush()

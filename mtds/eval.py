@@ -1,0 +1,182 @@
+"""`mtds-eval`: mean next-token loss of an mtds checkpoint or HF model under any (t, p, d) layout.
+
+    torchrun --nproc_per_node 4 -m mtds.eval --ckpt CK --tp 2 --pp 2 --data rows.jsonl
+    deepspeed --num_gpus 2 --module mtds.eval --hf DIR --tp 2 --data book.txt --tokenizer DIR
+
+--data is jsonl with an ``input_ids`` list per row, or text (tokenized with --tokenizer, else the
+tokenizer recorded in the checkpoint / found in the HF dir, cut into --seq-length windows).
+Prints one JSON line on rank 0: {"loss": mean over all predicted tokens, "tokens": count, "ppl": exp(loss)}.
+
+Weights load straight into this rank's layers and shards from the checkpoint's logical tensors, so
+the evaluation layout need not match the saved one. The pipeline runs stage by stage with point-to-
+point sends (no DeepSpeed engine: evaluation needs no optimizer or batch-size arithmetic).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mtds-eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", metavar="DIR", help="mtds checkpoint (root with 'latest', or a tag folder)")
+    src.add_argument("--hf", metavar="DIR", help="HuggingFace model directory")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size [1]")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages [1]")
+    ap.add_argument("--data", required=True, metavar="FILE", help="jsonl with input_ids rows, or a text file")
+    ap.add_argument("--tokenizer", help="tokenizer for text data (default: from the checkpoint / HF dir)")
+    ap.add_argument("--seq-length", type=int, help="window length for text data [max positions, at most 1024]")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    return ap
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def read_rows(path: str, *, tokenizer: str | None, seq_length: int) -> list[list[int]]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    if path.endswith((".jsonl", ".json")):
+        rows = []
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if "input_ids" not in record:
+                    raise ValueError(f"{path}:{number}: no 'input_ids' field (text rows need a .txt file)")
+                rows.append([int(x) for x in record["input_ids"]])
+    else:
+        if tokenizer is None:
+            raise ValueError("text data needs a tokenizer: pass --tokenizer (none is recorded for this model)")
+        from mtds.data import load_tokenizer
+        with open(path) as f:
+            ids = load_tokenizer(tokenizer)(f.read())["input_ids"]
+        rows = [ids[i:i + seq_length] for i in range(0, len(ids), seq_length)]
+    # A row longer than the positions the model has is cut into windows (each scored on its own).
+    out = [row[i:i + seq_length] for row in rows for i in range(0, len(row), seq_length)]
+    return [row for row in out if len(row) >= 2]
+
+
+# ---- model ----------------------------------------------------------------------------------------
+def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None):
+    """This rank's layers with weights from a checkpoint or HF dir, in eval mode."""
+    from mtds.hf.init import load_checkpoint_into_stages, load_hf_into_stages
+    from mtds.pipe import build_model
+    from mtds.tp import model_parallel_seed
+    tracker = model_parallel_seed(0, groups.tp_rank)
+    model = build_model(cfg, groups, seed=0, rng_tracker=tracker)
+    if ckpt is not None:
+        load_checkpoint_into_stages(model, ckpt, cfg, groups)
+    else:
+        load_hf_into_stages(model, hf, cfg, groups)
+    return model.eval()
+
+
+@torch.no_grad()
+def stage_forward(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor | None:
+    """Run the pipeline on one batch; the last stage returns vocab-sharded logits, others None."""
+    layout = groups.layout
+    if layout.pp == 1:
+        return model.logits(input_ids)
+    b, s = input_ids.shape
+    if groups.is_first_stage:
+        x = input_ids
+    else:
+        x = torch.empty(b, s, cfg.hidden_size)
+        dist.recv(x, src=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank - 1))
+    out = model(x)
+    if not groups.is_last_stage:
+        dist.send(out.contiguous(), dst=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank + 1))
+        return None
+    return out
+
+
+def full_logits(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor | None:
+    """Unsharded logits [b, s, V] on the last stage (None elsewhere); for parity checks."""
+    from mtds.model import gather_logits
+    shard = stage_forward(model, input_ids, cfg, groups)
+    return None if shard is None else gather_logits(cfg, shard, groups.tp_group)
+
+
+@torch.no_grad()
+def evaluate(model, rows: list[list[int]], cfg, groups) -> dict:
+    """Sum of next-token losses and token count over ``rows`` (split over data-parallel ranks)."""
+    from mtds.tp import vocab_parallel_cross_entropy
+    totals = torch.zeros(2, dtype=torch.float64)
+    for row in rows[groups.dp_rank::groups.layout.dp]:
+        ids = torch.tensor([row])
+        logits = stage_forward(model, ids, cfg, groups)
+        if logits is None:
+            continue
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        loss = vocab_parallel_cross_entropy(logits.float(), labels, groups.tp_group, vocab_size=cfg.vocab_size,
+                                            reduction="sum")
+        if groups.tp_rank == 0:            # every TP rank holds the same loss: count it once
+            totals += torch.tensor([float(loss), len(row) - 1], dtype=torch.float64)
+    dist.all_reduce(totals)                # only last-stage TP-rank-0 ranks contributed
+    loss_sum, tokens = totals.tolist()
+    loss = loss_sum / max(tokens, 1)
+    return {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
+
+
+def _model_config_and_tokenizer(args):
+    if args.ckpt:
+        from mtds.reshard.reader import open_checkpoint
+        ckpt = open_checkpoint(args.ckpt)
+        return ckpt.cfg, args.tokenizer or ckpt.meta.tokenizer
+    from mtds.hf.init import hf_model_config
+    from mtds.reshard.hf_export import TOKENIZER_FILES
+    cfg = hf_model_config(args.hf)
+    has_tok = any(os.path.isfile(os.path.join(args.hf, n)) for n in TOKENIZER_FILES)
+    return cfg, args.tokenizer or (args.hf if has_tok else None)
+
+
+def run(args) -> dict:
+    from mtds.layout import ParallelLayout
+    from mtds.training.distributed import init_distributed
+    init_distributed()
+    cfg, tokenizer = _model_config_and_tokenizer(args)
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, pp=args.pp)
+    layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
+                       ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
+    groups = layout.build_groups()
+    seq = args.seq_length or min(cfg.max_position_embeddings, 1024)
+    if seq > cfg.max_position_embeddings:
+        raise ValueError(f"--seq-length {seq} exceeds the model's {cfg.max_position_embeddings} positions")
+    rows = read_rows(args.data, tokenizer=tokenizer, seq_length=seq)
+    if not rows:
+        raise ValueError(f"{args.data}: no row with at least 2 tokens")
+    model = build_eval_model(cfg, groups, ckpt=args.ckpt, hf=args.hf)
+    return evaluate(model, rows, cfg, groups)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from mtds.training.cli import user_errors
+    from mtds.training.distributed import shutdown
+    code = 0
+    try:
+        result = run(args)
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+    except user_errors() + (KeyError, OSError) as err:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            text = str(err).strip()
+            print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)
+        code = 2
+    except Exception:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    shutdown(code)
+
+
+if __name__ == "__main__":
+    main()

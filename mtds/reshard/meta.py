@@ -1,0 +1,76 @@
+"""``mtds_meta.json``: written by rank 0 into every checkpoint tag folder, so tools need only --ckpt.
+
+It holds what DeepSpeed's files do not say plainly: the logical model (ModelConfig), the layout the
+files are sharded for, which module shape wrote them (pipeline per-layer files or one file per TP
+rank), precision/ZeRO stage, the tokenizer, and whether the checkpoint carries optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mtds.config import ModelConfig
+
+from .errors import CheckpointFormatError
+
+META_FILE = "mtds_meta.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class CheckpointMeta:
+    model: dict                      # ModelConfig.to_dict()
+    tp: int
+    pp: int
+    dp: int
+    step: int = 0
+    zero_stage: int = 0
+    precision: str = "fp32"
+    tokenizer: str | None = None
+    weights_only: bool = False       # hf-to-mtds output: module weights, no optimizer/data state
+    pipeline: bool = False           # per-layer files (PipelineModule) vs mp_rank files (SequentialGPT)
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model)
+
+    def save(self, tag_dir: str) -> None:
+        tmp = os.path.join(tag_dir, META_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        os.replace(tmp, os.path.join(tag_dir, META_FILE))   # never a half-written meta file
+
+    @classmethod
+    def load(cls, tag_dir: str) -> "CheckpointMeta":
+        path = os.path.join(tag_dir, META_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointFormatError(f"{tag_dir!r} has no {META_FILE}: not an mtds checkpoint, or a partial one "
+                                        f"(the save did not finish)")
+        with open(path) as f:
+            d: dict[str, Any] = json.load(f)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def resolve_tag_dir(path: str) -> str:
+    """A checkpoint root (holding ``latest`` + global_stepN/) or a tag folder -> the tag folder."""
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.isdir(path):
+        raise CheckpointFormatError(f"checkpoint directory {path!r} does not exist")
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if not os.path.isfile(latest):
+        raise CheckpointFormatError(f"{path!r} is not an mtds checkpoint: it has neither {META_FILE} nor a "
+                                    f"'{LATEST}' file naming a global_stepN/ folder")
+    with open(latest) as f:
+        tag = f.read().strip()
+    tag_dir = os.path.join(path, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointFormatError(f"{path!r}: '{LATEST}' names {tag!r}, which does not exist (partial checkpoint)")
+    return tag_dir

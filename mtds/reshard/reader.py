@@ -1,0 +1,69 @@
+"""Read an mtds checkpoint (any layout, either file layout) as full logical tensors, one layer at a time.
+
+Peak memory is one layer's pieces from every TP rank plus its merged copy: the per-layer files are
+mmapped and only the requested layer is touched.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator
+
+import torch
+
+from mtds.config import ModelConfig
+from mtds.hf.registry import weight_table
+from mtds.hf.table import rows_by_layer
+
+from .dsformat import ModuleStateReader, has_layer_files, layer_file, mp_rank_file
+from .errors import CheckpointFormatError
+from .meta import CheckpointMeta, resolve_tag_dir
+from .spec import unshard
+
+
+def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
+    """{global layer: parameter names} of the model mtds builds for cfg (from the HF weight table,
+    which lists every parameter exactly once)."""
+    return {layer: [row.name for row in rows] for layer, rows in rows_by_layer(weight_table(cfg)).items()}
+
+
+class MtdsCheckpoint:
+    def __init__(self, path: str):
+        self.tag_dir = resolve_tag_dir(path)
+        self.meta = CheckpointMeta.load(self.tag_dir)
+        try:
+            self.cfg = self.meta.model_config
+        except (TypeError, ValueError) as err:
+            raise CheckpointFormatError(f"{self.tag_dir}: unusable model config in meta file ({err})") from None
+        if self.meta.pipeline != has_layer_files(self.tag_dir):
+            raise CheckpointFormatError(f"{self.tag_dir}: per-layer files "
+                                        f"{'missing' if self.meta.pipeline else 'unexpected'} (partial checkpoint?)")
+        if self.meta.zero_stage == 3 and not self.meta.weights_only:
+            raise CheckpointFormatError(f"{self.tag_dir}: ZeRO-3 checkpoints keep weights only in optimizer "
+                                        f"partitions, which mtds cannot read yet; resume it at its own layout and "
+                                        f"save with ZeRO-0/1/2")
+        self._reader = ModuleStateReader(self.tag_dir, self.cfg, self.meta.tp, self.meta.pipeline)
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Every file the layout implies must exist: fail before writing anything, not half-way."""
+        t, p = self.meta.tp, self.meta.pp
+        wanted = [mp_rank_file(self.tag_dir, r) for r in range(t * p if self.meta.pipeline else t)]
+        if self.meta.pipeline:
+            wanted += [layer_file(self.tag_dir, layer, r) for layer in layer_names(self.cfg) for r in range(t)]
+        missing = [os.path.basename(f) for f in wanted if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointFormatError(f"{self.tag_dir} is partial: {len(missing)} file(s) missing, e.g. "
+                                        f"{', '.join(missing[:3])}")
+
+    def layers(self, wanted: Iterable[int] | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """(global layer, {name: full unpadded tensor}) in layer order; only ``wanted`` layers are read."""
+        wanted = None if wanted is None else set(wanted)
+        for layer, names in layer_names(self.cfg).items():
+            if wanted is not None and layer not in wanted:
+                continue
+            pieces = self._reader.pieces(layer, names)
+            yield layer, {n: unshard(self.cfg, layer, n, [p.detach() for p in pieces[n]]) for n in names}
+
+
+def open_checkpoint(path: str) -> MtdsCheckpoint:
+    return MtdsCheckpoint(path)

@@ -1,0 +1,31 @@
+"""Training curves as one PNG (loss with eval points, learning rate, throughput), from the step records."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def plot_run(records: list[dict[str, Any]], path: str, title: str = "") -> str:
+    import matplotlib
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    fig, (ax_loss, ax_lr, ax_tput) = plt.subplots(1, 3, figsize=(14, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_loss.legend()
+    ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train])
+    ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
+    ax_tput.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
+    ax_tput.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
