@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtds.cli.convert import main as convert
-from tests.training_helpers import BATCH, CLIP, LR, SEED, SEQ, ds_config, run_layouts, train_config
+from tests.training_helpers import LR, ds_config, run_layouts, train_config, train_hf
 
 STEPS = 5
 REL_TOL = 1e-5
@@ -25,34 +25,6 @@ def _hf_gpt2(path):
     return model
 
 
-def _hf_train(model, steps):
-    """The reference: HF model, torch AdamW, mtds's batches and LR schedule (as tests/training_helpers)."""
-    from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
-    from mtds.training.schedule import lr_factor
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, base_lr=LR, min_lr=LR / 10, warmup=2,
-                                                                        total=steps, decay="cosine"))
-    dataset = build_packed_dataset(None, load_tokenizer(None), SEQ, show_progress=False)
-    B, b = BATCH["train_batch_size"], BATCH["train_micro_batch_size_per_gpu"]
-    stream = MicroBatchStream(dataset, global_batch_size=B, micro_batch_size=b, seed=SEED)
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(B // b):
-            input_ids, labels = next(stream)
-            logits = model(input_ids=input_ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            (loss / (B // b)).backward()
-            total += loss.item() / (B // b)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
-
-
 def test_train_from_hf_then_export_matches_hf_training(tmp_path):
     hf_dir, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
     hf = _hf_gpt2(hf_dir)
@@ -60,7 +32,7 @@ def test_train_from_hf_then_export_matches_hf_training(tmp_path):
     common = dict(tp=2, pp=2, model=hf_dir, steps=STEPS, deepspeed_config=ds_config(zero=1))
     from_hf, from_ckpt = run_layouts(8, [train_config(init_from_hf=hf_dir, save=str(tmp_path / "ck"), **common),
                                          train_config(load=converted, **common)])[0]
-    ref_losses = _hf_train(hf, STEPS)
+    ref_losses = train_hf(hf, STEPS)
     assert max(abs(a - b) / b for a, b in zip(from_hf.losses, ref_losses)) < REL_TOL, (from_hf.losses, ref_losses)
     assert max(abs(a - b) / b for a, b in zip(from_ckpt.losses, from_hf.losses)) < REL_TOL
 

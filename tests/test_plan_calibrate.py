@@ -1,7 +1,6 @@
 """`mtds-plan --calibrate`: a few-second measurement that makes "local" a usable GPU type."""
 import json
 
-import pytest
 
 from mtds.plan.calibrate import measure_matmul, measure_memory_bandwidth, save_profile
 from mtds.plan.candidate import Layout, Workload

@@ -56,17 +56,23 @@ def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout:
 
 
 def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> list[float]:
-    """HF GPT2LMHeadModel with mtds's initial weights, torch AdamW, the same batches and LR schedule."""
+    """HF GPT2LMHeadModel with mtds's initial weights, trained by :func:`train_hf`."""
     from transformers import GPT2LMHeadModel
 
-    from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
     from mtds.hf import hf_config_from_model_config, model_to_hf_state
     from mtds.model import GPTModel
-    from mtds.training.schedule import lr_factor
 
     ours = GPTModel(cfg, seed=SEED)
     hf = GPT2LMHeadModel(hf_config_from_model_config(cfg))
     hf.load_state_dict(model_to_hf_state(ours), strict=False)
+    return train_hf(hf, steps, clip)
+
+
+def train_hf(hf, steps: int = STEPS, clip: float = CLIP) -> list[float]:
+    """The reference loop: torch AdamW, mtds's batches (same seed and order) and LR schedule, clipping."""
+    from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
+    from mtds.training.schedule import lr_factor
+
     hf.train()
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, base_lr=LR, min_lr=LR / 10, warmup=2,

@@ -96,7 +96,7 @@ def run(cfg: TrainConfig) -> RunResult:
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
     tracer = CommTracer().install() if cfg.trace_comm else None
     device, backend = init_distributed(cfg.dist_timeout_s)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
 
     layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp)
     model_cfg = resolve_model_config(cfg.model, **cfg.model_overrides)
