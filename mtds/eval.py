@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -160,22 +159,14 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from mtds.training.cli import user_errors
-    from mtds.training.distributed import shutdown
-    code = 0
-    try:
+    from mtds.training.distributed import run_and_exit
+
+    def work():
         result = run(args)
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
-    except user_errors() + (KeyError, OSError) as err:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            text = str(err).strip()
-            print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)
-        code = 2
-    except Exception:
-        import traceback
-        traceback.print_exc()
-        code = 1
-    shutdown(code)
+
+    run_and_exit(work, user_errors() + (KeyError, OSError))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import textwrap
 
 from .config import TrainConfig
@@ -106,19 +105,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from .distributed import shutdown
-    code = 0
-    try:
-        cfg = config_from_args(args)
+    from .distributed import run_and_exit
+
+    def work():
         from .loop import run
-        run(cfg)
-    except user_errors() as err:
-        import torch.distributed as dist
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        code = 2
-    except Exception:
-        import traceback
-        traceback.print_exc()
-        code = 1
-    shutdown(code)
+        run(config_from_args(args))
+
+    run_and_exit(work, user_errors())

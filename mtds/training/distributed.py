@@ -38,6 +38,24 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[torch.device, str]:
     return device, backend
 
 
+def run_and_exit(work, user_errors: tuple[type[BaseException], ...]) -> None:
+    """Console-script body shared by train.py and mtds-eval: run ``work()``; bad input is one
+    ``error:`` line on rank 0 and exit 2, a bug a traceback and exit 1; then :func:`shutdown`."""
+    code = 0
+    try:
+        work()
+    except user_errors as err:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            text = str(err).strip()
+            print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)
+        code = 2
+    except Exception:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    shutdown(code)
+
+
 def shutdown(exit_code: int) -> None:
     """Leave cleanly: barrier, destroy the group, flush, ``os._exit``.
 
