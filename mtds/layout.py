@@ -95,6 +95,15 @@ class ParallelLayout:
             raise LayoutError(f"{num_layers} layers cannot fill pp*vp = {stages} pipeline stages: "
                               f"use --pp <= {num_layers}")
 
+    def check_sequence_parallel(self, seq_length: int) -> None:
+        """Sequence parallelism splits every sequence into t equal slices."""
+        if self.tp == 1:
+            raise LayoutError("--sequence-parallel needs tensor parallelism (--tp > 1): it splits the "
+                              "sequence over the tensor-parallel group")
+        if seq_length % self.tp:
+            raise LayoutError(f"--sequence-parallel needs --seq-length divisible by --tp {self.tp}, got "
+                              f"{seq_length}: use a multiple of {self.tp}")
+
     # ---- rank arithmetic ---------------------------------------------------------------------------
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:

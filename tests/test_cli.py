@@ -93,6 +93,7 @@ def _assert_one_line_error(out, expected, launcher=False):
     (["--deepspeed_config", CPU, "--load", "/no/such/ckpt"], "checkpoint directory '/no/such/ckpt' does not exist"),
     (["--deepspeed_config", CPU, "--model", "gpt5-huge"], "unknown model 'gpt5-huge'"),
     (["--deepspeed_config", CPU, "--seq-length", "4096"], "4096"),
+    (["--deepspeed_config", CPU, "--sequence-parallel"], "--sequence-parallel needs tensor parallelism (--tp > 1)"),
 ])
 def test_bad_input_single_process(args, expected):
     _assert_one_line_error(_single(*args), expected)

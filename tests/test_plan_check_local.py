@@ -1,22 +1,61 @@
 """Local-cluster prediction vs a measured run (mtds.plan.check_local), end to end.
 
-The issue's goal is +-25% on CPU; the measured/predicted ratio is a benchmark number, reported by
-`python -m mtds.plan.check_local` (see docs/planner.md), not asserted here: on a shared 2-core
-machine step times of one run vary by more than 2x (0.7-3.3 s per step observed; a CI run measured
-2.4x at (2,1,1) while two earlier runs were within 2x). This test checks that calibration,
-prediction and the measured run all work and produce sane, comparable numbers.
+The issue's goal is +-25% on CPU. It is checked by `python -m mtds.plan.check_local` (exit code 1
+outside the tolerance; measured numbers in docs/planner.md), not asserted here: on a shared
+2-core machine other jobs slow individual steps by tens of percent, so a timed assertion in the
+test suite would fail for reasons unrelated to the model. This test checks that calibration,
+prediction and the measured runs work for every layout kind (tensor, pipeline, data parallel)
+and that each layout's prediction charges the communication it really does.
 """
 import math
 
-from mtds.plan.check_local import LAYOUTS, check_local
+from mtds.plan.check_local import LAYOUTS, check_local, main
 
 
 def test_local_calibration_prediction_and_measurement_run_end_to_end():
-    rows = check_local(steps=4)
+    rows = check_local(steps=3, calibrate_each=False)   # one calibration keeps the test short
     assert [r["layout"] for r in rows] == ["t{} p{} d{}".format(*lay) for lay in LAYOUTS]
+    by_layout = {r["layout"]: r for r in rows}
     for r in rows:
-        assert r["predicted_step_s"] > 0 and len(r["measured_step_times_s"]) == 4
+        assert r["predicted_step_s"] > 0 and len(r["measured_step_times_s"]) == 3
         assert all(t > 0 for t in r["measured_step_times_s"])
         assert math.isfinite(r["ratio_measured_over_predicted"]) and r["ratio_measured_over_predicted"] > 0
-    # tensor parallelism over gloo must be predicted to cost communication
-    assert rows[1]["predicted_breakdown_s"]["tp_comm"] > 0
+    assert by_layout["t2 p1 d1"]["predicted_breakdown_s"]["tp_comm"] > 0
+    assert by_layout["t1 p2 d1"]["predicted_breakdown_s"]["pp_comm"] > 0
+    assert by_layout["t1 p2 d1"]["predicted_breakdown_s"]["bubble"] > 0
+    assert by_layout["t1 p1 d2"]["predicted_breakdown_s"]["dp_comm"] > 0
+    single = by_layout["t1 p1 d1"]["predicted_breakdown_s"]
+    assert single["tp_comm"] == single["pp_comm"] == single["dp_comm"] == 0
+
+
+def test_check_exit_code_follows_the_tolerance(monkeypatch, capsys):
+    """The check fails (exit 1) when a layout is outside the tolerance, passes otherwise."""
+    import mtds.plan.check_local as cl
+
+    def fake(*args, **kwargs):   # stands in for the measured run only; the comparison is real
+        return [{"layout": "t1 p1 d1", "predicted_step_s": 1.0, "measured_step_s": ratio,
+                 "predicted_tokens_per_s": 1.0, "measured_tokens_per_s": 1.0,
+                 "ratio_measured_over_predicted": ratio, "ratio_fastest_over_predicted": ratio}]
+    monkeypatch.setattr(cl, "check_local", fake)
+    ratio = 1.2
+    assert main([]) == 0
+    ratio = 1.3
+    assert main(["--repeats", "1"]) == 1
+    assert main(["--repeats", "1", "--tolerance", "0.35"]) == 0
+    assert "OUTSIDE 25%" in capsys.readouterr().out
+
+
+def test_one_disturbed_repeat_does_not_decide(monkeypatch):
+    """Each layout is judged by the median ratio over repeats."""
+    import mtds.plan.check_local as cl
+
+    ratios = iter([1.6, 1.0, 1.1])
+
+    def fake(**kwargs):
+        r = next(ratios)
+        return [{"layout": "t1 p1 d1", "predicted_step_s": 1.0, "measured_step_s": r, "predicted_tokens_per_s": 1.0,
+                 "measured_tokens_per_s": 1.0 / r, "ratio_measured_over_predicted": r,
+                 "ratio_fastest_over_predicted": r}]
+    monkeypatch.setattr(cl, "check_local", fake)
+    (row,) = cl.check_local_repeated(3)
+    assert row["ratio_measured_over_predicted"] == 1.1 and row["ratios_per_repeat"] == [1.6, 1.0, 1.1]

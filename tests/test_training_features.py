@@ -30,11 +30,16 @@ def test_recomputation_with_dropout_is_exact_and_deterministic():
                for k in (0, 1, 0)]
     configs.append(train_config(tp=2, pp=1, activation_checkpointing=2, check_replicas_interval=5, **DROPOUT))
     configs.append(train_config(tp=2, pp=1, activation_checkpointing=0, check_replicas_interval=5, **DROPOUT))
+    # sequence parallelism: residual dropout draws from per-TP-rank streams, which recomputation must
+    # replay too; check_replicas verifies the norms (fed different sequence slices) stay identical
+    configs += [train_config(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=k,
+                             check_replicas_interval=5, **DROPOUT) for k in (0, 1)]
     results = run_layouts(4, configs)[0]
-    no_recompute, recompute, repeat, plain_recompute, plain = (r.losses for r in results)
+    no_recompute, recompute, repeat, plain_recompute, plain, sp, sp_recompute = (r.losses for r in results)
     assert recompute == no_recompute, "recomputation changed the losses (dropout masks not replayed)"
     assert repeat == no_recompute, "same layout and seed gave different losses"
     assert plain_recompute == plain
+    assert sp_recompute == sp, "recomputation under sequence parallelism changed the losses"
     # dropout is really on: the curve differs from the dropout-free reference
     assert max_rel_diff(no_recompute, hf_reference_losses()) > 1e-4
 

@@ -1,5 +1,6 @@
 """Causal self-attention, Megatron style: fused column-parallel QKV, heads split over TP ranks,
-row-parallel output projection (one all-reduce in forward, one in backward)."""
+row-parallel output projection (one all-reduce in forward, one in backward; with sequence
+parallelism an all-gather of the input and a reduce-scatter of the output instead)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,7 @@ from .rotary import apply_rotary, rotary_cos_sin
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None, sequence_parallel: bool = False):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
         self.cfg, self.rng_tracker = cfg, rng_tracker
@@ -27,14 +28,17 @@ class SelfAttention(nn.Module):
         # r*H/t.. and key/value heads r*KV/t.., exactly the kv heads its query heads attend with.
         self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.qkv_size, group=tp_group, bias=cfg.qkv_bias,
                                         init_method=normal_init(cfg.init_std),
-                                        output_segments=[cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d])
+                                        output_segments=[cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d],
+                                        sequence_parallel=sequence_parallel)
         self.out_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, group=tp_group,
-                                          bias=cfg.linear_bias, input_is_parallel=True, init_method=output_init(cfg))
+                                          bias=cfg.linear_bias, input_is_parallel=True, init_method=output_init(cfg),
+                                          sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape          # the whole sequence (x is a slice of it with sequence parallelism)
         d = self.cfg.head_dim
-        q, k, v = self.qkv(x).split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
+        q, k, v = qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
         q = q.view(b, s, self.local_heads, d).transpose(1, 2)        # [b, heads, s, d]
         k = k.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, d).transpose(1, 2)

@@ -5,11 +5,15 @@ is what the pipeline's TiedLayerSpec calls on the last stage.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mtds.config import ModelConfig
-from mtds.tp import VocabParallelEmbedding, parallel_lm_logits
+from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, shared_by_sequence_shards
+from mtds.tp.layers import tp_world_and_rank
 
 from .init import normal_init, seeded
 
@@ -17,13 +21,18 @@ EMBEDDING_LAYER = 0
 
 
 class GPTEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker=None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.cfg, self.tp_group = cfg, tp_group
+        # with sequence parallelism the output is this rank's slice of the sequence
+        self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
+        self.rng_tracker = rng_tracker if self.sequence_parallel and cfg.hidden_dropout > 0 else None
         with seeded(seed, EMBEDDING_LAYER):
             self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=tp_group,
                                                           init_method=normal_init(cfg.init_std),
-                                                          pad_to_multiple_of=cfg.make_vocab_size_divisible_by)
+                                                          pad_to_multiple_of=cfg.make_vocab_size_divisible_by,
+                                                          sequence_parallel=self.sequence_parallel)
             if cfg.position_embedding == "learned":
                 self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
                 normal_init(cfg.init_std)(self.position_embeddings.weight.data)
@@ -38,9 +47,17 @@ class GPTEmbedding(nn.Module):
             if seq > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence length {seq} exceeds max_position_embeddings "
                                  f"{self.cfg.max_position_embeddings}")
-            hidden = hidden + self.position_embeddings(torch.arange(seq, device=input_ids.device))
-        return self.dropout(hidden)
+            positions = torch.arange(seq, device=input_ids.device)
+            table = self.position_embeddings.weight
+            if self.sequence_parallel:   # this rank's positions; the table's gradient summed over slices
+                t, rank = tp_world_and_rank(self.tp_group)
+                positions = positions.chunk(t)[rank]
+                table = shared_by_sequence_shards(table, self.tp_group)
+            hidden = hidden + F.embedding(positions, table)
+        rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
+        with rng:   # sequence slices differ across TP ranks, so must their dropout masks
+            return self.dropout(hidden)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head: vocab-sharded logits [b, s, V_pad/t] from the embedding table."""
-        return parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group)
+        return parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group, self.sequence_parallel)

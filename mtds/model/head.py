@@ -13,10 +13,10 @@ from .norms import make_norm
 
 
 class FinalNorm(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, seed: int = 1234):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 1234, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         with seeded(seed, cfg.num_layers + 1):   # norms start at ones; seeded anyway for uniformity
-            self.norm = make_norm(cfg)
+            self.norm = make_norm(cfg, tp_group if sequence_parallel else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
@@ -26,9 +26,9 @@ class LMHead(nn.Module):
     """Untied output projection, sharded over the padded vocabulary like VocabParallelEmbedding
     (padding rows are zero and masked out by the loss / gather)."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         t, rank = tp_world_and_rank(tp_group)
         full = torch.zeros(cfg.padded_vocab_size(t), cfg.hidden_size)
         with seeded(seed, cfg.num_layers + 2):
@@ -37,7 +37,7 @@ class LMHead(nn.Module):
         mark_tensor_parallel(self.weight, 0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return parallel_lm_logits(hidden, self.weight, self.tp_group)
+        return parallel_lm_logits(hidden, self.weight, self.tp_group, self.sequence_parallel)
 
 
 class LMLoss:

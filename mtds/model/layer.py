@@ -1,6 +1,8 @@
 """One transformer block (pre-norm), optionally with NeoX's parallel residual."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -16,25 +18,40 @@ class TransformerLayer(nn.Module):
     """layer_number is the *global* layer index (1..L): it seeds the init, so a layer's weights
     are the same whichever pipeline stage builds it."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None):
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         if not 1 <= layer_number <= cfg.num_layers:
             raise ValueError(f"layer_number {layer_number} outside 1..{cfg.num_layers} (global index)")
         self.layer_number = layer_number
         self.parallel_residual = cfg.parallel_residual
+        sp_group = tp_group if sequence_parallel else None
         with seeded(seed, layer_number):
-            self.input_norm = make_norm(cfg)
-            self.attention = SelfAttention(cfg, tp_group=tp_group, rng_tracker=rng_tracker)
-            self.post_attention_norm = make_norm(cfg)
-            self.mlp = MLP(cfg, tp_group=tp_group)
-        # Residual-stream dropout acts on replicated activations (after the row-parallel all-reduce):
-        # the default generator, seeded alike on all TP ranks, drops the same elements everywhere.
+            self.input_norm = make_norm(cfg, sp_group)
+            self.attention = SelfAttention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
+                                           sequence_parallel=sequence_parallel)
+            self.post_attention_norm = make_norm(cfg, sp_group)
+            self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        # Residual-stream dropout: without sequence parallelism it acts on replicated activations
+        # (after the row-parallel all-reduce), and the default generator, seeded alike on all TP
+        # ranks, drops the same elements everywhere. With it, each rank holds a different sequence
+        # slice and draws from its own TP stream (Megatron does the same).
         self.attention_dropout = nn.Dropout(cfg.hidden_dropout)
         self.mlp_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.rng_tracker = rng_tracker if sequence_parallel and cfg.hidden_dropout > 0 else None
+
+    def _dropout_rng(self):
+        return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        attn = self.attention_dropout(self.attention(self.input_norm(hidden)))
+        attn = self.attention(self.input_norm(hidden))
+        with self._dropout_rng():
+            attn = self.attention_dropout(attn)
         if self.parallel_residual:   # NeoX: both branches read the block input
-            return hidden + attn + self.mlp_dropout(self.mlp(self.post_attention_norm(hidden)))
+            mlp = self.mlp(self.post_attention_norm(hidden))
+            with self._dropout_rng():
+                return hidden + attn + self.mlp_dropout(mlp)
         hidden = hidden + attn
-        return hidden + self.mlp_dropout(self.mlp(self.post_attention_norm(hidden)))
+        mlp = self.mlp(self.post_attention_norm(hidden))
+        with self._dropout_rng():
+            return hidden + self.mlp_dropout(mlp)

@@ -13,7 +13,7 @@ from .init import normal_init, output_init
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.activation = cfg.activation
         ffn = cfg.ffn_size
@@ -21,9 +21,11 @@ class MLP(nn.Module):
         # Segments [gate, up] give every rank matching columns of both, so silu(gate) * up stays local.
         self.fc_in = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, group=tp_group,
                                           bias=cfg.linear_bias, init_method=normal_init(cfg.init_std),
-                                          output_segments=[ffn, ffn] if gated else None)
+                                          output_segments=[ffn, ffn] if gated else None,
+                                          sequence_parallel=sequence_parallel)
         self.fc_out = RowParallelLinear(ffn, cfg.hidden_size, group=tp_group, bias=cfg.linear_bias,
-                                        input_is_parallel=True, init_method=output_init(cfg))
+                                        input_is_parallel=True, init_method=output_init(cfg),
+                                        sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc_in(x)

@@ -1,28 +1,50 @@
-"""LayerNorm / RMSNorm chosen by cfg.normalization (norm weights start at one, biases at zero)."""
+"""LayerNorm / RMSNorm chosen by cfg.normalization (norm weights start at one, biases at zero).
+
+With sequence parallelism a norm sees only this rank's slice of the sequence, so its (replicated)
+weights pass through `shared_by_sequence_shards`, which sums their gradient over the TP group.
+The parameter names stay those of torch's LayerNorm, so checkpoints and HF mapping are unchanged.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mtds.config import ModelConfig
+from mtds.tp import shared_by_sequence_shards
 
 
 class RMSNorm(nn.Module):
     """w * x / rms(x): normalised in float32 and cast back before the weight, in HF Llama's order,
     so imported Llama models reproduce HF numerics in half precision too."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel_group=None):
         super().__init__()
         self.eps = eps
+        self.sequence_parallel_group = sequence_parallel_group
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return shared_by_sequence_shards(self.weight, self.sequence_parallel_group) * x32.to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, with gradients summed over sequence slices under sequence parallelism."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel_group=None):
+        super().__init__(hidden_size, eps=eps)
+        self.sequence_parallel_group = sequence_parallel_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.sequence_parallel_group
+        return F.layer_norm(x, self.normalized_shape, shared_by_sequence_shards(self.weight, group),
+                            shared_by_sequence_shards(self.bias, group), self.eps)
+
+
+def make_norm(cfg: ModelConfig, sequence_parallel_group=None) -> nn.Module:
+    """``sequence_parallel_group``: the TP group when activations are split along the sequence."""
     if cfg.normalization == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel_group)
+    return LayerNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel_group)

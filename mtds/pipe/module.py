@@ -22,9 +22,10 @@ def _recompute(tracker: RNGTracker, function, *args):
 
 
 def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                          recompute_interval: int = 0):
+                          recompute_interval: int = 0, sequence_parallel: bool = False):
     from deepspeed.pipe import PipelineModule
-    specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker)
+    specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
+                            sequence_parallel=sequence_parallel)
     return PipelineModule(layers=specs, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
                           partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
                           activation_checkpoint_func=partial(_recompute, rng_tracker),
@@ -35,9 +36,10 @@ class SequentialGPT(nn.Module):
     """The single-stage model: the pipeline specs built in order, called like a pipeline would."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                 recompute_interval: int = 0):
+                 recompute_interval: int = 0, sequence_parallel: bool = False):
         super().__init__()
-        specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker)
+        specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
+                                sequence_parallel=sequence_parallel)
         self.embedding = specs[0].build()
         self.layers = nn.ModuleList(spec.build() for spec in specs[1:-2])
         self.final_norm = specs[-2].build()
@@ -72,12 +74,15 @@ class SequentialGPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                recompute_interval: int = 0) -> nn.Module:
-    """PipelineModule for p > 1, SequentialGPT for p = 1."""
+                recompute_interval: int = 0, sequence_parallel: bool = False) -> nn.Module:
+    """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
+    between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
+    weights, and so checkpoints, are the same either way."""
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     builder = build_pipeline_module if groups.layout.pp > 1 else SequentialGPT
-    return builder(cfg, groups, seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval)
+    return builder(cfg, groups, seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
+                   sequence_parallel=sequence_parallel)
 
 
 __all__ = ["build_model", "build_pipeline_module", "SequentialGPT", "TransformerLayer"]

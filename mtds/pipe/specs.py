@@ -26,14 +26,17 @@ def tied_lm_logits(embedding: GPTEmbedding, hidden):
     return embedding.lm_logits(hidden)
 
 
-def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker) -> list:
-    common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker)
+def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False) -> list:
+    """With ``sequence_parallel`` every activation between layers (and pipeline stages) is this
+    TP rank's slice of the sequence, [b, s/t, h]."""
+    common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel)
     if cfg.tie_word_embeddings:
         first = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, tied_weight_attr=TIED_WEIGHT, **common)
         last = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, forward_fn=tied_lm_logits,
                              tied_weight_attr=TIED_WEIGHT, **common)
     else:
         first = LayerSpec(GPTEmbedding, cfg, **common)
-        last = LayerSpec(LMHead, cfg, tp_group=tp_group, seed=seed)
+        last = LayerSpec(LMHead, cfg, tp_group=tp_group, seed=seed, sequence_parallel=sequence_parallel)
     blocks = [LayerSpec(TransformerLayer, cfg, i, **common) for i in range(1, cfg.num_layers + 1)]
-    return [first, *blocks, LayerSpec(FinalNorm, cfg, seed=seed), last]
+    final_norm = LayerSpec(FinalNorm, cfg, seed=seed, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    return [first, *blocks, final_norm, last]

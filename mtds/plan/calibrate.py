@@ -1,11 +1,21 @@
-"""Measure this machine (matmul rate, memory bandwidth, all-reduce bandwidth) into a device profile.
+"""Measure this machine (matmul rate curve, element-wise and copy bandwidth, all-reduce cost) into
+a device profile.
 
-The profile makes "local" a GPU type for the planner: its measured rates replace datasheet
-peaks, and all efficiencies are 1 (see calibration.LOCAL_CALIBRATION). Everything takes a few
-seconds: one matmul size, one copy, two all-reduce sizes.
+The profile makes "local" a GPU type for the planner: its measured rates replace datasheet peaks
+(see hardware.load_profile). Everything is measured the way training uses it, on every rank at
+once (shared cores, memory and loopback are contended as in a real run), and as sustained means
+rather than best-of-N single calls, because a training step pays the typical cost of each
+operation (the fastest of three such means is kept, to shed bursts of unrelated load):
 
-All-reduce bus bandwidth uses the NCCL-tests convention: busbw = 2 (n-1)/n * S / t, so a ring
-all-reduce of S bytes is predicted back as exactly t (comm.all_reduce).
+  * GEMM efficiency as a function of size: square matmuls of n = 64 ... 1024 are timed and fitted
+    to the planner's model eff(n) = n / (n + n_half) of a peak rate (compute.gemm_time):
+    time per FLOP = (1 / peak) (1 + n_half / n) is linear in 1/n, so one least-squares line
+    gives both the peak and n_half;
+  * element-wise kernels (GeLU, layer norm, residual add, row max, exp) as bytes moved per second; on a CPU they
+    are limited by arithmetic, not by memory bandwidth, so their rate is well below a copy's;
+  * all-reduce, each call right after a burst of compute (as the tensor-parallel all-reduces
+    follow a GEMM), at several sizes, fitted to the ring model t(S) = 2 (n-1) alpha +
+    2 (n-1)/n S / busbw (comm.all_reduce); busbw uses the nccl-tests convention.
 """
 from __future__ import annotations
 
@@ -19,49 +29,136 @@ import torch
 
 from mtds.plan.hardware import DEFAULT_PROFILE
 
+GEMM_SIZES = (64, 128, 256, 512, 1024)
+ALLREDUCE_SIZES = (4 * 2 ** 10, 256 * 2 ** 10, 2 ** 20, 4 * 2 ** 20)
 
-def _best_time(fn, repeats: int = 5) -> float:
-    fn()  # warm-up (allocations, thread pool start)
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _mean_time(fn, seconds: float = 0.2, min_calls: int = 3, repeats: int = 3) -> float:
+    """Mean seconds per call over a sustained loop of at least `seconds` (after one warm-up call);
+    the fastest of `repeats` such loops, so that a burst of unrelated load on a shared machine
+    does not become part of the profile (it only ever slows a loop down)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        calls, start = 0, time.perf_counter()
+        while calls < min_calls or time.perf_counter() - start < seconds:
+            fn()
+            calls += 1
+        best = min(best, (time.perf_counter() - start) / calls)
     return best
 
 
-def measure_matmul(n: int = 1024, dtype=torch.float32, device: str = "cpu") -> float:
-    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 FLOPs)."""
+def measure_matmul(n: int = 1024, dtype=torch.float32, device: str = "cpu", seconds: float = 0.15) -> float:
+    """Sustained TFLOP/s of an n x n x n matmul (2 n^3 FLOPs)."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
 
     def run():
         torch.mm(a, b)
-        if device != "cpu":
-            torch.cuda.synchronize()
-    return 2.0 * n ** 3 / _best_time(run) / 1e12
+        _sync(device)
+    return 2.0 * n ** 3 / _mean_time(run, seconds) / 1e12
+
+
+def fit_gemm_curve(rates: dict[int, float]) -> tuple[float, float]:
+    """(peak TFLOP/s, n_half) of eff(n) = n / (n + n_half) fitted to {n: measured TFLOP/s}.
+
+    Least squares of y = 1/rate against x = 1/n: y = 1/peak + (n_half/peak) x."""
+    xs = [1.0 / n for n in rates]
+    ys = [1.0 / r for r in rates.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    if intercept <= 0:                       # degenerate fit: fall back to the largest size's rate
+        return max(rates.values()), 1.0
+    return 1.0 / intercept, max(slope / intercept, 1.0)
 
 
 def measure_memory_bandwidth(nbytes: int = 64 * 2 ** 20, device: str = "cpu") -> float:
     """GB/s of a large tensor copy (read + write = 2 x nbytes moved)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _best_time(lambda: dst.copy_(src)) / 1e9
+
+    def run():
+        dst.copy_(src)
+        _sync(device)
+    return 2.0 * nbytes / _mean_time(run) / 1e9
 
 
-def measure_all_reduce(group=None, sizes=(4096, 16 * 2 ** 20)) -> tuple[float, float]:
-    """(bus bandwidth GB/s from the largest size, latency s from the smallest) of an all-reduce."""
+def measure_elementwise_bandwidth(numel: int = 2 ** 20, device: str = "cpu") -> float:
+    """GB/s (bytes read + written) of the element-wise kernels of a transformer layer and its
+    loss, fp32: tanh-GeLU, layer norm, residual add, and the cross entropy's row max and exp.
+    On a CPU their speeds differ several-fold (a row max or exp is arithmetic-bound, a copy is
+    not), so one mixed rate stands for all of them."""
+    x = torch.randn(numel, device=device)
+    y = torch.randn(numel, device=device)
+    rows = x.view(-1, 256)
+
+    def run():
+        torch.nn.functional.gelu(x, approximate="tanh")
+        torch.nn.functional.layer_norm(rows, (256,))
+        torch.add(x, y)
+        torch.amax(rows, dim=-1)
+        torch.exp(x)
+        _sync(device)
+    moved = 4 * numel * (2 + 2 + 3 + 1 + 2)      # r+w, r+w, 2r+w, r, r+w
+    return moved / _mean_time(run) / 1e9
+
+
+def fit_ring_all_reduce(times: dict[int, float], n: int) -> tuple[float, float]:
+    """(bus bandwidth GB/s, per-hop latency s) of t(S) = 2 (n-1) alpha + 2 (n-1)/n S / busbw
+    fitted by least squares to {S bytes: mean seconds}."""
+    xs, ys = list(times), list(times.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    if slope <= 0:                           # noise swamped the size dependence
+        big = max(times)
+        slope = times[big] / big
+    intercept = max(intercept, min(ys) * 0.5, 1e-7)
+    busbw = 2.0 * (n - 1) / n / slope / 1e9
+    return busbw, intercept / (2 * (n - 1))
+
+
+def measure_all_reduce(group=None, sizes=ALLREDUCE_SIZES, calls: int = 20, repeats: int = 3) -> tuple[float, float, dict]:
+    """(bus bandwidth GB/s, per-hop latency s, {size: mean s}) of all-reduces that each follow a
+    short burst of compute, as a tensor-parallel all-reduce follows its GEMM: ranks drift apart
+    during compute, and the call pays the wait for the slowest one."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
+    a = torch.randn(256, 256)
     times = {}
     for size in sizes:
         buf = torch.zeros(size // 4, dtype=torch.float32)
-        times[size] = _best_time(lambda: dist.all_reduce(buf, group=group), repeats=5)
-    big, small = max(sizes), min(sizes)
-    busbw = 2.0 * (n - 1) / n * big / times[big] / 1e9
-    latency = times[small] / (2 * (n - 1))      # per ring step, as comm.all_reduce counts it
-    return busbw, latency
+        dist.all_reduce(buf, group=group)            # warm-up: connections and buffers
+        for _ in range(repeats):                     # fastest mean of `repeats` (see _mean_time)
+            dist.barrier(group=group)
+            spent = 0.0
+            for _ in range(calls):
+                for _ in range(8):
+                    torch.mm(a, a)
+                start = time.perf_counter()
+                dist.all_reduce(buf, group=group)
+                spent += time.perf_counter() - start
+            times[size] = min(times.get(size, float("inf")), spent / calls)
+    busbw, latency = fit_ring_all_reduce(times, n)
+    return busbw, latency, times
+
+
+def _measure_compute(device: str = "cpu") -> dict:
+    curve = {n: measure_matmul(n, device=device) for n in GEMM_SIZES}
+    peak, half = fit_gemm_curve(curve)
+    return {"matmul_tflops": peak, "gemm_half_dim": half,
+            "matmul_tflops_by_size": {str(n): r for n, r in curve.items()},
+            "memory_gbps": measure_memory_bandwidth(device=device),
+            "elementwise_gbps": measure_elementwise_bandwidth(device=device)}
 
 
 def _free_port() -> int:
@@ -77,9 +174,11 @@ def _worker(rank: int, world: int, port: int, threads: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         # every rank measures at once, so shared cores are contended as in a real run
-        result = {"matmul_tflops": measure_matmul(), "memory_gbps": measure_memory_bandwidth()}
         dist.barrier()
-        result["allreduce_busbw_gbps"], result["allreduce_latency_s"] = measure_all_reduce()
+        result = _measure_compute()
+        dist.barrier()
+        result["allreduce_busbw_gbps"], result["allreduce_latency_s"], times = measure_all_reduce()
+        result["allreduce_mean_s_by_bytes"] = {str(k): v for k, v in times.items()}
         queue.put((rank, result))
     finally:
         dist.destroy_process_group()
@@ -90,9 +189,9 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        busbw, lat = measure_all_reduce()
-        results = [{"matmul_tflops": measure_matmul(), "memory_gbps": measure_memory_bandwidth(),
-                    "allreduce_busbw_gbps": busbw, "allreduce_latency_s": lat}]
+        result = _measure_compute()
+        result["allreduce_busbw_gbps"], result["allreduce_latency_s"], _ = measure_all_reduce()
+        results = [result]
         world_size, backend = dist.get_world_size(), dist.get_backend()
     else:
         import torch.multiprocessing as mp
@@ -104,18 +203,29 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, queue)) for r in range(world_size)]
         for p in procs:
             p.start()
-        results = [queue.get(timeout=120)[1] for _ in procs]
-        for p in procs:
-            p.join(timeout=30)
+        try:
+            results = [queue.get(timeout=180)[1] for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
         backend = "gloo"
-    # the slowest rank bounds a synchronous step
-    prof = {k: min(r[k] for r in results) for k in ("matmul_tflops", "memory_gbps", "allreduce_busbw_gbps")}
+    # a synchronous step runs at the pace of its slowest rank
+    prof = {k: min(r[k] for r in results) for k in ("matmul_tflops", "memory_gbps", "elementwise_gbps",
+                                                     "allreduce_busbw_gbps")}
+    slowest = min(results, key=lambda r: r["matmul_tflops"])
+    prof["gemm_half_dim"] = slowest["gemm_half_dim"]
+    prof["matmul_tflops_by_size"] = slowest["matmul_tflops_by_size"]
     prof["allreduce_latency_s"] = max(r["allreduce_latency_s"] for r in results)
+    if "allreduce_mean_s_by_bytes" in results[0]:
+        prof["allreduce_mean_s_by_bytes"] = results[0]["allreduce_mean_s_by_bytes"]
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world_size
     except (ValueError, OSError, AttributeError):
         mem_gib = 8.0
     prof.update({"device": "cpu", "dtype": "fp32", "backend": backend, "devices_per_node": world_size,
+                 "threads_per_rank": torch.get_num_threads() if dist.is_initialized() else threads,
                  "memory_gib": mem_gib, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return prof
 

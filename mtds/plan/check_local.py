@@ -1,20 +1,20 @@
-"""Check the planner's local-cluster prediction against a measured training run.
+"""Check the planner's local-cluster prediction against measured training runs.
 
-    python -m mtds.plan.check_local [--steps 6] [--hidden 256] [--json]
+    python -m mtds.plan.check_local [--steps 8] [--repeats 3] [--tolerance 0.25] [--json]
 
-1. calibrates this machine (`mtds.plan.calibrate.run_calibration`, gloo, one thread per rank as in
-   `mtds.testing.spawn`, which sets OMP_NUM_THREADS=1);
-2. predicts the step time of a small GPT at layouts (t, p, d) = (1, 1, 1) and (2, 1, 1) with
-   `--gpu local` semantics (measured rates, unit efficiencies, fp32, no recomputation);
-3. runs a few real steps of `mtds.training.run` on spawned gloo ranks for each layout and takes
-   the median step time after the first (warm-up) step;
-4. reports measured / predicted for each layout.
+1. calibrates this machine (`mtds.plan.calibrate.run_calibration`: GEMM size curve, element-wise
+   kernels, all-reduce cost after compute; gloo, one thread per rank as in `mtds.testing.spawn`,
+   which sets OMP_NUM_THREADS=1), afresh before each layout's run;
+2. predicts the step time of a small GPT at layouts (t, p, d) = (1,1,1), (2,1,1), (1,2,1) and
+   (1,1,2) with `--gpu local` semantics (measured rates, fp32, no recomputation);
+3. runs real steps of `mtds.training.run` on spawned gloo ranks for each layout and takes the
+   median step time after the first (warm-up) step;
+4. repeats 1-3 (`--repeats`, default 3), reports the median measured / predicted per layout and
+   exits 1 if any is outside the tolerance (the issue's goal: +-25% on CPU).
 
-Why only a loose check in the tests: on a shared 2-core machine the measured step time varies by
-tens of percent from run to run (other jobs on the same cores, gloo over loopback TCP, Python
-dispatch overhead that the analytical model does not contain), and the one-size matmul
-calibration does not capture the lower CPU efficiency of the small attention GEMMs. The goal
-(+-25%) is reported here, not asserted; tests assert a factor of 2.
+It is a check to run on a quiet machine, not a unit test: other jobs on the same cores slow the
+measured steps by tens of percent (tests/test_plan_check_local.py runs the chain end to end
+without asserting the ratio).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-LAYOUTS = ((1, 1, 1), (2, 1, 1))
+LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2))
 
 
 def model_config(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 8192, seq: int = 128):
@@ -82,21 +82,28 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
     return predict(spec, lay, Workload(global_batch, precision="fp32"), Cluster(gpu, t * p * d, gpus_per_node=2))
 
 
-def check_local(steps: int = 6, hidden: int = 256, layers: int = 4, seq: int = 128, global_batch: int = 8,
-                micro_batch: int = 4, layouts=LAYOUTS, profile: str | None = None) -> list[dict]:
+def check_local(steps: int = 8, hidden: int = 256, layers: int = 4, seq: int = 128, global_batch: int = 8,
+                micro_batch: int = 4, layouts=LAYOUTS, profile: str | None = None,
+                calibrate_each: bool = True) -> list[dict]:
     """Calibrate (unless a profile is given), predict and measure each layout; one dict per layout
-    with predicted and measured step time, tokens/s and the ratio measured / predicted."""
+    with predicted and measured step time, tokens/s and the ratio measured / predicted.
+
+    calibrate_each: calibrate again right before each layout's run, so that the prediction and
+    the measurement see the same state of a shared machine (its speed drifts over minutes)."""
     from mtds.plan.calibrate import run_calibration, save_profile
 
     cfg = model_config(hidden=hidden, layers=layers, seq=seq)
-    tmp = None
-    if profile is None:
-        tmp = tempfile.TemporaryDirectory()
+    tmp = tempfile.TemporaryDirectory()
+
+    def fresh_profile() -> str:
         # one thread per rank, as the training ranks spawned by mtds.testing.spawn run
-        profile = str(save_profile(run_calibration(world_size=2, threads_per_rank=1), Path(tmp.name) / "p.json"))
+        return str(save_profile(run_calibration(world_size=2, threads_per_rank=1), Path(tmp.name) / "p.json"))
     out = []
     try:
-        for layout in layouts:
+        given = profile
+        for i, layout in enumerate(layouts):
+            if given is None and (i == 0 or calibrate_each):
+                profile = fresh_profile()
             pr = predict_local(layout, cfg, seq, global_batch, micro_batch, profile)
             meas = measure(layout, cfg, seq, global_batch, micro_batch, steps)
             tokens = global_batch * seq
@@ -110,33 +117,57 @@ def check_local(steps: int = 6, hidden: int = 256, layers: int = 4, seq: int = 1
                 "predicted_breakdown_s": pr.time_breakdown_s,
             })
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        tmp.cleanup()
+    return out
+
+
+def check_local_repeated(repeats: int = 3, **kwargs) -> list[dict]:
+    """Run `check_local` `repeats` times (calibration included) and summarise each layout by the
+    median over repeats: one disturbed run on a shared machine then moves nothing."""
+    runs = [check_local(**kwargs) for _ in range(repeats)]
+    out = []
+    for i, first in enumerate(runs[0]):
+        per_run = [run[i] for run in runs]
+        row = dict(first)
+        for key in ("predicted_step_s", "measured_step_s", "predicted_tokens_per_s", "measured_tokens_per_s",
+                    "ratio_measured_over_predicted", "ratio_fastest_over_predicted"):
+            row[key] = statistics.median(r[key] for r in per_run)
+        row["ratios_per_repeat"] = [r["ratio_measured_over_predicted"] for r in per_run]
+        out.append(row)
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtds.plan.check_local", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--microbatch", type=int, default=4)
+    ap = argparse.ArgumentParser(prog="python -m mtds.plan.check_local", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    ap.add_argument("--steps", type=int, default=8, help="training steps per layout (the first is dropped)")
+    ap.add_argument("--hidden", type=int, default=256, help="model width (4 heads)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length")
+    ap.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--microbatch", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--profile", default=None, help="use this device profile instead of calibrating")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="calibrate + measure this many times; each layout is judged by the median ratio")
+    ap.add_argument("--tolerance", type=float, default=0.25,
+                    help="largest accepted |measured/predicted - 1| (default 0.25, the planner's CPU goal)")
+    ap.add_argument("--json", action="store_true", help="print one JSON list (predicted and measured per layout)")
     a = ap.parse_args(argv)
-    rows = check_local(a.steps, a.hidden, a.layers, a.seq, a.global_batch, a.microbatch, profile=a.profile)
+    rows = check_local_repeated(a.repeats, steps=a.steps, hidden=a.hidden, layers=a.layers, seq=a.seq,
+                                global_batch=a.global_batch, micro_batch=a.microbatch, profile=a.profile)
+    for r in rows:
+        r["within_tolerance"] = abs(r["ratio_measured_over_predicted"] - 1) <= a.tolerance
     if a.json:
         print(json.dumps(rows, indent=2))
     else:
+        pct = f"{a.tolerance:.0%}"
         for r in rows:
-            ok = "within 25%" if abs(r["ratio_measured_over_predicted"] - 1) <= 0.25 else "OUTSIDE 25%"
+            ok = f"within {pct}" if r["within_tolerance"] else f"OUTSIDE {pct}"
             print(f"{r['layout']}: predicted {r['predicted_step_s']:.3f} s ({r['predicted_tokens_per_s']:.0f} tok/s), "
                   f"measured {r['measured_step_s']:.3f} s ({r['measured_tokens_per_s']:.0f} tok/s), "
                   f"measured/predicted {r['ratio_measured_over_predicted']:.2f} [{ok}] "
-                  f"(fastest step / predicted {r['ratio_fastest_over_predicted']:.2f})")
-    return 0
+                  f"(per repeat: {', '.join(f'{x:.2f}' for x in r['ratios_per_repeat'])})")
+    return 0 if all(r["within_tolerance"] for r in rows) else 1
 
 
 if __name__ == "__main__":

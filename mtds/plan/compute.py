@@ -96,11 +96,14 @@ def layer_compute_time(model: ModelSpec, layout: Layout, work: Workload, cluster
 
 def output_layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
     """Logits GEMM [bs x h]@[h x V/t] forward + backward, and the fp32 vocab-parallel cross
-    entropy (about 4 passes over 4-byte logits: max, exp-sum, softmax, gradient)."""
+    entropy over the b s V/t logits (mtds.tp.cross_entropy, as Megatron's): row max (read),
+    shift, exp, softmax division (read + write each), sum (read), gradient scale (read + write):
+    10 passes of 4 bytes; 16-bit logits add the upcast and the gradient's downcast (12 bytes)."""
     s, b, h, t = model.seq, layout.microbatch, model.hidden, layout.tp
     v = model.padded_vocab(t) / t
     gemm = gemm_time(s * b, v, h, cluster, elem_bytes=work.bytes_per_value)
-    return 3.0 * gemm + elementwise_time(16.0 * s * b * v, cluster)
+    loss_bytes = 40.0 + (12.0 if work.bytes_per_value == 2 else 0.0)
+    return 3.0 * gemm + elementwise_time(loss_bytes * s * b * v, cluster)
 
 
 def grad_accumulation_time(n_params_local: float, grad_bytes: float, acc_bytes: float, cluster: Cluster) -> float:

@@ -73,7 +73,19 @@ def load_profile(path: str | os.PathLike) -> GPUSpec:
         hbm_gib=float(prof["memory_gib"]), hbm_gbps=float(prof["memory_gbps"]),
         nvlink_gbps=float(prof["allreduce_busbw_gbps"]), internode_gbps=float(prof["allreduce_busbw_gbps"]),
         gpus_per_node=int(prof.get("devices_per_node", 2)),
-        calibration=LOCAL_CALIBRATION.with_overrides(hop_latency_s=float(prof.get("allreduce_latency_s", 50e-6))),
+        calibration=_profile_calibration(prof),
+    )
+
+
+def _profile_calibration(prof: dict) -> Calibration:
+    """Unit efficiencies, except what the profile measured beyond a single peak: the GEMM size
+    curve (n_half) and element-wise kernels, which run below copy bandwidth on a CPU."""
+    memory = float(prof["memory_gbps"])
+    elementwise = float(prof.get("elementwise_gbps", memory))
+    return LOCAL_CALIBRATION.with_overrides(
+        hop_latency_s=float(prof.get("allreduce_latency_s", 50e-6)),
+        gemm_half_dim=float(prof.get("gemm_half_dim", LOCAL_CALIBRATION.gemm_half_dim)),
+        hbm_efficiency=min(1.0, elementwise / memory) if memory > 0 else 1.0,
     )
 
 

@@ -115,6 +115,12 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
     n_tp_collectives = 4 + (2 if layout.recompute == "full" else 0)
     t_tp = n_tp_collectives * comm.all_reduce(s * b * h * w, t, 1, cluster)
     t_out = compute.output_layer_time(model, layout, work, cluster)
+    # vocab-parallel ends of the model (Megatron): the logits' input is copied into the tensor
+    # region (its gradient all-reduced, s b h) and the cross entropy all-reduces max, target
+    # logit and sum of exponentials (s b fp32 values each) - last stage; the embedding output is
+    # all-reduced (s b h) - first stage, on the same GPU only when p = 1
+    t_tp_out = comm.all_reduce(s * b * h * w, t, 1, cluster) + 3 * comm.all_reduce(s * b * 4, t, 1, cluster)
+    t_tp_embed = comm.all_reduce(s * b * h * w, t, 1, cluster) if p == 1 else 0.0
     n_local = max(stage_params(model, layout, "first"), stage_params(model, layout, "last") if p > 1 else 0.0)
     n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
 
@@ -125,7 +131,7 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
                                            cluster)
     compute_s = (m * layers_per_stage * t_layer + m * t_out + m * t_acc
                  + compute.optimizer_time(n_opt, cluster))
-    tp_s = m * layers_per_stage * t_tp
+    tp_s = m * (layers_per_stage * t_tp + t_tp_out + t_tp_embed)
     # the accumulation pass runs in each microbatch's backward on every stage, so it belongs to
     # the per-microbatch stage time that the bubble idles for
     bubble_s = (p - 1) / v * (layers_per_stage * (t_layer + t_tp) + t_acc)
@@ -133,9 +139,14 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
     if p > 1:
         cross_node = t * d * p > cluster.per_node
         # each of the t ranks sends its 1/t slice, the receiver all-gathers it over NVLink
-        # (scatter/gather optimisation, PTD-P Section 4.1)
-        t_p2p = comm.p2p(s * b * h * w / t, cross_node, cluster) + comm.all_gather(s * b * h * w, t, 1, cluster)
-        pp_s = 2 * (v * m + p - 1) * t_p2p
+        # (scatter/gather optimisation, PTD-P Section 4.1); with sequence parallelism the
+        # activations between layers are already split along the sequence, so no all-gather
+        t_p2p = comm.p2p(s * b * h * w / t, cross_node, cluster)
+        if not layout.sequence_parallel:
+            t_p2p += comm.all_gather(s * b * h * w, t, 1, cluster)
+        # tied input/output embedding: first and last stage all-reduce its gradient once per step
+        embedding_grad = model.padded_vocab(t) / t * h * grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
+        pp_s = 2 * (v * m + p - 1) * t_p2p + comm.all_reduce(embedding_grad, 2, t * d * (p - 1), cluster)
 
     grad_bytes = n_local * w
     if layout.zero_stage >= 3:

@@ -14,8 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-                       reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region)
+from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+
+# Activations are [batch, sequence, hidden]; sequence parallelism splits dim 1.
+SEQUENCE_DIM = 1
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -73,19 +77,33 @@ def _sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitM
     return param
 
 
+def shared_by_sequence_shards(param: torch.Tensor | None, group) -> torch.Tensor | None:
+    """A replicated parameter applied to this rank's slice of the sequence (sequence parallelism:
+    layer norms, the row-parallel bias, position embeddings). Its gradient is a partial sum over
+    the slice; the identity-forward / all-reduce-backward copy makes autograd add the slices."""
+    return param if param is None else copy_to_tensor_parallel_region(param, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: rank i computes Y_i = X A_i + b_i.
 
     ``output_segments`` (e.g. ``[q, k, v]`` or ``[gate, up]``) splits each segment over the ranks
     separately, so a fused projection hands every rank matching pieces of each.
+    ``sequence_parallel``: the input is this rank's sequence slice; it is all-gathered along the
+    sequence (gradient reduce-scattered) instead of entering the region by a copy (Korthikanti
+    et al. 2022, Section 4.2.2).
     """
 
     def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None,
-                 output_segments: Sequence[int] | None = None, dtype=None, device=None):
+                 output_segments: Sequence[int] | None = None, sequence_parallel: bool = False,
+                 dtype=None, device=None):
         super().__init__()
         world, _ = tp_world_and_rank(group)
+        if sequence_parallel and gather_output:
+            raise ValueError("sequence_parallel and gather_output cannot be combined")
         self.group = group
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.output_segments = tuple(output_segments) if output_segments else None
@@ -98,7 +116,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(x, self.group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group, SEQUENCE_DIM)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
@@ -116,12 +137,18 @@ class RowParallelLinear(nn.Module):
     """Y = X A + b with A split by rows: rank i computes X_i A_i, the partial sums are all-reduced.
 
     The bias is replicated and added once, after the reduction (adding it per rank would count it t times).
+    ``sequence_parallel``: the partial sums are reduce-scattered along the sequence instead of
+    all-reduced, so each rank leaves with its sequence slice.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
-                 input_is_parallel: bool = True, init_method: InitMethod | None = None, dtype=None, device=None):
+                 input_is_parallel: bool = True, init_method: InitMethod | None = None,
+                 sequence_parallel: bool = False, dtype=None, device=None):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.group = group
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.weight = _sharded_parameter((out_features, in_features), 1, group, init_method, None, dtype, device)
@@ -133,6 +160,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, SEQUENCE_DIM)
+            return y if self.bias is None else y + shared_by_sequence_shards(self.bias, self.group)
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -154,10 +184,11 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, embedding_dim: int, *, group=None, init_method: InitMethod | None = None,
-                 pad_to_multiple_of: int = 128, dtype=None, device=None):
+                 pad_to_multiple_of: int = 128, sequence_parallel: bool = False, dtype=None, device=None):
         super().__init__()
         world, rank = tp_world_and_rank(group)
         self.group = group
+        self.sequence_parallel = sequence_parallel
         self.vocab_size = vocab_size
         self.embedding_dim = embedding_dim
         self.padded_vocab_size = padded_vocab_size(vocab_size, world, pad_to_multiple_of)
@@ -177,12 +208,20 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:   # sum the vocab shards and keep this rank's sequence slice
+            return reduce_scatter_to_sequence_parallel_region(out, self.group, SEQUENCE_DIM)
         return reduce_from_tensor_parallel_region(out, self.group)
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, padded={self.padded_vocab_size}, dim={self.embedding_dim}"
 
 
-def parallel_lm_logits(hidden: torch.Tensor, vocab_shard_weight: torch.Tensor, group) -> torch.Tensor:
-    """Vocab-sharded logits: enter the TP region (grad all-reduce) and multiply by this rank's rows."""
-    return F.linear(copy_to_tensor_parallel_region(hidden, group), vocab_shard_weight)
+def parallel_lm_logits(hidden: torch.Tensor, vocab_shard_weight: torch.Tensor, group,
+                       sequence_parallel: bool = False) -> torch.Tensor:
+    """Vocab-sharded logits: enter the TP region (grad all-reduce) and multiply by this rank's rows.
+    With sequence parallelism ``hidden`` is a sequence slice: all-gather it (grad reduce-scatter)."""
+    if sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, group, SEQUENCE_DIM)
+    else:
+        hidden = copy_to_tensor_parallel_region(hidden, group)
+    return F.linear(hidden, vocab_shard_weight)

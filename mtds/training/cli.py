@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel size t (must divide attention heads) [1]")
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
                    help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism (Korthikanti et al. 2022): layer norms, dropout and residuals work "
+                        "on 1/t of the sequence, saving activation memory; same communication volume, same "
+                        "losses. Needs t > 1 dividing --seq-length")
     g.add_argument("--model",
                    help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
                         "file/directory [the --init-from-hf directory, else gpt2-tiny]")
@@ -80,7 +84,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         overrides.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
     return TrainConfig(
         deepspeed_config=args.deepspeed_config, model=args.model or args.init_from_hf or "gpt2-tiny",
-        model_overrides=overrides, tp=args.tp, pp=args.pp,
+        model_overrides=overrides, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
         data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,

@@ -12,6 +12,7 @@ class TrainConfig:
     model_overrides: dict = field(default_factory=dict)   # e.g. {"hidden_dropout": 0.1}
     tp: int = 1
     pp: int = 1
+    sequence_parallel: bool = False             # split activations along the sequence over the TP group
     # data
     data: str | None = None                     # None: the shipped corpus
     text_column: str = "text"

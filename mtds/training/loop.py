@@ -103,8 +103,16 @@ def run(cfg: TrainConfig) -> RunResult:
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
                        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
                        num_layers=model_cfg.num_layers)
+    if cfg.sequence_parallel:
+        layout.check_sequence_parallel(cfg.seq_length)
     ds_config, batch = prepare_ds_config(load_ds_config(cfg.deepspeed_config), layout, device_type=device.type,
                                          lr=cfg.lr)
+    if cfg.sequence_parallel and layout.pp > 1:
+        # DeepSpeed's pipeline splits a stage's output over the TP ranks and the next stage
+        # all-gathers it (scatter/gather, PTD-P Section 4.1): correct only for activations that are
+        # replicated across TP ranks. Sequence-parallel activations are already one slice per rank.
+        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                 "grad_partitioned": False}
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:
         for name in ("tp", "dp", "pp"):
@@ -115,13 +123,14 @@ def run(cfg: TrainConfig) -> RunResult:
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
     logger = StepLogger(enabled=reporting, total_steps=cfg.steps, append=bool(cfg.load), jsonl_path=cfg.log_jsonl,
                         tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
-    logger.info(f"mtds: layout {layout} on {world} {device.type} rank(s) [{backend}], {precision(ds_config)}, "
+    sp = " + sequence parallel" if cfg.sequence_parallel else ""
+    logger.info(f"mtds: layout {layout}{sp} on {world} {device.type} rank(s) [{backend}], {precision(ds_config)}, "
                 f"ZeRO-{zero_stage(ds_config)}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
                 f"accumulation {batch.accumulation} x dp {layout.dp}")
 
     stream, eval_stream = _build_data(cfg, model_cfg, batch, groups, logger)
 
-    model = build_model(model_cfg, groups, seed=cfg.seed, rng_tracker=tracker,
+    model = build_model(model_cfg, groups, seed=cfg.seed, rng_tracker=tracker, sequence_parallel=cfg.sequence_parallel,
                         recompute_interval=cfg.activation_checkpointing)
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
