@@ -40,7 +40,7 @@ def launch(scheme: Scheme, *, nproc: int, model: str, steps: int, seq_length: in
            "--master_port", str(free_port()), "-m", "compare.entry", os.path.join(out_dir, "probe"),
            "--deepspeed_config", config, "--tp", str(scheme.tp), "--pp", str(scheme.pp), "--model", model,
            "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", log, "--no-progress",
-           "--eval-split", "0", "--lr-decay", "constant", *extra]
+           "--eval-split", "0", "--lr-decay", "constant", *(["--sequence-parallel"] if scheme.sp else []), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()

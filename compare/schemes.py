@@ -1,6 +1,7 @@
 """Scheme specs on the command line -> what to launch.
 
     ptdp:tp=2,pp=2            Megatron TP x DeepSpeed pipeline, ZeRO-1 (ds_configs/cpu_fp32.json)
+    ptdp:tp=2,pp=2,sp=1       ... with sequence parallelism (train.py --sequence-parallel)
     zero3                     plain data parallelism with ZeRO-3 (ds_configs/cpu_zero3_fp32.json)
     ptdp:tp=2,config=my.json  any scheme can name its own DeepSpeed config
 """
@@ -20,10 +21,11 @@ class Scheme:
     tp: int = 1
     pp: int = 1
     config: str = ""
+    sp: int = 0         # 1: sequence parallelism over the TP group
 
     @property
     def name(self) -> str:
-        return "zero3" if self.kind == "zero3" else f"ptdp-t{self.tp}p{self.pp}"
+        return "zero3" if self.kind == "zero3" else f"ptdp-t{self.tp}p{self.pp}" + ("-sp" if self.sp else "")
 
     def data_parallel(self, world: int) -> int:
         if world % (self.tp * self.pp):
@@ -38,10 +40,12 @@ def parse_scheme(text: str) -> Scheme:
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("tp", "pp", "config"):
-            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P or config=FILE")
+        if not eq or key not in ("tp", "pp", "sp", "config"):
+            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1 or config=FILE")
         fields[key] = value if key == "config" else int(value)
-    if kind == "zero3" and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1):
+    if kind == "zero3" and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1 or fields.get("sp", 0)):
         raise ValueError("zero3 runs with tp=1, pp=1 (DeepSpeed's ZeRO-3 cannot combine with its pipeline)")
+    if fields.get("sp", 0) and fields.get("tp", 1) < 2:
+        raise ValueError(f"{text!r}: sequence parallelism (sp=1) needs tp > 1")
     fields.setdefault("config", DEFAULT_CONFIGS[kind])
     return Scheme(kind, **fields)

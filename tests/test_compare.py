@@ -15,7 +15,9 @@ def test_scheme_specs():
     assert (s.kind, s.tp, s.pp, s.name) == ("ptdp", 2, 2, "ptdp-t2p2") and s.config.endswith("cpu_fp32.json")
     z = parse_scheme("zero3")
     assert (z.tp, z.pp) == (1, 1) and z.config.endswith("cpu_zero3_fp32.json") and os.path.isfile(z.config)
-    for bad in ("zero3:tp=2", "fsdp", "ptdp:tq=2"):
+    sp = parse_scheme("ptdp:tp=2,sp=1")
+    assert (sp.sp, sp.name) == (1, "ptdp-t2p1-sp")
+    for bad in ("zero3:tp=2", "fsdp", "ptdp:tq=2", "ptdp:tp=1,sp=1", "zero3:sp=1"):
         try:
             parse_scheme(bad)
         except ValueError:
