@@ -9,7 +9,7 @@ from torch import nn
 from mtds.comm_trace import CommTracer
 from mtds.layout import ParallelLayout
 from mtds.tp import (ColumnParallelLinear, RowParallelLinear, gather_from_sequence_parallel_region,
-                     reduce_scatter_to_sequence_parallel_region, unshard_rows)
+                     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region, unshard_rows)
 from tests.dist import spawn
 
 B, S, H, HEADS = 2, 8, 32, 4
@@ -112,10 +112,17 @@ def _sequence_worker():
     # d/d partial of sum_r (rank r scales its sequence chunk by r+1) * weights:
     scale = torch.cat([torch.full((B, S // t, H), float(r + 1)) for r in range(t)], dim=1)
     expected_grad = weights * scale * t  # every rank's output sum is backpropagated: t copies
+    # a replicated [s, h] tensor (position embeddings): each rank keeps its rows, and the backward
+    # all-gather hands every rank the gradient of every row
+    replicated = torch.arange(float(S * H)).reshape(S, H).requires_grad_()
+    rows = scatter_to_sequence_parallel_region(replicated, group, dim=0)
+    (rows * (rank + 1)).sum().backward()
+    row_grad = torch.cat([torch.full((S // t, H), float(r + 1)) for r in range(t)], dim=0)
     return (torch.allclose(local, total.chunk(t, dim=1)[rank], atol=1e-5),
-            torch.allclose(partial.grad, expected_grad, atol=1e-4))
+            torch.allclose(partial.grad, expected_grad, atol=1e-4),
+            torch.equal(rows, replicated.detach().chunk(t, dim=0)[rank]) and torch.equal(replicated.grad, row_grad))
 
 
 def test_sequence_parallel_mappings():
-    for ok_forward, ok_backward in spawn(_sequence_worker, 2, timeout=120):
-        assert ok_forward and ok_backward
+    for ok_forward, ok_backward, ok_scatter in spawn(_sequence_worker, 2, timeout=120):
+        assert ok_forward and ok_backward and ok_scatter

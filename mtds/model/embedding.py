@@ -8,11 +8,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtds.config import ModelConfig
-from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, shared_by_sequence_shards
+from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, scatter_to_sequence_parallel_region
 from mtds.tp.layers import tp_world_and_rank
 
 from .init import normal_init, seeded
@@ -47,13 +46,12 @@ class GPTEmbedding(nn.Module):
             if seq > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence length {seq} exceeds max_position_embeddings "
                                  f"{self.cfg.max_position_embeddings}")
-            positions = torch.arange(seq, device=input_ids.device)
-            table = self.position_embeddings.weight
-            if self.sequence_parallel:   # this rank's positions; the table's gradient summed over slices
-                t, rank = tp_world_and_rank(self.tp_group)
-                positions = positions.chunk(t)[rank]
-                table = shared_by_sequence_shards(table, self.tp_group)
-            hidden = hidden + F.embedding(positions, table)
+            positions = self.position_embeddings(torch.arange(seq, device=input_ids.device))   # [s, h]
+            if self.sequence_parallel:
+                # this rank's positions; backward all-gathers their gradient (s h values, not the
+                # whole table), so every rank updates the table with every position's gradient
+                positions = scatter_to_sequence_parallel_region(positions, self.tp_group, dim=0)
+            hidden = hidden + positions
         rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
         with rng:   # sequence slices differ across TP ranks, so must their dropout masks
             return self.dropout(hidden)

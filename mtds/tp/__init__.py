@@ -4,7 +4,8 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
                      padded_vocab_size, parallel_lm_logits, shard_rows, shared_by_sequence_shards, unshard_rows)
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_parallel_region)
 from .random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed
 
 __all__ = [
@@ -13,5 +14,5 @@ __all__ = [
     "shard_rows", "unshard_rows", "shared_by_sequence_shards",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "gather_from_sequence_parallel_region", "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "checkpoint",
+    "gather_from_sequence_parallel_region", "scatter_to_sequence_parallel_region", "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "checkpoint",
 ]

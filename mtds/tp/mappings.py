@@ -131,6 +131,17 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(grad, ctx.group, ctx.dim), None, None
 
 
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -165,6 +176,11 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk (``g`` with sequence parallelism)."""
     return x if _world(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim % x.dim())
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Keep this rank's sequence chunk of a replicated tensor; backward all-gathers the gradient."""
+    return x if _world(group) == 1 else _ScatterToSequence.apply(x, group, dim % x.dim())
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
