@@ -2,12 +2,15 @@
 
 Step time of one pipeline (PTD-P, arXiv 2104.04473, eq. 1 extended with communication):
     T_step = m * (l/p) * (t_layer + t_tp)           compute + tensor-parallel collectives
-           + m * t_output + t_optimizer              last stage's logits/loss, Adam step
+           + m * (t_output + t_tp_ends)              last stage's logits/loss and the collectives of
+                                                     the vocab-parallel ends (embedding too if p = 1)
+           + t_optimizer                             Adam step
            + m * t_grad_accumulation                 add each microbatch's weight grads to the
                                                      fp32 buffer (unfused, calibration)
            + (p - 1)/v * ((l/p) * (t_layer + t_tp)  pipeline bubble, fraction (p-1)/(v m)
                          + t_grad_accumulation)
            + 2 (v m + p - 1) * t_p2p                 activations/gradients between stages
+           + t_tied_embedding                        first/last stage embedding-gradient all-reduce
            + exposed data-parallel communication
 with m = B/(b d) microbatches. Tensor parallelism issues 2 all-reduces of s b h values in the
 forward and 2 in the backward of every layer (Megatron, arXiv 1909.08053 Section 3), plus 2 more
