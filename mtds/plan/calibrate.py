@@ -133,10 +133,11 @@ def measure_all_reduce(group=None, sizes=ALLREDUCE_SIZES, calls: int = 20, repea
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
-    a = torch.randn(256, 256)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"   # NCCL reduces GPU tensors only
+    a = torch.randn(256, 256, device=device)
     times = {}
     for size in sizes:
-        buf = torch.zeros(size // 4, dtype=torch.float32)
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
         dist.all_reduce(buf, group=group)            # warm-up: connections and buffers
         for _ in range(repeats):                     # fastest mean of `repeats` (see _mean_time)
             dist.barrier(group=group)
@@ -144,8 +145,10 @@ def measure_all_reduce(group=None, sizes=ALLREDUCE_SIZES, calls: int = 20, repea
             for _ in range(calls):
                 for _ in range(8):
                     torch.mm(a, a)
+                _sync(device)
                 start = time.perf_counter()
                 dist.all_reduce(buf, group=group)
+                _sync(device)
                 spent += time.perf_counter() - start
             times[size] = min(times.get(size, float("inf")), spent / calls)
     busbw, latency = fit_ring_all_reduce(times, n)
@@ -189,7 +192,7 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        result = _measure_compute()
+        result = _measure_compute("cuda" if dist.get_backend() == "nccl" else "cpu")
         result["allreduce_busbw_gbps"], result["allreduce_latency_s"], _ = measure_all_reduce()
         results = [result]
         world_size, backend = dist.get_world_size(), dist.get_backend()
@@ -221,10 +224,14 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
     if "allreduce_mean_s_by_bytes" in results[0]:
         prof["allreduce_mean_s_by_bytes"] = results[0]["allreduce_mean_s_by_bytes"]
     try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world_size
+        if backend == "nccl":      # one GPU per rank: its own memory
+            mem_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30
+        else:                      # ranks share the host's memory
+            mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / world_size
     except (ValueError, OSError, AttributeError):
         mem_gib = 8.0
-    prof.update({"device": "cpu", "dtype": "fp32", "backend": backend, "devices_per_node": world_size,
+    prof.update({"device": "cuda" if backend == "nccl" else "cpu", "dtype": "fp32", "backend": backend,
+                 "devices_per_node": world_size,
                  "threads_per_rank": torch.get_num_threads() if dist.is_initialized() else threads,
                  "memory_gib": mem_gib, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return prof
