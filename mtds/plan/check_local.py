@@ -100,9 +100,9 @@ def check_local(steps: int = 8, hidden: int = 256, layers: int = 4, seq: int = 1
         return str(save_profile(run_calibration(world_size=2, threads_per_rank=1), Path(tmp.name) / "p.json"))
     out = []
     try:
-        given = profile
+        calibrate = profile is None
         for i, layout in enumerate(layouts):
-            if given is None and (i == 0 or calibrate_each):
+            if calibrate and (i == 0 or calibrate_each):
                 profile = fresh_profile()
             pr = predict_local(layout, cfg, seq, global_batch, micro_batch, profile)
             meas = measure(layout, cfg, seq, global_batch, micro_batch, steps)

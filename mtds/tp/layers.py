@@ -79,7 +79,7 @@ def _sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitM
 
 def shared_by_sequence_shards(param: torch.Tensor | None, group) -> torch.Tensor | None:
     """A replicated parameter applied to this rank's slice of the sequence (sequence parallelism:
-    layer norms, the row-parallel bias, position embeddings). Its gradient is a partial sum over
+    layer norms, the row-parallel bias). Its gradient is a partial sum over
     the slice; the identity-forward / all-reduce-backward copy makes autograd add the slices."""
     return param if param is None else copy_to_tensor_parallel_region(param, group)
 
