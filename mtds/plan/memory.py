@@ -110,6 +110,13 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload,
     return scale * sbh * (linear + attn)
 
 
+def interleaved_activation_factor(p: int, v: int) -> float:
+    """Peak activations of the interleaved schedule's first rank relative to 1F1B's: 1 + (p-1)/(p v)
+    (Korthikanti 2022 Section 4.2.3). It is rank 0's warm-up + 1 = v p + p - 1 chunk activations of
+    1/(p v) of the model each (checked against mtds.pipe.schedules in tests/test_pipe_schedules.py)."""
+    return 1.0 + (p - 1) / (p * v)
+
+
 def in_flight_layers(model: ModelSpec, layout: Layout, work: Workload) -> float:
     """Layer-microbatches whose activations the first stage holds at its peak.
 
@@ -120,7 +127,7 @@ def in_flight_layers(model: ModelSpec, layout: Layout, work: Workload) -> float:
     m = layout.microbatches(work.global_batch)
     n = min(p, m) * model.layers / p
     if v > 1:
-        n *= 1.0 + (p - 1) / (p * v)
+        n *= interleaved_activation_factor(p, v)
     return n
 
 
