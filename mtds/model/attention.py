@@ -1,6 +1,11 @@
 """Causal self-attention, Megatron style: fused column-parallel QKV, heads split over TP ranks,
 row-parallel output projection (one all-reduce in forward, one in backward; with sequence
-parallelism an all-gather of the input and a reduce-scatter of the output instead)."""
+parallelism an all-gather of the input and a reduce-scatter of the output instead).
+
+Selective recomputation (Korthikanti et al. 2022, Section 5): the core between the two projections
+(scores QK^T, softmax, attention dropout, probabilities x V) keeps 5as^2b bytes per layer for
+backward but costs few FLOPs, so with ``recompute_core`` only its input (the QKV projection) is kept
+and the core runs again in backward; the RNG tracker replays the dropout masks bit for bit."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtds.config import ModelConfig
-from mtds.tp import ColumnParallelLinear, RowParallelLinear
+from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
 
 from .init import normal_init, output_init
 from .parallel import check_tensor_parallel
@@ -18,10 +23,11 @@ from .rotary import apply_rotary, rotary_cos_sin
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None, sequence_parallel: bool = False,
+                 recompute_core: bool = False):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
-        self.cfg, self.rng_tracker = cfg, rng_tracker
+        self.cfg, self.rng_tracker, self.recompute_core = cfg, rng_tracker, recompute_core
         self.local_heads, self.local_kv_heads = cfg.num_heads // t, cfg.kv_heads // t
         d = cfg.head_dim
         # Segments [q, k, v]: each is split over ranks separately, so rank r holds query heads
@@ -36,6 +42,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
+        if self.recompute_core and self.training:
+            context = checkpoint(self.core_attention, self.rng_tracker, qkv)
+        else:
+            context = self.core_attention(qkv)
+        return self.out_proj(context)
+
+    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[b, s, local qkv] -> [b, s, local heads * d]: everything between the two projections."""
         b, s, _ = qkv.shape          # the whole sequence (x is a slice of it with sequence parallelism)
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
@@ -43,7 +57,7 @@ class SelfAttention(nn.Module):
         k = k.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         if self.cfg.position_embedding == "rotary":
-            cos, sin = rotary_cos_sin(self.cfg, s, x.device, q.dtype)
+            cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.cfg.attention_dropout if self.training else 0.0
         # Attention probabilities are sharded by head: their dropout must differ across TP ranks.
@@ -55,4 +69,4 @@ class SelfAttention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         with forked:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.out_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))
+        return out.transpose(1, 2).reshape(b, s, self.local_heads * d)

@@ -16,10 +16,11 @@ from .norms import make_norm
 
 class TransformerLayer(nn.Module):
     """layer_number is the *global* layer index (1..L): it seeds the init, so a layer's weights
-    are the same whichever pipeline stage builds it."""
+    are the same whichever pipeline stage builds it. ``recompute_attention``: selective
+    recomputation of the attention core (see :mod:`mtds.model.attention`)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, recompute_attention: bool = False):
         super().__init__()
         if not 1 <= layer_number <= cfg.num_layers:
             raise ValueError(f"layer_number {layer_number} outside 1..{cfg.num_layers} (global index)")
@@ -29,7 +30,7 @@ class TransformerLayer(nn.Module):
         with seeded(seed, layer_number):
             self.input_norm = make_norm(cfg, sp_group)
             self.attention = SelfAttention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
-                                           sequence_parallel=sequence_parallel)
+                                           sequence_parallel=sequence_parallel, recompute_core=recompute_attention)
             self.post_attention_norm = make_norm(cfg, sp_group)
             self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         # Residual-stream dropout: without sequence parallelism it acts on replicated activations

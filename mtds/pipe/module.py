@@ -22,10 +22,11 @@ def _recompute(tracker: RNGTracker, function, *args):
 
 
 def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                          recompute_interval: int = 0, sequence_parallel: bool = False):
+                          recompute_interval: int = 0, recompute_attention: bool = False,
+                          sequence_parallel: bool = False):
     from deepspeed.pipe import PipelineModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
     return PipelineModule(layers=specs, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
                           partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
                           activation_checkpoint_func=partial(_recompute, rng_tracker),
@@ -36,10 +37,10 @@ class SequentialGPT(nn.Module):
     """The single-stage model: the pipeline specs built in order, called like a pipeline would."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                 recompute_interval: int = 0, sequence_parallel: bool = False):
+                 recompute_interval: int = 0, recompute_attention: bool = False, sequence_parallel: bool = False):
         super().__init__()
         specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
         self.embedding = specs[0].build()
         self.layers = nn.ModuleList(spec.build() for spec in specs[1:-2])
         self.final_norm = specs[-2].build()
@@ -74,15 +75,21 @@ class SequentialGPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                recompute_interval: int = 0, sequence_parallel: bool = False) -> nn.Module:
+                recompute_interval: int = 0, recompute_attention: bool = False,
+                sequence_parallel: bool = False) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
-    weights, and so checkpoints, are the same either way."""
+    weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
+    recomputes every k whole blocks ("full"); ``recompute_attention`` only the attention core
+    ("selective"); they are alternatives, not meant together."""
+    if recompute_interval and recompute_attention:
+        raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
+                         "each other: choose one")
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     builder = build_pipeline_module if groups.layout.pp > 1 else SequentialGPT
     return builder(cfg, groups, seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
-                   sequence_parallel=sequence_parallel)
+                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel)
 
 
 __all__ = ["build_model", "build_pipeline_module", "SequentialGPT", "TransformerLayer"]

@@ -26,9 +26,10 @@ def tied_lm_logits(embedding: GPTEmbedding, hidden):
     return embedding.lm_logits(hidden)
 
 
-def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False) -> list:
+def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False,
+                    recompute_attention: bool = False) -> list:
     """With ``sequence_parallel`` every activation between layers (and pipeline stages) is this
-    TP rank's slice of the sequence, [b, s/t, h]."""
+    TP rank's slice of the sequence, [b, s/t, h]. ``recompute_attention``: selective recomputation."""
     common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel)
     if cfg.tie_word_embeddings:
         first = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, tied_weight_attr=TIED_WEIGHT, **common)
@@ -37,6 +38,7 @@ def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, seque
     else:
         first = LayerSpec(GPTEmbedding, cfg, **common)
         last = LayerSpec(LMHead, cfg, tp_group=tp_group, seed=seed, sequence_parallel=sequence_parallel)
-    blocks = [LayerSpec(TransformerLayer, cfg, i, **common) for i in range(1, cfg.num_layers + 1)]
+    blocks = [LayerSpec(TransformerLayer, cfg, i, recompute_attention=recompute_attention, **common)
+              for i in range(1, cfg.num_layers + 1)]
     final_norm = LayerSpec(FinalNorm, cfg, seed=seed, tp_group=tp_group, sequence_parallel=sequence_parallel)
     return [first, *blocks, final_norm, last]

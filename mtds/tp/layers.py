@@ -14,12 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
-
-# Activations are [batch, sequence, hidden]; sequence parallelism splits dim 1.
-SEQUENCE_DIM = 1
+from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+                       reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_parallel_region)
+from .sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -91,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
     separately, so a fused projection hands every rank matching pieces of each.
     ``sequence_parallel``: the input is this rank's sequence slice; it is all-gathered along the
     sequence (gradient reduce-scattered) instead of entering the region by a copy (Korthikanti
-    et al. 2022, Section 4.2.2).
+    et al. 2022, Section 4.2.2); only the slice is kept for backward, which gathers it again.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
@@ -117,10 +115,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group, SEQUENCE_DIM)
+            y = linear_with_sequence_parallel_input(x, self.weight, self.bias, self.group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
         if not self.gather_output:
             return y
         y = gather_from_tensor_parallel_region(y, self.group)
@@ -221,7 +218,5 @@ def parallel_lm_logits(hidden: torch.Tensor, vocab_shard_weight: torch.Tensor, g
     """Vocab-sharded logits: enter the TP region (grad all-reduce) and multiply by this rank's rows.
     With sequence parallelism ``hidden`` is a sequence slice: all-gather it (grad reduce-scatter)."""
     if sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(hidden, group, SEQUENCE_DIM)
-    else:
-        hidden = copy_to_tensor_parallel_region(hidden, group)
-    return F.linear(hidden, vocab_shard_weight)
+        return linear_with_sequence_parallel_input(hidden, vocab_shard_weight, None, group)
+    return F.linear(copy_to_tensor_parallel_region(hidden, group), vocab_shard_weight)

@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-from-hf", metavar="DIR", help="start from HuggingFace weights in DIR (each rank reads "
                                                          "only its layers and shards)")
     g.add_argument("--dropout", type=float, help="hidden and attention dropout (overrides the model config)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="activation recomputation in backward: selective = the attention core (scores, softmax, "
+                        "dropout; Korthikanti et al. 2022), full = whole blocks [none, or full with "
+                        "--activation-checkpointing]")
     g.add_argument("--activation-checkpointing", nargs="?", const=1, default=0, type=int, metavar="K",
-                   help="recompute activations every K transformer blocks in backward (bare flag: K=1)")
+                   help="full recomputation every K transformer blocks (bare flag: K=1); implies --recompute full")
     g.add_argument("--seed", type=int, default=1234, help="weights, data order and dropout all follow it [1234]")
 
     g = p.add_argument_group("data")
@@ -89,7 +93,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing, init_from_hf=args.init_from_hf, save=args.save,
+        activation_checkpointing=args.activation_checkpointing, recompute=args.recompute,
+        init_from_hf=args.init_from_hf, save=args.save,
         save_interval=args.save_interval, load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
         plot=args.plot,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,

@@ -30,7 +30,8 @@ class TrainConfig:
     warmup_steps: int = 0
     lr_decay: str = "cosine"                    # cosine | linear | constant (ignored if the config has a scheduler)
     seed: int = 1234
-    activation_checkpointing: int = 0           # recompute every k transformer blocks; 0 off
+    activation_checkpointing: int = 0           # interval k of "full" recomputation (every k blocks); 0 off
+    recompute: str | None = None                # none | selective | full; None: full if activation_checkpointing
     init_from_hf: str | None = None
     # checkpoints and logs
     save: str | None = None
@@ -55,3 +56,18 @@ class TrainConfig:
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
         if self.activation_checkpointing < 0:
             raise ValueError("--activation-checkpointing takes a block interval >= 0")
+        object.__setattr__(self, "recompute", self._resolved_recompute())
+        if self.recompute == "full" and not self.activation_checkpointing:
+            object.__setattr__(self, "activation_checkpointing", 1)
+
+    def _resolved_recompute(self) -> str:
+        """One meaning for the two flags: --activation-checkpointing K is the interval of full recompute."""
+        k, mode = self.activation_checkpointing, self.recompute
+        if mode is None:
+            return "full" if k else "none"
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"--recompute must be none, selective or full, got {mode!r}")
+        if k and mode != "full":
+            raise ValueError(f"--activation-checkpointing {k} means --recompute full (every {k} blocks) and "
+                             f"conflicts with --recompute {mode}: drop one of the two")
+        return mode

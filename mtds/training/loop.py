@@ -131,7 +131,8 @@ def run(cfg: TrainConfig) -> RunResult:
     stream, eval_stream = _build_data(cfg, model_cfg, batch, groups, logger)
 
     model = build_model(model_cfg, groups, seed=cfg.seed, rng_tracker=tracker, sequence_parallel=cfg.sequence_parallel,
-                        recompute_interval=cfg.activation_checkpointing)
+                        recompute_interval=cfg.activation_checkpointing,
+                        recompute_attention=cfg.recompute == "selective")
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
         load_hf_into_stages(model, cfg.init_from_hf, model_cfg, groups)
@@ -168,7 +169,7 @@ def run(cfg: TrainConfig) -> RunResult:
                                             model_cfg.hidden_size, model_cfg.vocab_size)
     flops_hw = hardware_flops_per_iteration(batch.global_batch, cfg.seq_length, model_cfg.num_layers,
                                             model_cfg.hidden_size, model_cfg.vocab_size,
-                                            recompute="full" if cfg.activation_checkpointing else "none")
+                                            recompute=cfg.recompute)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = peak_tflops(device_name, precision(ds_config)) if device_name else None
 
