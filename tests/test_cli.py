@@ -94,6 +94,8 @@ def _assert_one_line_error(out, expected, launcher=False):
     (["--deepspeed_config", CPU, "--model", "gpt5-huge"], "unknown model 'gpt5-huge'"),
     (["--deepspeed_config", CPU, "--seq-length", "4096"], "4096"),
     (["--deepspeed_config", CPU, "--sequence-parallel"], "--sequence-parallel needs tensor parallelism (--tp > 1)"),
+    (["--deepspeed_config", CPU, "--recompute", "selective", "--activation-checkpointing", "2"],
+     "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
 ])
 def test_bad_input_single_process(args, expected):
     _assert_one_line_error(_single(*args), expected)
