@@ -178,7 +178,6 @@ def test_cli_requires_model(capsys):
 
 
 def test_model_from_preset():
-    pytest.importorskip("mtds.config")
     from mtds.plan.model_spec import resolve_model
 
     spec = resolve_model("gpt2-small")

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from mtds.plan.candidate import RECOMPUTE_CHOICES, Workload
+from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Workload
 from mtds.plan.hardware import DEFAULT_PROFILE, Cluster, get_gpu, gpu_names
 from mtds.plan.model_spec import ModelSpec, resolve_model
 
@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pp", type=int)
     lay.add_argument("--dp", type=int)
     lay.add_argument("--microbatch", type=int)
-    lay.add_argument("--virtual-stages", type=int)
+    lay.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved: v > 1)")
+    lay.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
+                     help="pipeline schedule (train.py --pipeline-schedule); default: the planner tries each")
     lay.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
     lay.add_argument("--recompute", choices=RECOMPUTE_CHOICES)
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
@@ -53,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--evaluate", action="store_true", help="evaluate one layout even without --tp/--pp")
     o.add_argument("--top", type=int, default=10, help="layouts to show when ranking (0 = all)")
     o.add_argument("--show-infeasible", action="store_true", help="also list infeasible layouts and why")
+    o.add_argument("--include-unrunnable", action="store_true",
+                   help="also rank layouts train.py cannot run yet (flagged; see mtds/plan/runnable.py)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--calibrate", action="store_true", help="measure this machine and save a device profile")
     o.add_argument("--calibrate-ranks", type=int, default=2, help="gloo ranks for --calibrate")
@@ -109,24 +113,27 @@ def main(argv=None) -> int:
         raise SystemExit(f"mtds-plan: {exc}")
     work = Workload(args.global_batch, precision, args.tokens)
     knobs = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage",
-                                           "recompute", "sequence_parallel")}
+                                           "recompute", "sequence_parallel", "pipeline_schedule")}
+    runnable_only = not args.include_unrunnable
 
     from mtds.plan import report
     from mtds.plan.search import evaluate, plan
 
     if args.evaluate or args.tp is not None or args.pp is not None:
-        pr = evaluate(model, work, cluster, **knobs)
+        pr = evaluate(model, work, cluster, runnable_only=runnable_only, **knobs)
         if args.json:
             print(json.dumps({**pr.as_dict(), **report.context_dict(model, work, cluster)}, indent=2))
         elif sys.stdout.isatty():
             report.render_table(model, work, cluster, [pr], title="Evaluated layout")
             if pr.reasons:
                 print("infeasible: " + "; ".join(pr.reasons))
+            if pr.not_runnable:
+                print("not runnable: " + "; ".join(pr.not_runnable))
         else:
             print(report.render_text(pr))
         return 0 if pr.feasible else 1
 
-    result = plan(model, work, cluster, keep_infeasible=args.show_infeasible, **knobs)
+    result = plan(model, work, cluster, keep_infeasible=args.show_infeasible, runnable_only=runnable_only, **knobs)
     top = None if args.top == 0 else args.top
     if args.json:
         print(json.dumps(report.plan_dict(model, work, cluster, result, top, args.show_infeasible), indent=2))

@@ -97,8 +97,21 @@ def validate(actions: list, *, p: int, v: int, m: int, weight_pass: bool) -> Non
             raise InvalidSchedule(f"rank {rank}: runs {len(done)} actions, expected {len(kinds) * v * m}")
 
 
-def simulate(actions: list, *, p: int, v: int, m: int, costs: dict, weight_pass: bool, comm=0) -> SimResult:
-    """Run per-rank action lists; raise ``InvalidSchedule`` or ``ScheduleDeadlock``."""
+def interleaved_stage(p: int, rank: int, chunk: int) -> int:
+    """Virtual stage of (rank, chunk) in Megatron's interleaved placement (v = 1: the rank)."""
+    return chunk * p + rank
+
+
+def v_shape_stage(p: int, rank: int, chunk: int) -> int:
+    """Virtual stage of (rank, chunk) in DualPipeV's V placement: chunk 0 is stage ``rank``, chunk 1 is
+    stage ``2p − 1 − rank`` (activations go down the ranks and come back up)."""
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def simulate(actions: list, *, p: int, v: int, m: int, costs: dict, weight_pass: bool, comm=0,
+             stage_of=interleaved_stage) -> SimResult:
+    """Run per-rank action lists; raise ``InvalidSchedule`` or ``ScheduleDeadlock``.
+    ``stage_of(p, rank, chunk)`` places chunks on virtual stages (default: interleaved)."""
     validate(actions, p=p, v=v, m=m, weight_pass=weight_pass)
     n_virtual = p * v
     finished = {}                      # (kind, virtual stage, micro) -> end time
@@ -112,7 +125,7 @@ def simulate(actions: list, *, p: int, v: int, m: int, costs: dict, weight_pass:
         for rank in range(p):
             while pos[rank] < len(actions[rank]):
                 a: Action = actions[rank][pos[rank]]
-                stage = a.chunk * p + rank
+                stage = stage_of(p, rank, a.chunk)
                 ready = _message_ready(a, stage, n_virtual, finished, comm)
                 if ready is None:
                     break  # blocked on a receive; other ranks may unblock it
@@ -157,3 +170,18 @@ def peak_in_flight(actions: list, weight_pass: bool) -> int:
         elif a.kind == release:
             held -= 1
     return peak
+
+
+def peak_in_flight(actions: list, weight_pass: bool) -> int:
+    """Most (chunk, micro-batch) activations a rank holds at once: counted from F until the pass that
+    frees them (W when the schedule has W passes -- W still needs the layer inputs -- else B)."""
+    release = "W" if weight_pass else "B"
+    held = peak = 0
+    for a in actions:
+        if a.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif a.kind == release:
+            held -= 1
+    return peak
+

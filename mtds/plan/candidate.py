@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+# train.py --pipeline-schedule vocabulary; what each costs is in mtds.plan.pipeline
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,11 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """t-way tensor, p-way pipeline (v virtual stages per rank), d-way data parallel,
-    microbatch b, ZeRO stage, activation recomputation and sequence parallelism."""
+    """t-way tensor, p-way pipeline (v model chunks per rank, run by a pipeline schedule), d-way data
+    parallel, microbatch b, ZeRO stage, activation recomputation and sequence parallelism.
+
+    ``pipeline_schedule`` left empty means "interleaved" when v > 1, else "1f1b"; dualpipev has v = 2
+    (two chunks per rank, V placement)."""
 
     tp: int
     pp: int
@@ -32,6 +37,11 @@ class Layout:
     zero_stage: int = 0
     recompute: str = "full"
     sequence_parallel: bool = False
+    pipeline_schedule: str = ""
+
+    def __post_init__(self):
+        if not self.pipeline_schedule:
+            object.__setattr__(self, "pipeline_schedule", "interleaved" if self.virtual_stages > 1 else "1f1b")
 
     @property
     def gpus(self) -> int:
@@ -46,5 +56,6 @@ class Layout:
 
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
+        sched = f" {self.pipeline_schedule}" if self.pp > 1 else ""
         return (f"t{self.tp} p{self.pp} d{self.dp} b{self.microbatch} v{self.virtual_stages} "
-                f"z{self.zero_stage} {self.recompute}{sp}")
+                f"z{self.zero_stage} {self.recompute}{sp}{sched}")

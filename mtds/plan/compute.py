@@ -21,10 +21,12 @@ from mtds.plan.model_spec import ModelSpec
 
 @dataclass(frozen=True)
 class PassTimes:
-    """Seconds for the forward of the whole layer, and of its attention core alone."""
+    """Seconds for the forward of the whole layer, of its attention core alone, and of its weight
+    GEMMs (QKV, projection, FC1, FC2: the weight-gradient pass W does the same FLOPs)."""
 
     forward: float
     attention_core: float
+    linear: float = 0.0
 
 
 def gemm_time(m: float, n: float, k: float, cluster: Cluster, batch: float = 1.0, elem_bytes: int = 2) -> float:
@@ -81,7 +83,7 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     elem = elementwise_time(scale * (hidden_ops + ffn_ops + transposes), cluster)
     attn_elem = elementwise_time(scale * softmax_ops, cluster)
     core = attn_gemm + attn_elem
-    return PassTimes(forward=linear + elem + core, attention_core=core)
+    return PassTimes(forward=linear + elem + core, attention_core=core, linear=linear)
 
 
 def layer_compute_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:

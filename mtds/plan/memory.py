@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from mtds.plan.candidate import Layout, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.model_spec import ModelSpec
+from mtds.plan.pipeline import activation_factor, interleaved_activation_factor  # noqa: F401 (re-export)
 
 GIB = 1024.0 ** 3
 
@@ -110,25 +111,16 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload,
     return scale * sbh * (linear + attn)
 
 
-def interleaved_activation_factor(p: int, v: int) -> float:
-    """Peak activations of the interleaved schedule's first rank relative to 1F1B's: 1 + (p-1)/(p v)
-    (Korthikanti 2022 Section 4.2.3). It is rank 0's warm-up + 1 = v p + p - 1 chunk activations of
-    1/(p v) of the model each (checked against mtds.pipe.schedules in tests/test_pipe_schedules.py)."""
-    return 1.0 + (p - 1) / (p * v)
-
-
 def in_flight_layers(model: ModelSpec, layout: Layout, work: Workload) -> float:
     """Layer-microbatches whose activations the first stage holds at its peak.
 
     1F1B keeps min(p, m) microbatches of l/p layers (~l layers' worth); the interleaved
-    schedule multiplies this by (1 + (p-1)/(p v)) (Korthikanti 2022 Section 4.2.3).
+    schedule multiplies this by (1 + (p-1)/(p v)) (Korthikanti 2022 Section 4.2.3), ZB-H1 by 1,
+    DualPipeV by 1 + 1/(2p) (mtds.plan.pipeline.activation_factor).
     """
     p, v = layout.pp, layout.virtual_stages
     m = layout.microbatches(work.global_batch)
-    n = min(p, m) * model.layers / p
-    if v > 1:
-        n *= interleaved_activation_factor(p, v)
-    return n
+    return min(p, m) * model.layers / p * activation_factor(layout.pipeline_schedule, p, v)
 
 
 def predict_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> MemoryBreakdown:

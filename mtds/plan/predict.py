@@ -7,8 +7,9 @@ Step time of one pipeline (PTD-P, arXiv 2104.04473, eq. 1 extended with communic
            + t_optimizer                             Adam step
            + m * t_grad_accumulation                 add each microbatch's weight grads to the
                                                      fp32 buffer (unfused, calibration)
-           + (p - 1)/v * ((l/p) * (t_layer + t_tp)  pipeline bubble, fraction (p-1)/(v m)
-                         + t_grad_accumulation)
+           + bubble(schedule; F, B, W of one         pipeline bubble: (p-1)(F+B+W)/v for 1f1b and
+                    microbatch on one stage)         interleaved, (p-1)(F+B-W) zb-h1, (p-1)(F/2+B+W)
+                                                     dualpipev (mtds.plan.pipeline)
            + 2 (v m + p - 1) * t_p2p                 activations/gradients between stages
            + t_tied_embedding                        first/last stage embedding-gradient all-reduce
            + exposed data-parallel communication
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan import comm, compute
-from mtds.plan.candidate import RECOMPUTE_CHOICES, Layout, Workload
+from mtds.plan import comm, compute, pipeline
+from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Layout, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
 from mtds.plan.model_spec import ModelSpec
+from mtds.plan.runnable import not_runnable
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Prediction:
     days_to_train: float
     fits: bool
     reasons: tuple = field(default=())   # why infeasible (empty if feasible)
+    not_runnable: tuple = field(default=())  # why train.py cannot run it (mtds.plan.runnable)
 
     @property
     def feasible(self) -> bool:
@@ -71,6 +74,8 @@ class Prediction:
             "fits": self.fits,
             "feasible": self.feasible,
             "reasons": list(self.reasons),
+            "runnable": not self.not_runnable,
+            "not_runnable": list(self.not_runnable),
         }
 
 
@@ -90,10 +95,10 @@ def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluste
     if work.global_batch % (b * d):
         out.append(f"global batch {work.global_batch} not divisible by b*d={b * d}")
     m = layout.microbatches(work.global_batch)
-    if v > 1 and p == 1:
-        out.append("virtual stages need p > 1")
-    if v > 1 and m % p:
-        out.append(f"interleaved schedule needs microbatches m={m} divisible by p={p}")
+    if layout.pipeline_schedule not in PIPELINE_SCHEDULES:
+        out.append(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}")
+    else:
+        out += pipeline.schedule_problems(layout.pipeline_schedule, p, v, m)
     if layout.zero_stage not in (0, 1, 2, 3):
         out.append("zero stage must be 0-3")
     if layout.zero_stage >= 2 and p > 1:
@@ -116,7 +121,8 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
 
     t_layer = compute.layer_compute_time(model, layout, work, cluster)
     n_tp_collectives = 4 + (2 if layout.recompute == "full" else 0)
-    t_tp = n_tp_collectives * comm.all_reduce(s * b * h * w, t, 1, cluster)
+    t_tp_one = comm.all_reduce(s * b * h * w, t, 1, cluster)
+    t_tp = n_tp_collectives * t_tp_one
     t_out = compute.output_layer_time(model, layout, work, cluster)
     # vocab-parallel ends of the model (Megatron): the logits' input is copied into the tensor
     # region (its gradient all-reduced, s b h) and the cross entropy all-reduces max, target
@@ -135,21 +141,23 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
     compute_s = (m * layers_per_stage * t_layer + m * t_out + m * t_acc
                  + compute.optimizer_time(n_opt, cluster))
     tp_s = m * (layers_per_stage * t_tp + t_tp_out + t_tp_embed)
-    # the accumulation pass runs in each microbatch's backward on every stage, so it belongs to
-    # the per-microbatch stage time that the bubble idles for
-    bubble_s = (p - 1) / v * (layers_per_stage * (t_layer + t_tp) + t_acc)
+    tp_s += sequence_parallel_grad_time(model, layout, work, cluster, m)
+    bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, v,
+                                    *stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc))
     pp_s = 0.0
     if p > 1:
         cross_node = t * d * p > cluster.per_node
         # each of the t ranks sends its 1/t slice, the receiver all-gathers it over NVLink
         # (scatter/gather optimisation, PTD-P Section 4.1); with sequence parallelism the
         # activations between layers are already split along the sequence, so no all-gather
-        t_p2p = comm.p2p(s * b * h * w / t, cross_node, cluster)
-        if not layout.sequence_parallel:
+        # DeepSpeed's DualPipeV refuses pipe_partitioned: it sends the whole activation
+        scatter_gather = layout.pipeline_schedule != "dualpipev"
+        t_p2p = comm.p2p(s * b * h * w / (t if scatter_gather else 1), cross_node, cluster)
+        if scatter_gather and not layout.sequence_parallel:
             t_p2p += comm.all_gather(s * b * h * w, t, 1, cluster)
         # tied input/output embedding: first and last stage all-reduce its gradient once per step
         embedding_grad = model.padded_vocab(t) / t * h * grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
-        pp_s = 2 * (v * m + p - 1) * t_p2p + comm.all_reduce(embedding_grad, 2, t * d * (p - 1), cluster)
+        pp_s = pipeline.p2p_messages(layout.pipeline_schedule, p, v, m) * t_p2p + comm.all_reduce(embedding_grad, 2, t * d * (p - 1), cluster)
 
     grad_bytes = n_local * w
     if layout.zero_stage >= 3:
@@ -181,4 +189,37 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
         time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
+        not_runnable=tuple(not_runnable(layout)),
     )
+
+
+def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, t_tp_one: float,
+                     t_acc: float) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one microbatch on one pipeline stage. F: forward compute + its 2 TP
+    collectives per layer; W: the weight-gradient GEMMs (same FLOPs as the forward's) + the
+    gradient-accumulation pass; B: the rest of the backward (input gradients, recomputation, the
+    backward TP collectives). F + B + W = the stage's whole per-microbatch time."""
+    lps = model.layers / layout.pp
+    fwd = compute.layer_forward(model, layout, work, cluster)
+    n_tp = 4 + (2 if layout.recompute == "full" else 0)
+    stage = lps * (compute.layer_compute_time(model, layout, work, cluster) + n_tp * t_tp_one) + t_acc
+    f = lps * (fwd.forward + 2 * t_tp_one)
+    w_pass = lps * fwd.linear + t_acc
+    return f, stage - f - w_pass, w_pass
+
+
+def sequence_parallel_grad_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster,
+                                m: int) -> float:
+    """With sequence parallelism, the parameters replicated over the TP group (2 layer norms' weight and
+    bias, the row-parallel biases: 6 tensors of h per layer, + the final norm) see 1/t of the sequence,
+    so their gradients are all-reduced over the TP group. ZeRO-0/1: once per step, one bucket (as
+    Megatron's allreduce_layernorm_grads); ZeRO-2/3: per tensor per microbatch (DeepSpeed partitions
+    gradients as they are produced, so the sum must be complete by then)."""
+    if not layout.sequence_parallel or layout.tp == 1:
+        return 0.0
+    t, h = layout.tp, model.hidden
+    tensors = 6 * model.layers / layout.pp + 2
+    gb = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
+    if layout.zero_stage <= 1:
+        return comm.all_reduce(tensors * h * gb, t, 1, cluster)
+    return m * tensors * comm.all_reduce(h * gb, t, 1, cluster)

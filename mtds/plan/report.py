@@ -51,7 +51,8 @@ def render_table(model, work, cluster, predictions: list, title: str, console=No
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=title, caption="layout = t p d b(microbatch) v(virtual stages) z(ZeRO) recompute[+sp]; "
+    table = Table(title=title, caption="layout = t p d b(microbatch) v(virtual stages) z(ZeRO) recompute[+sp] "
+                                       "schedule; * = train.py cannot run it yet (--json: not_runnable); "
                                        "TFLOP/s = hardware/model; time split % = compute/TP/PP/DP/bubble; "
                                        "memory GiB = total (params/grads/optimizer/activations)")
     table.add_column("#", justify="right")
@@ -59,7 +60,7 @@ def render_table(model, work, cluster, predictions: list, title: str, console=No
     for col in ("step s", "TFLOP/s", "MFU", "memory GiB", "time split %", "days"):
         table.add_column(col, justify="right")
     for i, pr in enumerate(predictions, 1):
-        table.add_row(str(i), pr.layout.short(), f"{pr.step_time_s:.3g}",
+        table.add_row(str(i), pr.layout.short() + (" *" if pr.not_runnable else ""), f"{pr.step_time_s:.3g}",
                       f"{pr.tflops_per_gpu:.0f}/{pr.model_tflops_per_gpu:.0f}",
                       f"{100 * pr.mfu:.1f}%", _mem(pr), _split(pr),
                       f"{pr.days_to_train:.1f}")
@@ -91,4 +92,6 @@ def render_text(pr: Prediction) -> str:
              f"days to train: {pr.days_to_train:.1f}"]
     if pr.reasons:
         lines.append("infeasible: " + "; ".join(pr.reasons))
+    if pr.not_runnable:
+        lines.append("not runnable: " + "; ".join(pr.not_runnable))
     return "\n".join(lines)

@@ -6,20 +6,26 @@ sequence_parallel) is held; the others range over every value that can work:
      competitive: its all-reduces would run over InfiniBand, PTD-P takeaway #1; a t that does not
      divide the node size would make some tensor groups straddle two nodes);
   p  divides n/t and the layer count; d = n/(t p);
-  b  divides B/d (up to `max_microbatch`);  v divides l/p (v > 1 only with p > 1);
+  b  divides B/d (up to `max_microbatch`);
+  pipeline schedule (p > 1): 1f1b and zb-h1 with v = 1, interleaved with v > 1 dividing l/p,
+     dualpipev with v = 2 (fix `pipeline_schedule` to one name, or to a tuple of allowed names);
   ZeRO 0-3 (2-3 only with p = 1, DeepSpeed), recompute none/selective/full, SP on/off (t > 1).
+Layouts train.py cannot run yet (mtds.plan.runnable) are left out unless runnable_only=False, in
+which case they are ranked too and carry `not_runnable` reasons.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan.candidate import RECOMPUTE_CHOICES, Layout, Workload
+from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Layout, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, predict_memory
 from mtds.plan.model_spec import ModelSpec
 from mtds.plan.predict import Prediction, predict, structural_problems
+from mtds.plan.runnable import not_runnable
 
-KNOBS = ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage", "recompute", "sequence_parallel")
+KNOBS = ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
+         "pipeline_schedule")
 
 
 def _divisors(n: int) -> list[int]:
@@ -56,22 +62,38 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
                 bs = [b for b in _divisors(per_pipe) if b <= max_microbatch] if per_pipe else []
             vs = [fixed["virtual_stages"]] if fixed.get("virtual_stages") else (
                 _divisors(model.layers // p) if p > 1 and model.layers % p == 0 else [1])
+            schedules = _schedules(fixed.get("pipeline_schedule"), p)
             zs = [fixed["zero_stage"]] if fixed.get("zero_stage") is not None else (
                 [0] if d == 1 else [0, 1] if p > 1 else [0, 1, 2, 3])
             rs = [fixed["recompute"]] if fixed.get("recompute") else list(RECOMPUTE_CHOICES)
             sps = [fixed["sequence_parallel"]] if fixed.get("sequence_parallel") is not None else (
                 [False, True] if t > 1 else [False])
             for b in bs:
-                for v in vs:
+                for v, sched in ((v, sc) for sc in schedules for v in vs if _chunks_fit(sc, v)):
                     for z in zs:
                         for r in rs:
                             for sp in sps:
-                                yield Layout(t, p, d, b, v, z, r, sp)
+                                yield Layout(t, p, d, b, v, z, r, sp, sched)
+
+
+def _schedules(fixed, p: int) -> list[str]:
+    """Schedules to try: the fixed one(s), else all; p = 1 has no pipeline (1f1b stands for none)."""
+    if p == 1:
+        return ["1f1b"]
+    if fixed:
+        return [fixed] if isinstance(fixed, str) else list(fixed)
+    return list(PIPELINE_SCHEDULES)
+
+
+def _chunks_fit(schedule: str, v: int) -> bool:
+    """Chunks per rank each schedule runs (structural_problems says why others fail)."""
+    return {"interleaved": v > 1, "dualpipev": v == 2}.get(schedule, v == 1)
 
 
 def plan(model: ModelSpec, work: Workload, cluster: Cluster, *, max_microbatch: int = 64,
-         keep_infeasible: bool = False, **fixed) -> PlanResult:
-    """Predict every candidate layout; rank feasible ones by step time (then memory)."""
+         keep_infeasible: bool = False, runnable_only: bool = True, **fixed) -> PlanResult:
+    """Predict every candidate layout; rank feasible ones by step time (then memory).
+    runnable_only: leave out layouts train.py cannot run (mtds.plan.runnable)."""
     unknown = set(fixed) - set(KNOBS)
     if unknown:
         raise TypeError(f"unknown layout knobs: {sorted(unknown)}")
@@ -79,6 +101,8 @@ def plan(model: ModelSpec, work: Workload, cluster: Cluster, *, max_microbatch: 
     result = PlanResult()
     for layout in candidate_layouts(model, work, cluster, fixed, max_microbatch):
         problems = structural_problems(model, layout, work, cluster)
+        if runnable_only:
+            problems += not_runnable(layout)
         if problems:
             if keep_infeasible:
                 result.infeasible.append((layout, problems))
@@ -95,13 +119,15 @@ def plan(model: ModelSpec, work: Workload, cluster: Cluster, *, max_microbatch: 
     return result
 
 
-def evaluate(model: ModelSpec, work: Workload, cluster: Cluster, **fixed) -> Prediction:
-    """Predict one layout; knobs left as None are chosen by the planner (fastest feasible).
+def evaluate(model: ModelSpec, work: Workload, cluster: Cluster, runnable_only: bool = True,
+             **fixed) -> Prediction:
+    """Predict one layout; knobs left as None are chosen by the planner (fastest feasible, runnable by
+    train.py unless runnable_only=False).
 
-    If no completion of the given knobs is feasible, the fastest infeasible one is returned
-    with its reasons (fits=False / feasible=False), so a user still sees the numbers.
+    If no completion of the given knobs is feasible (or runnable), the fastest one is returned with
+    its reasons (fits=False / feasible=False) and `not_runnable` flags, so a user still sees the numbers.
     """
-    result = plan(model, work, cluster, **fixed)
+    result = plan(model, work, cluster, runnable_only=runnable_only, **fixed)
     if result.best is not None:
         return result.best
     fixed = {k: v for k, v in fixed.items() if v is not None}
@@ -111,6 +137,7 @@ def evaluate(model: ModelSpec, work: Workload, cluster: Cluster, **fixed) -> Pre
         t, p = fixed.get("tp", 1), fixed.get("pp", 1)
         lay = Layout(t, p, fixed.get("dp") or max(1, cluster.gpus // (t * p)), fixed.get("microbatch", 1),
                      fixed.get("virtual_stages", 1), fixed.get("zero_stage", 0),
-                     fixed.get("recompute", "full"), fixed.get("sequence_parallel", False))
+                     fixed.get("recompute", "full"), fixed.get("sequence_parallel", False),
+                     fixed.get("pipeline_schedule", "") if isinstance(fixed.get("pipeline_schedule", ""), str) else "")
         return predict(model, lay, work, cluster)
-    return min(tried, key=lambda pr: (len(pr.reasons), pr.step_time_s))
+    return min(tried, key=lambda pr: (len(pr.reasons), len(pr.not_runnable), pr.step_time_s))

@@ -1,0 +1,33 @@
+"""What train.py can run today: the one list the planner checks before it recommends a layout.
+
+When the trainer gains a feature, flip its flag here (one line) and the planner starts recommending
+it. Layouts using a feature marked False are left out of `mtds-plan`'s ranking (``plan(...,
+runnable_only=True)``, the default) or, when asked for (``--include-unrunnable``, or evaluating such a
+layout), shown with the reason.
+"""
+from __future__ import annotations
+
+TRAIN_PY_RUNS = {
+    "pipeline_schedule": {
+        "1f1b": True,          # DeepSpeed's PipelineEngine
+        "interleaved": False,  # mtds interleaved engine: set True when it lands on main
+        "zb-h1": False,        # mtds ZB-H1 engine: set True when it lands on main
+        "dualpipev": False,    # DeepSpeed's DualPipeVEngine under train.py: set True when it lands
+    },
+    "recompute": {
+        "none": True,
+        "full": True,          # --activation-checkpointing 1
+        "selective": False,    # --recompute selective: set True when it lands on main
+    },
+}
+
+
+def not_runnable(layout) -> list[str]:
+    """Why train.py cannot run ``layout`` (empty list: it can)."""
+    out = []
+    schedule = layout.pipeline_schedule if layout.pp > 1 else "1f1b"
+    if not TRAIN_PY_RUNS["pipeline_schedule"].get(schedule, False):
+        out.append(f"train.py cannot run --pipeline-schedule {schedule} yet")
+    if not TRAIN_PY_RUNS["recompute"].get(layout.recompute, False):
+        out.append(f"train.py cannot run {layout.recompute} recomputation yet")
+    return out

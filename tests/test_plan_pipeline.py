@@ -1,0 +1,156 @@
+"""Pipeline schedules as planner knobs: bubble and memory formulas against simulations of the orders
+that run, the runnable-features gate, and sequence parallelism's shared-gradient all-reduce."""
+import json
+
+import pytest
+
+from mtds.pipe.dualpipev_sim import deepspeed_dualpipev_actions, simulate_deepspeed_dualpipev
+from mtds.pipe.simulate import peak_in_flight, simulate_schedule, validate
+from mtds.plan import runnable
+from mtds.plan.candidate import Layout, Workload
+from mtds.plan.hardware import Cluster, get_gpu
+from mtds.plan.memory import in_flight_layers
+from mtds.plan.model_spec import ModelSpec
+from mtds.plan.pipeline import activation_factor, bubble_time
+from mtds.plan.predict import predict, sequence_parallel_grad_time
+from mtds.plan.search import evaluate, plan
+
+A100 = get_gpu("A100-80GB")
+GPT3 = ModelSpec(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m_per_p", [1, 2])
+def test_planner_bubble_equals_simulated_idle(p, m_per_p):
+    m = m_per_p * p
+    # stage costs f, b, w per micro-batch; the simulator's chunk costs are those divided by v
+    assert bubble_time("1f1b", p, 1, 1, 1, 1) == simulate_schedule("1f1b", p, 1, m).idle[0]
+    for v in (2, 3):
+        sim = simulate_schedule("interleaved", p, v, m)
+        assert bubble_time("interleaved", p, v, v, v, v) == sim.idle[0]
+    assert bubble_time("zb-h1", p, 1, 1, 1, 1) == simulate_schedule("zb-h1", p, 1, m).idle[0]
+    costs = {"F": 3, "B": 4, "W": 2}
+    assert bubble_time("zb-h1", p, 1, 3, 4, 2) == simulate_schedule("zb-h1", p, 1, m, costs=costs).idle[0]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("chunk", [(1, 2), (1, 1), (1, 3), (2, 3)])
+def test_dualpipev_formula_bounds_deepspeeds_own_order(p, chunk):
+    # DeepSpeed's DualPipeVSchedule (not ours), simulated with its batched-commit p2p: every rank idles
+    # the planner's (p-1)(F/2 + B + W) (stage units) minus at most one chunk forward
+    f_chunk, b_chunk = chunk   # chunk = half a stage; B is the full backward (B + W of the stage)
+    for m in (2 * p, 2 * p + 1, 4 * p):
+        sim = simulate_deepspeed_dualpipev(p, m, {"F": f_chunk, "B": b_chunk})
+        formula = bubble_time("dualpipev", p, 2, 2 * f_chunk, 2 * b_chunk, 0)
+        assert all(0 <= formula - idle <= f_chunk for idle in sim.idle), (sim.idle, formula)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_dualpipev_order_is_complete_and_holds_2p_plus_1_chunks(p):
+    m = 2 * p + 1
+    orders = [deepspeed_dualpipev_actions(p, m, r) for r in range(p)]
+    validate(orders, p=p, v=2, m=m, weight_pass=False)
+    # 2p + 1 chunk activations of l/(2p) layers: the planner's factor over 1F1B's l layers
+    assert [peak_in_flight(o, False) for o in orders] == [2 * p + 1] * p
+    assert activation_factor("dualpipev", p, 2) == pytest.approx((2 * p + 1) / (2 * p))
+
+
+def test_in_flight_activations_per_schedule():
+    work = Workload(1536)
+    base = in_flight_layers(GPT3, Layout(8, 12, 16, 1), work)
+    assert base == pytest.approx(96)                     # p micro-batches of l/p layers
+    assert in_flight_layers(GPT3, Layout(8, 12, 16, 1, pipeline_schedule="zb-h1"), work) == base
+    assert in_flight_layers(GPT3, Layout(8, 12, 16, 1, 2, pipeline_schedule="interleaved"), work) == \
+        pytest.approx(96 * (1 + 11 / 24))
+    assert in_flight_layers(GPT3, Layout(8, 12, 16, 1, 2, pipeline_schedule="dualpipev"), work) == \
+        pytest.approx(96 * (1 + 1 / 24))
+
+
+def test_schedule_changes_only_the_bubble_and_p2p():
+    work, cluster = Workload(1536), Cluster(A100, 1536)
+    knobs = dict(tp=8, pp=12, dp=16, microbatch=1, zero_stage=0, recompute="full")
+    one = predict(GPT3, Layout(**knobs), work, cluster)
+    zb = predict(GPT3, Layout(**knobs, pipeline_schedule="zb-h1"), work, cluster)
+    il = predict(GPT3, Layout(**knobs, virtual_stages=4), work, cluster)
+    dv = predict(GPT3, Layout(**knobs, virtual_stages=2, pipeline_schedule="dualpipev"), work, cluster)
+    assert il.layout.pipeline_schedule == "interleaved" and one.layout.pipeline_schedule == "1f1b"
+    for pr in (zb, il, dv):
+        assert pr.feasible, pr.reasons
+        assert pr.time_breakdown_s["compute"] == one.time_breakdown_s["compute"]
+    b = {name: pr.time_breakdown_s["bubble"] for name, pr in (("1f1b", one), ("zb", zb), ("il", il), ("dv", dv))}
+    assert b["il"] == pytest.approx(b["1f1b"] / 4)
+    assert b["zb"] < b["dv"] < b["1f1b"]
+    assert dv.time_breakdown_s["pp_comm"] > il.time_breakdown_s["pp_comm"] / 2   # no scatter/gather
+
+
+def test_schedule_constraints_are_reported():
+    work, cluster = Workload(16), Cluster(A100, 16)
+    model = ModelSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)
+
+    def reasons(b, v, schedule=""):   # t=2, p=4, d=2: m = 16 / (2 b)
+        return predict(model, Layout(2, 4, 2, b, v, pipeline_schedule=schedule), work, cluster).reasons
+
+    assert any("divisible by p=4" in r for r in reasons(4, 2))                   # interleaved, m = 2
+    assert any("at least 2p=8" in r for r in reasons(2, 2, "dualpipev"))         # m = 4
+    assert reasons(1, 2, "dualpipev") == ()                                      # m = 8
+    assert any("v=2" in r for r in reasons(1, 3, "dualpipev"))
+    assert any("v=1" in r for r in reasons(1, 2, "zb-h1"))
+
+
+def test_planner_recommends_only_what_train_py_runs(monkeypatch):
+    work, cluster = Workload(1536), Cluster(A100, 1536)
+    res = plan(GPT3, work, cluster)
+    assert res.feasible and all(not pr.not_runnable for pr in res.feasible)
+    assert all(runnable.TRAIN_PY_RUNS["pipeline_schedule"][pr.layout.pipeline_schedule] for pr in res.feasible)
+    everything = plan(GPT3, work, cluster, runnable_only=False)
+    flagged = [pr for pr in everything.feasible if pr.not_runnable]
+    assert flagged and len(everything.feasible) > len(res.feasible)
+    assert everything.best.step_time_s < res.best.step_time_s   # the flagged ones are why it is faster
+    # flipping one flag in mtds/plan/runnable.py makes the planner recommend the schedule
+    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "interleaved", True)
+    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["recompute"], "selective", True)
+    now = plan(GPT3, work, cluster)
+    assert now.best.layout.pipeline_schedule == "interleaved" and not now.best.not_runnable
+
+
+def test_evaluating_an_unrunnable_layout_flags_it():
+    pr = evaluate(GPT3, Workload(1536), Cluster(A100, 1536), tp=8, pp=12, microbatch=1, recompute="full",
+                  pipeline_schedule="zb-h1")
+    assert pr.layout.pipeline_schedule == "zb-h1" and pr.feasible
+    assert pr.not_runnable == ("train.py cannot run --pipeline-schedule zb-h1 yet",)
+    assert pr.as_dict()["runnable"] is False
+
+
+def test_sequence_parallel_shared_grads_once_per_step_for_zero01():
+    work, cluster = Workload(512), Cluster(A100, 64)
+    model = ModelSpec(layers=24, hidden=4096, heads=32, vocab=51200, seq=2048)
+    z1 = Layout(8, 1, 8, 1, zero_stage=1, recompute="selective", sequence_parallel=True)
+    z2 = Layout(8, 1, 8, 1, zero_stage=2, recompute="selective", sequence_parallel=True)
+    m = z1.microbatches(work.global_batch)
+    once, per_use = (sequence_parallel_grad_time(model, lay, work, cluster, m) for lay in (z1, z2))
+    assert 0 < once and per_use > 10 * once      # m x 146 latency-bound all-reduces vs one bucket
+    no_sp = Layout(8, 1, 8, 1, zero_stage=1, recompute="selective")
+    assert sequence_parallel_grad_time(model, no_sp, work, cluster, m) == 0
+    a, b = predict(model, z1, work, cluster), predict(model, z2, work, cluster)
+    assert b.time_breakdown_s["tp_comm"] - a.time_breakdown_s["tp_comm"] == pytest.approx(per_use - once)
+
+
+def _cli(capsys, *argv):
+    from mtds.cli.plan import main
+    rc = main(list(argv))
+    return rc, capsys.readouterr().out
+
+
+def test_cli_pipeline_schedule_and_runnable_flags(capsys):
+    gpt3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--gpus", "1536", "--global-batch", "1536"]
+    rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--recompute", "full",
+                   "--pipeline-schedule", "interleaved", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["pipeline_schedule"] == "interleaved" and d["virtual_stages"] > 1
+    assert d["runnable"] is False and "interleaved" in d["not_runnable"][0]
+    rc, out = _cli(capsys, *gpt3, "--json", "--top", "5")
+    assert all(lay["runnable"] for lay in json.loads(out)["layouts"])
+    rc, out = _cli(capsys, *gpt3, "--json", "--top", "0", "--include-unrunnable")
+    assert any(not lay["runnable"] for lay in json.loads(out)["layouts"])
+    rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--pipeline-schedule", "zb-h1")
+    assert "not runnable: train.py cannot run --pipeline-schedule zb-h1 yet" in out
