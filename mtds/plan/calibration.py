@@ -4,9 +4,9 @@ These are the only free numbers of the planner. Each is a physical efficiency (f
 datasheet peak) or a latency, set once per GPU type and never per workload or per table row.
 
 A100 values: matmul and HBM fractions are typical cuBLAS / STREAM-like figures for A100-SXM4;
-NVLink 0.6 and InfiniBand 0.9 are the link efficiencies of the Calculon model (Isaev et al.,
-SC'23, "Calculon: a methodology and tool for high-level co-design of systems and LLMs") for
-InfiniBand, and nccl-tests-style all-reduce bus bandwidth on an NVSwitch node for NVLink.
+NVLink 0.77 is the nccl-tests all-reduce bus bandwidth on an 8x A100 NVSwitch node (~230 of 300 GB/s);
+InfiniBand 0.9 is the link efficiency of the Calculon model (Isaev et al., SC'23, "Calculon: a
+methodology and tool for high-level co-design of systems and LLMs").
 H100 and V100 reuse the A100 fractions; they are not validated against published runs (no table
 ships for them).
 """
