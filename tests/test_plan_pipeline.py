@@ -108,7 +108,6 @@ def test_planner_recommends_only_what_train_py_runs(monkeypatch):
     assert everything.best.step_time_s < res.best.step_time_s   # the flagged ones are why it is faster
     # flipping one flag in mtds/plan/runnable.py makes the planner recommend the schedule
     monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "interleaved", True)
-    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["recompute"], "selective", True)
     now = plan(GPT3, work, cluster)
     assert now.best.layout.pipeline_schedule == "interleaved" and not now.best.not_runnable
 

@@ -17,7 +17,7 @@ TRAIN_PY_RUNS = {
     "recompute": {
         "none": True,
         "full": True,          # --activation-checkpointing 1
-        "selective": False,    # --recompute selective: set True when it lands on main
+        "selective": True,     # --recompute selective
     },
 }
 
