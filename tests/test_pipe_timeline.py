@@ -79,3 +79,28 @@ def test_simulation_renders_through_the_same_writers(tmp_path, name, v):
     assert sum(e["ph"] == "X" and e["cat"] in "FBW" for e in trace["traceEvents"]) == len(result.events)
     png = write_gantt_png(events, str(tmp_path / f"{name}.png"), time_label="cost units")
     assert open(png, "rb").read(4) == b"\x89PNG"
+
+
+def test_gather_events_on_a_one_rank_group(tmp_path):
+    # the collective path in-process (world of one, gloo): the events come back as TimelineEvents
+    import torch.distributed as dist
+    from mtds.pipe.timeline import gather_events
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert gather_events(EVENTS[:3], dst=0) == EVENTS[:3]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_theory_table_and_charts(tmp_path, capsys):
+    from benchmarks.schedule_theory import main
+    from mtds.pipe.theory import theory_bubble
+    assert theory_bubble("1f1b", 4, 1, 8) == {"bubble_fraction": 3 / 11, "bubble_ratio": 3 / 8}
+    assert theory_bubble("zb-h1", 4, 1, 8)["bubble_ratio"] == 1 / 8
+    dual = theory_bubble("dualpipev", 4, 2, 8)     # DeepSpeed's order: 5(p-1) - 1 = 14 idle of 48 busy
+    assert dual["bubble_ratio"] == 14 / 48
+    main(["--out", str(tmp_path), "--p", "2", "--m", "4"])
+    assert "| zb-h1 | 7.7% (0.083) |" in capsys.readouterr().out   # (p-1)/(3m) = 1/12, 1/13 of the step
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "theory_1f1b_p2_m4.png", "theory_dualpipev_p2_m4.png", "theory_interleaved_p2_m4.png", "theory_zb-h1_p2_m4.png"]
