@@ -46,12 +46,27 @@ def test_unsupported_combinations_fail_with_one_line(name, p, v, m):
         schedule_actions(name, p, v, m, 0)
     message = str(err.value)
     assert "\n" not in message
-    if name == "interleaved" and v > 1:
-        assert f"multiple of the pipeline size ({p})" in message and str(-(-m // p) * p) in message
+    if name == "interleaved" and v > 1:   # m = 3p + 1: three groups of at least p would leave a remainder
+        suggested = int(message.rsplit(" ", 1)[1])
+        assert f"equal groups of at least the pipeline size ({p})" in message and m < suggested <= 4 * p
+        assert all(k % (k // p) for k in range(m, suggested))            # the next count that works ...
+        simulate_schedule(name, p, v, suggested)                           # ... and it runs
     elif name != "interleaved":
         assert "--virtual-stages 1" in message
     else:
         assert "--virtual-stages >= 2" in message
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (3, 2), (4, 3), (5, 2)])
+def test_interleaved_relaxed_micro_batch_counts_reach_theory(p, v):
+    # m >= p in m // p equal groups (G = m / (m // p) >= p): the same bubble as m % p == 0
+    counts = [m for m in range(p, 5 * p + 2) if m % p and m % (m // p) == 0]
+    assert counts  # e.g. p=4: 5, 6, 7, 10, 14, 15, 18
+    for m in counts:
+        result = simulate_schedule("interleaved", p, v, m)
+        assert result.bubble_ratio == [Fraction(p - 1, v * m)] * p, m
+    with pytest.raises(ValueError, match=f"to {p}$"):
+        check_microbatches("interleaved", p, v, p - 1)  # fewer than p
 
 
 def test_interleaved_placement_and_first_actions():
@@ -132,6 +147,7 @@ def _torch_orders(name, p, v, m):
 
 
 @pytest.mark.parametrize("name,p,v,m", [("interleaved", 4, 2, 8), ("interleaved", 4, 2, 4),
+                                        ("interleaved", 4, 2, 10), ("interleaved", 3, 2, 5),
                                         ("interleaved", 3, 3, 6), ("interleaved", 2, 3, 4),
                                         ("zb-h1", 4, 1, 8), ("zb-h1", 3, 1, 10)])
 def test_orders_match_torch_pipelining(name, p, v, m):

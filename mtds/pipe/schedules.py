@@ -26,10 +26,14 @@ Schedules (``SCHEDULES``):
 
 - ``1f1b`` (v = 1): DeepSpeed/Megatron non-interleaved 1F1B. Rank r runs ``min(p − r − 1, m)`` warm-up
   forwards, then alternates F and B, then the cool-down backwards. ``B`` is the full backward.
-- ``interleaved`` (v ≥ 2): Megatron's interleaved 1F1B. Micro-batches go in groups of ``p``; the k-th
+- ``interleaved`` (v ≥ 2): Megatron's interleaved 1F1B. Micro-batches go in groups of ``G``; the k-th
   forward walks a group across chunks ``0..v−1``, the k-th backward across chunks ``v−1..0``. Warm-up
-  is ``(p − r − 1)·2 + (v − 1)·p`` forwards, capped at ``m·v``. Supported: ``m % p == 0`` (Megatron's
-  classic constraint; ``check_microbatches`` says how to fix anything else). ``B`` is the full backward.
+  is ``(p − r − 1)·2 + (v − 1)·G`` forwards, capped at ``m·v``. ``B`` is the full backward.
+  Supported micro-batch counts: ``m ≥ p`` split into ``m // p`` equal groups, ``G = m / (m // p)``, i.e.
+  ``m % (m // p) == 0`` -- every multiple of p (then G = p, Megatron's classic schedule) and e.g. p < m
+  < 2p or m = 10 at p = 4 (the group rule of torch.distributed.pipelining's ScheduleInterleaved1F1B).
+  The simulator shows these reach the (p − 1)/(v·m) bubble exactly; m < p runs but idles more, and a
+  remainder group (m = 3p + 1) is refused: ``check_microbatches`` names the next supported m.
 - ``zb-h1`` (v = 1): ZB-H1 of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", §2.1). 1F1B with B
   (input gradient) split from W (weight gradient); rank r defers its W passes by ``r`` steady-state
   iterations, so every rank holds at most ``p`` micro-batches whose W is pending -- rank 0's 1F1B peak,
@@ -79,14 +83,21 @@ def check_microbatches(name: str, p: int, v: int, m: int) -> None:
                              "(v=1 is --pipeline-schedule 1f1b)")
         if p < 2:
             raise ValueError("--pipeline-schedule interleaved needs a pipeline (--pp >= 2)")
-        if m % p:
-            raise ValueError(f"interleaved schedule needs the number of micro-batches ({m}) to be a multiple of "
+        if not interleaved_supports(p, m):
+            nxt = next(k for k in range(max(m, p), 2 * max(m, p) + 1) if interleaved_supports(p, k))
+            raise ValueError(f"interleaved schedule cannot split {m} micro-batches into equal groups of at least "
                              f"the pipeline size ({p}); set gradient accumulation (train_batch_size / "
-                             f"(micro batch x data parallel)) to {_next_multiple(m, p)}")
+                             f"(micro batch x data parallel)) to {nxt}")
 
 
-def _next_multiple(m: int, p: int) -> int:
-    return -(-m // p) * p
+def interleaved_supports(p: int, m: int) -> bool:
+    """m >= p micro-batches in m // p equal groups (each of at least p)."""
+    return m >= p and m % (m // p) == 0
+
+
+def interleaved_group_size(p: int, m: int) -> int:
+    """G: micro-batches per group that walks the chunks (p when p divides m)."""
+    return m // (m // p)
 
 
 def schedule_actions(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
@@ -110,23 +121,24 @@ def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     return actions
 
 
-def _interleaved_slot(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
-    """(chunk, micro) of the k-th forward (or backward) on a rank: groups of p micro-batches per chunk."""
-    group, within = divmod(k, p * v)
-    chunk = within // p
-    micro = group * p + within % p
+def _interleaved_slot(k: int, g: int, v: int, forward: bool) -> tuple[int, int]:
+    """(chunk, micro) of the k-th forward (or backward) on a rank: groups of g micro-batches per chunk."""
+    group, within = divmod(k, g * v)
+    chunk = within // g
+    micro = group * g + within % g
     return (chunk if forward else v - 1 - chunk), micro
 
 
 def _interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
+    g = interleaved_group_size(p, m)
     total = m * v
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warmup = min((p - rank - 1) * 2 + (v - 1) * g, total)
 
     def fwd(k):
-        return Action("F", *_interleaved_slot(k, p, v, True))
+        return Action("F", *_interleaved_slot(k, g, v, True))
 
     def bwd(k):
-        return Action("B", *_interleaved_slot(k, p, v, False))
+        return Action("B", *_interleaved_slot(k, g, v, False))
 
     actions = [fwd(k) for k in range(warmup)]
     for k in range(total - warmup):

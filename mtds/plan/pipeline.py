@@ -75,6 +75,8 @@ def schedule_problems(schedule: str, p: int, v: int, m: int) -> list[str]:
     if schedule == "interleaved":
         if v < 2:
             out.append("interleaved needs v >= 2")
+        # Megatron's classic rule, what the papers the planner is calibrated on ran; mtds's interleaved
+        # order also runs m % (m // p) == 0 (mtds.pipe.schedules.interleaved_supports), a superset
         if m % p:
             out.append(f"interleaved schedule needs microbatches m={m} divisible by p={p}")
     if schedule == "dualpipev":
