@@ -40,11 +40,9 @@ def _assert_continues(runs, expected):
 def test_resume_at_other_layouts_continues_the_run(tmp_path):
     ck = str(tmp_path / "ck")
     full = run_layouts(8, [train_config(tp=2, pp=2, model=MODEL, steps=10, save=ck, save_interval=5)])[0][0]
-    with open(os.path.join(ck, "latest"), "w") as f:   # resume from the step-5 checkpoint
-        f.write("global_step5")
     expected = full.losses[5:]
 
-    resume = dict(model=MODEL, steps=10, load=ck)
+    resume = dict(model=MODEL, steps=10, load=os.path.join(ck, "global_step5"))   # not the newest: step 10
     r122 = run_layouts(4, [train_config(tp=1, pp=2, **resume)])[0][0]
     r412 = run_layouts(8, [train_config(tp=4, pp=1, **resume)])[0][0]
     # (1,1,1) twice: with ZeRO-1 (DeepSpeed's loader) and without ZeRO (ours); a different model is refused.
@@ -64,8 +62,7 @@ def test_checkpoint_without_zero_reshards_too(tmp_path):
     ck = str(tmp_path / "ck")
     zero0 = dict(model=MODEL, steps=10, deepspeed_config=ds_config(zero=0))
     full = run_layouts(4, [train_config(tp=2, pp=2, save=ck, save_interval=5, **zero0)])[0][0]
-    with open(os.path.join(ck, "latest"), "w") as f:
-        f.write("global_step5")
+    ck = os.path.join(ck, "global_step5")
     [(losses, [refused])] = spawn(_runs_and_refusals, 2, [train_config(tp=1, pp=1, load=ck, **zero0),
                                                           train_config(tp=2, pp=1, load=ck, **zero0)],
                                   [train_config(tp=2, pp=1, load=ck, model=MODEL, steps=10)], timeout=400)[:1]

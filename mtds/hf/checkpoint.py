@@ -40,8 +40,9 @@ class HFCheckpoint:
             if file.endswith(".safetensors"):
                 from safetensors import safe_open
                 self._files[file] = safe_open(file, framework="pt", device="cpu")
-            else:   # mmap: a shard is paged in as its tensors are read, not loaded whole
-                self._files[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            else:   # mmap: a shard is paged in as its tensors are read, not loaded whole; tensors only
+                from mtds.safety.loading import safe_load
+                self._files[file] = safe_load(file, mmap=True, allowed=[])
         return self._files[file]
 
     def keys(self) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from mtds.config import ModelConfig
+from mtds.safety.loading import UnreadableFileError, safe_load
 
 from .errors import CheckpointFormatError
 from .names import ds_name
@@ -41,9 +42,9 @@ def load_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"missing checkpoint file {path} (partial or corrupt checkpoint)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:   # truncated zip, not a torch file, ...
-        raise CheckpointFormatError(f"cannot read {path}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        return safe_load(path, mmap=True)
+    except UnreadableFileError as err:   # truncated zip, not a torch file, ...
+        raise CheckpointFormatError(str(err)) from None
 
 
 class ModuleStateReader:

@@ -40,10 +40,8 @@ class CheckpointMeta:
         return ModelConfig(**self.model)
 
     def save(self, tag_dir: str) -> None:
-        tmp = os.path.join(tag_dir, META_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=2)
-        os.replace(tmp, os.path.join(tag_dir, META_FILE))   # never a half-written meta file
+        from mtds.safety.durable import write_atomic
+        write_atomic(os.path.join(tag_dir, META_FILE), json.dumps(asdict(self), indent=2))   # never half-written
 
     @classmethod
     def load(cls, tag_dir: str) -> "CheckpointMeta":
@@ -58,19 +56,7 @@ class CheckpointMeta:
 
 
 def resolve_tag_dir(path: str) -> str:
-    """A checkpoint root (holding ``latest`` + global_stepN/) or a tag folder -> the tag folder."""
-    path = os.path.expanduser(os.fspath(path))
-    if not os.path.isdir(path):
-        raise CheckpointFormatError(f"checkpoint directory {path!r} does not exist")
-    if os.path.isfile(os.path.join(path, META_FILE)):
-        return path
-    latest = os.path.join(path, LATEST)
-    if not os.path.isfile(latest):
-        raise CheckpointFormatError(f"{path!r} is not an mtds checkpoint: it has neither {META_FILE} nor a "
-                                    f"'{LATEST}' file naming a global_stepN/ folder")
-    with open(latest) as f:
-        tag = f.read().strip()
-    tag_dir = os.path.join(path, tag)
-    if not os.path.isdir(tag_dir):
-        raise CheckpointFormatError(f"{path!r}: '{LATEST}' names {tag!r}, which does not exist (partial checkpoint)")
-    return tag_dir
+    """A checkpoint root (holding global_stepN/ folders) -> its newest complete checkpoint; a tag folder ->
+    itself if complete. Anything else is a one-line CheckpointFormatError."""
+    from .complete import find_complete
+    return find_complete(path)[0]

@@ -10,6 +10,7 @@ file at a time (re-reading the source per rank), so peak memory is about 1/t of 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Callable, Iterator
 
 import torch
@@ -17,9 +18,11 @@ import torch
 from mtds.config import ModelConfig
 
 from .dsformat import engine_state, mp_rank_file, own_storage, write_layer_file
-from .meta import LATEST, CheckpointMeta
+from .complete import STAGING_SUFFIX, Marker
+from .meta import CheckpointMeta
 from .names import sequential_name
 from .spec import shard
+from .store import commit, describe_files, write_manifest
 
 Layers = Iterator[tuple[int, dict[str, torch.Tensor]]]
 WEIGHTS_TAG = "global_step0"
@@ -33,8 +36,10 @@ def _meta(cfg: ModelConfig, tp: int, pp: int, tokenizer: str | None) -> Checkpoi
 def write_weights_checkpoint(out_dir: str, cfg: ModelConfig, layers: Callable[[], Layers], *, tp: int, pp: int,
                              dtype: torch.dtype | None = None, tokenizer: str | None = None) -> str:
     """``layers()`` returns a fresh lazy iterator of (global layer, {name: full tensor}); returns the tag dir."""
-    tag_dir = os.path.join(out_dir, WEIGHTS_TAG)
-    os.makedirs(tag_dir, exist_ok=True)
+    # Written like a training save (complete.py): a staging folder, a manifest, the marker, a rename.
+    tag_dir = os.path.join(out_dir, WEIGHTS_TAG + STAGING_SUFFIX)
+    shutil.rmtree(tag_dir, ignore_errors=True)
+    os.makedirs(tag_dir)
     meta = _meta(cfg, tp, pp, tokenizer)
     client = {"mtds_meta": meta.__dict__.copy(), "mtds_step": 0}
 
@@ -57,7 +62,5 @@ def write_weights_checkpoint(out_dir: str, cfg: ModelConfig, layers: Callable[[]
             torch.save(engine_state(module=module, mp_world_size=tp, dp_world_size=1, client_state=client),
                        mp_rank_file(tag_dir, r))
             del module
-    meta.save(tag_dir)                     # last: its presence marks a complete checkpoint
-    with open(os.path.join(out_dir, LATEST), "w") as f:
-        f.write(WEIGHTS_TAG)
-    return tag_dir
+    write_manifest(tag_dir, 0, describe_files(tag_dir, sorted(os.listdir(tag_dir))))
+    return commit(out_dir, WEIGHTS_TAG, tag_dir, Marker(step=0, world_size=1), meta)

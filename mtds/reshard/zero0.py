@@ -16,6 +16,7 @@ import os
 import torch
 
 from mtds.config import ModelConfig
+from mtds.safety.loading import safe_load
 
 from .dsformat import ModuleStateReader, load_file, mp_rank_file
 from .errors import CheckpointFormatError
@@ -89,7 +90,7 @@ def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int,
             raise CheckpointFormatError(f"{universal} has no state for parameter {name!r} (different model?)")
 
         def piece(state: str) -> torch.Tensor:
-            full = torch.load(os.path.join(folder, f"{state}.pt"), map_location="cpu", weights_only=False)["param"]
+            full = safe_load(os.path.join(folder, f"{state}.pt"))["param"]
             s = split_of(cfg, layer, inner)
             if s.vocab:
                 full = full[:cfg.vocab_size]       # DeepSpeed strips padding too; be explicit
@@ -100,6 +101,6 @@ def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int,
             return local.to(param.dtype)
 
         param.copy_(piece("fp32"))
-        step = torch.load(os.path.join(folder, "step.pt"), map_location="cpu", weights_only=False)
+        step = safe_load(os.path.join(folder, "step.pt"))
         opt.state[param] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
                             **{state: piece(state).clone() for state in STATES}}

@@ -1,11 +1,13 @@
 """Save and resume training through DeepSpeed's checkpointing, plus what DeepSpeed does not keep:
 the data-stream position, the RNG streams and a description of model and layout.
 
-DeepSpeed writes ``DIR/global_stepN/`` (per-layer model states for pipelines, ZeRO optimizer
-partitions) and ``DIR/latest``; mtds's extra state rides in ``client_state``, and rank 0 adds
-``mtds_meta.json`` (model config, layout, tokenizer) so tools need only the directory.
+DeepSpeed writes the files (per-layer model states for pipelines, ZeRO optimizer partitions) into a
+staging folder ``DIR/global_stepN.partial``; mtds's extra state rides in ``client_state``; each rank
+adds a manifest with its RNG streams, and rank 0 ``mtds_meta.json`` (model config, layout, tokenizer)
+and the completion marker, then renames the folder (mtds.reshard.complete / store: complete or absent).
+Every file a load touches is unpickled with ``weights_only=True`` and an allow-list (mtds.safety).
 
-Loading picks one of three paths:
+``--load DIR`` takes the newest complete checkpoint, then one of three paths:
   * same (t, p) and an optimizer state DeepSpeed can read as is -> DeepSpeed's own load;
   * another layout (or another d under ZeRO-1/2) -> DeepSpeed universal checkpointing: rank 0
     converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
@@ -15,17 +17,24 @@ Loading picks one of three paths:
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
 
 from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
+from mtds.reshard.complete import STAGING_SUFFIX, Marker, find_complete, rank_manifest
 from mtds.reshard.errors import CheckpointFormatError
 from mtds.reshard.meta import CheckpointMeta
+from mtds.reshard.store import commit, prune, write_manifest
 from mtds.reshard.universal import ensure_universal, universal_dir, universal_info
 from mtds.reshard.zero0 import PARAM_NAMES_KEY, load_universal_into_zero0
+from mtds.safety.durable import DurableCheckpointEngine
+from mtds.safety.loading import safe_load, verify_loadable
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"   # deepspeed.checkpoint.constants
 
@@ -53,14 +62,45 @@ def _default_tokenizer(tokenizer: str | None) -> str | None:
     return str(SHIPPED_TOKENIZER)
 
 
+def _durable(engine) -> DurableCheckpointEngine:
+    """Route the engine's file writes through fsync + a record of what this rank wrote, and its loads
+    through the safe loader (installed once per engine)."""
+    if not isinstance(engine.checkpoint_engine, DurableCheckpointEngine):
+        engine.checkpoint_engine = DurableCheckpointEngine(engine.checkpoint_engine)
+    return engine.checkpoint_engine
+
+
+def rng_state(tracker=None) -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tracker.get_states() if tracker is not None else None}
+
+
+def set_rng_state(rng: dict, tracker=None) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if tracker is not None and rng.get("tracker"):
+        tracker.set_states(rng["tracker"])
+
+
 def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups, *,
-         model_cfg: ModelConfig | None = None, tokenizer: str | None = None) -> str:
+         model_cfg: ModelConfig | None = None, tokenizer: str | None = None, rng_tracker=None,
+         keep_last: int = 0) -> str:
+    """Save ``DIR/global_stepN`` so that it is complete or absent (see mtds.reshard.complete), then
+    move ``latest`` and prune to the newest ``keep_last`` complete checkpoints (0: keep all)."""
     layout = groups.layout
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tag = tag_for(step)
+    staging_dir = os.path.join(directory, tag + STAGING_SUFFIX)
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(staging_dir, ignore_errors=True)     # left by a save that crashed: never complete
+    dist.barrier()
     state = {
         "mtds_step": step,
         "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
-        "mtds_rng": {"cpu": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        "mtds_rng": rng_state(),     # fallback when resuming at another layout (rank files do not map)
         # Without ZeRO the Adam state is keyed by position: the names let us reshard it (zero0.py).
         PARAM_NAMES_KEY: [name for name, p in engine.module.named_parameters() if p.requires_grad],
         **extra,
@@ -68,15 +108,29 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
     if model_cfg is not None:
         # DeepSpeed's ds_to_universal reads these patterns from the checkpoint to merge TP slices.
         state[UNIVERSAL_CHECKPOINT_INFO] = universal_info(model_cfg, layout.tp)
-    engine.save_checkpoint(directory, tag=tag_for(step), client_state=state)
-    tag_dir = os.path.join(directory, tag_for(step))
-    if model_cfg is not None:
-        if dist.get_rank() == 0:
-            CheckpointMeta(model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp, step=step,
-                           zero_stage=_zero_stage(engine), precision=_precision(engine),
-                           tokenizer=_default_tokenizer(tokenizer), pipeline=layout.pp > 1).save(tag_dir)
-        dist.barrier()
-    return tag_dir
+    durable = _durable(engine)
+    durable.written.clear()
+    engine.save_checkpoint(directory, tag=tag + STAGING_SUFFIX, client_state=state, save_latest=False)
+    staging_abs = os.path.abspath(staging_dir)
+    files = {os.path.relpath(path, staging_abs): info for path, info in durable.written.items()}
+    write_manifest(staging_dir, rank, files, rng_state(rng_tracker))
+    dist.barrier()                  # every rank's files and manifest are on disk
+    error = [None]
+    if rank == 0:
+        try:
+            meta = None if model_cfg is None else CheckpointMeta(
+                model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp, step=step,
+                zero_stage=_zero_stage(engine), precision=_precision(engine), tokenizer=_default_tokenizer(tokenizer),
+                pipeline=layout.pp > 1)
+            commit(directory, tag, staging_dir, Marker(step=step, world_size=world), meta)
+            if keep_last:
+                prune(directory, keep_last)
+        except OSError as err:
+            error[0] = f"could not save checkpoint {tag} in {directory!r}: {err}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(error[0])
+    return os.path.join(directory, tag)
 
 
 def _one_line(err: BaseException) -> str:
@@ -84,16 +138,26 @@ def _one_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _read_meta(directory: str) -> tuple[str, CheckpointMeta | None]:
-    with open(os.path.join(directory, "latest")) as f:
-        tag = f.read().strip()
-    tag_dir = os.path.join(directory, tag)
-    if not os.path.isdir(tag_dir):
-        raise CheckpointError(f"{directory!r}: 'latest' names {tag!r}, which does not exist (partial checkpoint)")
+def _choose(directory: str, log) -> tuple[str, str, CheckpointMeta | None]:
+    """Rank 0 picks the newest complete checkpoint (verifying every file), the others follow."""
+    choice = [None, [], None]
+    if dist.get_rank() == 0:
+        try:
+            tag_dir, skipped = find_complete(directory)
+            choice = [tag_dir, skipped, None]
+        except ValueError as err:       # CheckpointFormatError, UnsafeCheckpointError
+            choice = [None, [], _one_line(err)]
+    dist.broadcast_object_list(choice, src=0)
+    tag_dir, skipped, error = choice
+    if error:
+        raise CheckpointError(error)
+    for line in skipped:
+        log(f"checkpoint: {line}")
+    root, tag = os.path.split(os.path.normpath(tag_dir))
     try:
-        return tag, CheckpointMeta.load(tag_dir)
+        return root, tag, CheckpointMeta.load(tag_dir)
     except CheckpointFormatError:
-        return tag, None          # saved without model_cfg (older runs): DeepSpeed's own checks only
+        return root, tag, None          # saved without model_cfg: DeepSpeed's own checks only
 
 
 def _check_model(meta: CheckpointMeta, model_cfg: ModelConfig | None, directory: str) -> None:
@@ -114,29 +178,45 @@ def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool
     return meta.zero_stage > 0 and meta.dp != layout.dp
 
 
-def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConfig | None = None
-         ) -> tuple[int, dict]:
-    """Resume ``engine`` from ``directory`` (the ``latest`` tag) at any layout; return (step, client_state)."""
+def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConfig | None = None,
+         rng_tracker=None, log=print) -> tuple[int, dict]:
+    """Resume ``engine`` from the newest complete checkpoint in ``directory`` (or that tag folder) at any
+    layout; return (step, client_state). Skipped incomplete checkpoints are reported through ``log``."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist: check --load")
-    if not os.path.isfile(os.path.join(directory, "latest")):
-        raise CheckpointError(f"{directory!r} has no 'latest' file: pass the directory given to --save "
-                              f"(it holds global_stepN/ folders and 'latest')")
-    tag, meta = _read_meta(directory)
+    _durable(engine)
+    directory, tag, meta = _choose(directory, log)
     if meta is not None:
         _check_model(meta, model_cfg, directory)
     if meta is not None and meta.weights_only:
         return _load_weights_only(engine, directory, tag, meta, groups, model_cfg)
-    if meta is not None and _needs_reshard(meta, engine, groups):
-        path, state = _load_resharded(engine, directory, tag, meta, groups)
-    else:
+    same_layout = meta is None or not _needs_reshard(meta, engine, groups)
+    if same_layout:
         path, state = _deepspeed_load(engine, directory, tag)
-    rng = state.get("mtds_rng")
-    if rng:
-        torch.set_rng_state(rng["cpu"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    return int(state.get("mtds_step", engine.global_steps)), state
+    else:
+        path, state = _load_resharded(engine, directory, tag, meta, groups)
+    step = int(state.get("mtds_step", engine.global_steps))
+    own = rank_manifest(os.path.join(directory, tag), dist.get_rank())
+    if same_layout and meta is not None and meta.dp == groups.layout.dp and os.path.isfile(own):
+        set_rng_state(safe_load(own)["rng"], rng_tracker)     # this very rank's streams: exact resume
+    else:
+        if state.get("mtds_rng"):
+            set_rng_state(state["mtds_rng"])
+        if rng_tracker is not None:
+            reseed_tracker(rng_tracker, step, groups.tp_rank)
+    return step, state
+
+
+def reseed_tracker(tracker, step: int, tp_rank: int) -> None:
+    """After a layout change the saved per-TP-rank dropout streams do not map onto the new ranks: every
+    stream restarts from a seed derived from its saved-at-start state, the step and the new TP rank, so
+    the resumed run is deterministic (though not the continuation of any saved stream)."""
+    device = "cuda" if tracker.device_type == "cuda" else "cpu"
+    states = {}
+    for name, state in tracker.get_states().items():
+        digest = hashlib.sha256(state.cpu().numpy().tobytes() + f"{step}/{tp_rank}".encode()).digest()
+        states[name] = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1).get_state()
+    tracker.set_states(states)
 
 
 def _deepspeed_load(engine, directory: str, tag: str, **kwargs) -> tuple[str, dict]:
@@ -164,9 +244,10 @@ def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, grou
     error = [None]
     if dist.get_rank() == 0:
         try:
-            ensure_universal(directory, tag)
-        except CheckpointFormatError as err:
-            error[0] = str(err)
+            # DeepSpeed's universal loader unpickles these files with a plain torch.load: verify first.
+            verify_loadable(glob.glob(os.path.join(ensure_universal(directory, tag), "**", "*.pt"), recursive=True))
+        except ValueError as err:       # CheckpointFormatError, UnsafeCheckpointError, UnreadableFileError
+            error[0] = _one_line(err)
     dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise CheckpointError(error[0])
@@ -195,7 +276,7 @@ def _load_universal_zero0(engine, universal: str, tag_dir: str, meta: Checkpoint
         load_universal_into_zero0(engine, universal, meta.model_config, groups.layout.tp, groups.tp_rank)
     except CheckpointFormatError as err:
         raise CheckpointError(str(err)) from None
-    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    state = safe_load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         # A scheduler sets the optimizer's lr only when it steps: the next step must use the saved lr.

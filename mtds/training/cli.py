@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--save", metavar="DIR", help="checkpoint directory")
     g.add_argument("--save-interval", type=int, default=0, help="save every N steps (and at the end) [0]")
-    g.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    g.add_argument("--keep-last", type=int, default=0, metavar="K",
+                   help="after each complete save delete all but the newest K complete checkpoints [0: keep all]")
+    g.add_argument("--load", metavar="DIR", help="resume from the newest complete checkpoint in DIR (or the "
+                                                 "global_stepN folder given), naming any incomplete one skipped")
     g.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per step (and per evaluation)")
     g.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars")
     g.add_argument("--plot", metavar="PNG", help="write loss / learning-rate / throughput curves here at the end")
@@ -94,8 +97,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, recompute=args.recompute,
-        init_from_hf=args.init_from_hf, save=args.save,
-        save_interval=args.save_interval, load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+        init_from_hf=args.init_from_hf, save=args.save, save_interval=args.save_interval, keep_last=args.keep_last,
+        load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
         plot=args.plot,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
         dist_timeout_s=args.dist_timeout)

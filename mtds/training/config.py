@@ -36,6 +36,7 @@ class TrainConfig:
     # checkpoints and logs
     save: str | None = None
     save_interval: int = 0
+    keep_last: int = 0                          # keep only the newest K complete checkpoints; 0 keeps all
     load: str | None = None
     log_jsonl: str | None = None
     tensorboard: str | None = None
@@ -54,6 +55,8 @@ class TrainConfig:
             raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         if self.activation_checkpointing < 0:
             raise ValueError("--activation-checkpointing takes a block interval >= 0")
         object.__setattr__(self, "recompute", self._resolved_recompute())

@@ -157,7 +157,8 @@ def run(cfg: TrainConfig) -> RunResult:
 
     start_step = 0
     if cfg.load:
-        start_step, state = ckpt.load(engine, cfg.load, groups, model_cfg=model_cfg)
+        start_step, state = ckpt.load(engine, cfg.load, groups, model_cfg=model_cfg, rng_tracker=tracker,
+                                      log=logger.info)
         if "data" in state:   # weights-only checkpoints (mtds-convert hf-to-mtds) start the data afresh
             stream.load_state_dict(state["data"])
         logger.start_at(start_step)
@@ -180,6 +181,10 @@ def run(cfg: TrainConfig) -> RunResult:
         loss = eval_loss(engine, es, groups, batch.accumulation, cfg.eval_iters, device)
         result.eval_losses.append((step, loss))
         logger.log({"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}, kind="eval")
+
+    def save(step: int) -> None:
+        ckpt.save(engine, cfg.save, step, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
+                  tokenizer=cfg.tokenizer, rng_tracker=tracker, keep_last=cfg.keep_last)
 
     for step in range(start_step + 1, cfg.steps + 1):
         if tracer is not None:
@@ -215,15 +220,13 @@ def run(cfg: TrainConfig) -> RunResult:
         if cfg.eval_interval and step % cfg.eval_interval == 0:
             evaluate(step)
         if cfg.save and cfg.save_interval and step % cfg.save_interval == 0:
-            ckpt.save(engine, cfg.save, step, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
-                      tokenizer=cfg.tokenizer)
+            save(step)
 
     if cfg.steps > start_step:
         if not (cfg.eval_interval and cfg.steps % cfg.eval_interval == 0):
             evaluate(cfg.steps)
         if cfg.save and not (cfg.save_interval and cfg.steps % cfg.save_interval == 0):
-            ckpt.save(engine, cfg.save, cfg.steps, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
-                      tokenizer=cfg.tokenizer)
+            save(cfg.steps)
     logger.close(plot_path=cfg.plot, title=f"{layout} {precision(ds_config)} ZeRO-{zero_stage(ds_config)}")
     if tracer is not None:
         tracer.uninstall()
