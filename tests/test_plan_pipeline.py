@@ -40,9 +40,10 @@ def test_dualpipev_formula_bounds_deepspeeds_own_order(p, chunk):
     # the planner's (p-1)(F/2 + B + W) (stage units) minus at most one chunk forward
     f_chunk, b_chunk = chunk   # chunk = half a stage; B is the full backward (B + W of the stage)
     for m in (2 * p, 2 * p + 1, 4 * p):
-        sim = simulate_deepspeed_dualpipev(p, m, {"F": f_chunk, "B": b_chunk})
-        formula = bubble_time("dualpipev", p, 2, 2 * f_chunk, 2 * b_chunk, 0)
-        assert all(0 <= formula - idle <= f_chunk for idle in sim.idle), (sim.idle, formula)
+        for rendezvous in (False, True):   # sends complete at the sender's commit, or only when matched
+            sim = simulate_deepspeed_dualpipev(p, m, {"F": f_chunk, "B": b_chunk}, rendezvous=rendezvous)
+            formula = bubble_time("dualpipev", p, 2, 2 * f_chunk, 2 * b_chunk, 0)
+            assert all(0 <= formula - idle <= f_chunk for idle in sim.idle), (sim.idle, formula)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

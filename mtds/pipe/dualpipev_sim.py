@@ -4,7 +4,8 @@ reimplemented here) to know its bubble: the planner's DualPipeV term comes from 
 DeepSpeed 0.19.8's DualPipeV engine queues sends and receives and launches each queue as one
 ``batch_isend_irecv`` at ``CommitP2P``, then waits for it. Modelled as: a queued send becomes available
 to its receiver at the sender's next commit; a commit blocks until every receive queued before it has
-arrived; a compute instruction must use only what earlier commits received. B is the full backward
+arrived (with ``rendezvous=True`` also until its sends' receivers have entered their matching commit);
+a compute instruction must use only what earlier commits received. Both models give the same idle time. B is the full backward
 (0.19.8 keeps W inside its BackwardPass) and forward and backward of a pair run one after the other.
 Placement: chunk (phase) 0 of rank r is stage r, chunk 1 is stage 2p − 1 − r (``v_shape_stage``).
 """
@@ -38,11 +39,13 @@ def deepspeed_dualpipev_actions(p: int, m: int, rank: int) -> list[Action]:
             if op in ("F", "B")]
 
 
-def simulate_deepspeed_dualpipev(p: int, m: int, costs: dict | None = None) -> SimResult:
-    """Unit costs by default: per chunk F = 1, full B = 2 (the convention of ``simulate``)."""
+def simulate_deepspeed_dualpipev(p: int, m: int, costs: dict | None = None, rendezvous: bool = False) -> SimResult:
+    """Unit costs by default: per chunk F = 1, full B = 2 (the convention of ``simulate``).
+    ``rendezvous``: a commit also waits until the receivers of its sends have entered their matching
+    commit (a send completes only against a posted receive, as with NCCL and gloo's TCP pairs)."""
     costs = costs or {"F": 1, "B": 2}
     streams = [deepspeed_dualpipev_steps(p, m, r) for r in range(p)]
-    available = {}                # message key (kind, producing stage, micro) -> time its send committed
+    send_entry, recv_entry = {}, {}   # message key (kind, producing stage, micro) -> commit entry time
     local = [set() for _ in range(p)]   # (kind, stage, micro) computed on each rank
     clock, busy, pos = [0] * p, [0] * p, [0] * p
     queued_sends = [[] for _ in range(p)]
@@ -67,11 +70,15 @@ def simulate_deepspeed_dualpipev(p: int, m: int, costs: dict | None = None) -> S
                     queued_recvs[r].append(message(op, r, chunk, micro))
                 elif op == "C":
                     for key in queued_sends[r]:
-                        available[key] = clock[r]
-                    if any(key not in available for key in queued_recvs[r]):
-                        queued_sends[r] = []
+                        send_entry.setdefault(key, clock[r])
+                    for key in queued_recvs[r]:
+                        recv_entry.setdefault(key, clock[r])
+                    partners = [send_entry.get(k) for k in queued_recvs[r]]
+                    if rendezvous:
+                        partners += [recv_entry.get(k) for k in queued_sends[r]]
+                    if any(t is None for t in partners):
                         break  # blocked in the commit's wait
-                    clock[r] = max([clock[r]] + [available[k] for k in queued_recvs[r]])
+                    clock[r] = max([clock[r]] + partners)
                     received[r].update(queued_recvs[r])
                     queued_sends[r], queued_recvs[r] = [], []
                 else:
