@@ -153,3 +153,17 @@ def _torch_orders(name, p, v, m):
 def test_orders_match_torch_pipelining(name, p, v, m):
     ours = [schedule_actions(name, p, v, m, r) for r in range(p)]
     assert ours == _torch_orders(name, p, v, m)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_1f1b_order_is_deepspeeds_train_schedule(p):
+    # the oracle for 1f1b: DeepSpeed's own TrainSchedule (what --pipeline-schedule 1f1b runs); its
+    # instructions name pipe buffers, micro-batch k uses buffer k % num_pipe_buffers()
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+    for m in (1, p, 3 * p + 1):
+        for rank in range(p):
+            sched = TrainSchedule(micro_batches=m, stages=p, stage_id=rank)
+            theirs = [("F" if isinstance(c, ForwardPass) else "B", c.buffer_id) for step in sched.steps()
+                      for c in step if isinstance(c, (ForwardPass, BackwardPass))]
+            ours = [(a.kind, a.micro % sched.num_pipe_buffers()) for a in schedule_actions("1f1b", p, 1, m, rank)]
+            assert ours == theirs, (m, rank)
