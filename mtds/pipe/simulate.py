@@ -170,18 +170,3 @@ def peak_in_flight(actions: list, weight_pass: bool) -> int:
         elif a.kind == release:
             held -= 1
     return peak
-
-
-def peak_in_flight(actions: list, weight_pass: bool) -> int:
-    """Most (chunk, micro-batch) activations a rank holds at once: counted from F until the pass that
-    frees them (W when the schedule has W passes -- W still needs the layer inputs -- else B)."""
-    release = "W" if weight_pass else "B"
-    held = peak = 0
-    for a in actions:
-        if a.kind == "F":
-            held += 1
-            peak = max(peak, held)
-        elif a.kind == release:
-            held -= 1
-    return peak
-
