@@ -66,6 +66,17 @@ def test_recorder_records_relative_times_and_step_marker():
     assert rec.events == []
 
 
+def test_recorder_synchronises_before_each_clock_reading():
+    calls = []
+    rec = TimelineRecorder(rank=0, clock=lambda: float(len(calls)), sync=lambda: calls.append(1))
+    rec.begin_step()
+    with rec.record("B", 0, 0):
+        pass
+    rec.end_step()
+    assert len(calls) == 4 and rec.events[0].end - rec.events[0].start == 1.0
+    assert TimelineRecorder.for_device(0, "cpu").sync is None
+
+
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_simulation_renders_through_the_same_writers(tmp_path, name, v):
     p, m = 4, 8

@@ -3,7 +3,7 @@ bubble, and write a Chrome trace (Perfetto) and a PNG Gantt chart of all ranks.
 
 Usage in an engine (one recorder per process)::
 
-    rec = TimelineRecorder(rank=stage_id)
+    rec = TimelineRecorder.for_device(rank=stage_id, device=engine.device)   # synchronises on CUDA
     dist.barrier(group)          # optional: align the ranks' step origins
     rec.begin_step()
     with rec.record("F", chunk=0, micro=3): ...
@@ -54,22 +54,37 @@ class TimelineEvent:
 
 
 class TimelineRecorder:
-    """Records one rank's events of the current step (``begin_step`` clears them)."""
+    """Records one rank's events of the current step (``begin_step`` clears them).
 
-    def __init__(self, rank: int, clock=time.perf_counter):
+    ``sync`` runs before every clock reading: on a GPU pass ``torch.cuda.synchronize`` so an event
+    covers its kernels, not just their launch (``for_device`` does that)."""
+
+    def __init__(self, rank: int, clock=time.perf_counter, sync=None):
         self.rank = rank
         self.clock = clock
+        self.sync = sync
         self.events: list[TimelineEvent] = []
         self._origin = None
 
+    @classmethod
+    def for_device(cls, rank: int, device) -> "TimelineRecorder":
+        import torch
+        on_gpu = torch.device(device).type == "cuda"
+        return cls(rank, sync=torch.cuda.synchronize if on_gpu else None)
+
+    def _read(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return self.clock()
+
     def begin_step(self) -> None:
         self.events = []
-        self._origin = self.clock()
+        self._origin = self._read()
 
     def now(self) -> float:
         if self._origin is None:
             raise RuntimeError("TimelineRecorder: call begin_step() before recording")
-        return self.clock() - self._origin
+        return self._read() - self._origin
 
     @contextmanager
     def record(self, kind: str, chunk: int | None = None, micro: int | None = None, name: str = ""):
