@@ -3,6 +3,7 @@ installed first so every collective — including ZeRO-3's parameter all-gathers
 through function references cached at start-up — is counted per step, then written per rank.
 
     torchrun --nproc_per_node N -m compare.entry PROBE_DIR <train.py arguments>
+    deepspeed ... --module compare.entry PROBE_DIR <train.py arguments>
 """
 from __future__ import annotations
 
@@ -11,13 +12,37 @@ import os
 import sys
 
 
+def _link_counter(loop) -> list[dict]:
+    """On an emulated cluster node (MTDS_LINK_DEVICE names the node's link): bytes the link sent and
+    received during each step, read from the kernel counters around ``train_step``. [] elsewhere."""
+    device, per_step = os.environ.get("MTDS_LINK_DEVICE"), []
+    if not device:
+        return per_step
+    from mtds.cluster.netns import own_link_stats
+    train_step = loop.train_step
+
+    def counted_train_step(*args, **kwargs):
+        before = own_link_stats(device)
+        out = train_step(*args, **kwargs)
+        after = own_link_stats(device)
+        per_step.append({k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")})
+        return out
+
+    loop.train_step = counted_train_step
+    return per_step
+
+
 def main() -> None:
-    probe_dir, train_args = sys.argv[1], sys.argv[2:]
+    # The DeepSpeed launcher puts --local_rank=N first; train.py's parser takes it anywhere.
+    local = [a for a in sys.argv[1:] if a.startswith("--local_rank")]
+    rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    probe_dir, train_args = rest[0], rest[1:] + local
     from benchmarks.measure import peak_rss_gib
     from benchmarks.probe import LoopProbe
     from mtds.training import cli, loop
 
     probe = LoopProbe(warmup=1).install()
+    link = _link_counter(loop)
     run = loop.run
 
     def run_and_record(cfg):
@@ -29,7 +54,7 @@ def main() -> None:
             json.dump({"rank": rank, "world": dist.get_world_size(), "layout": result.layout,
                        "step_times_s": probe.step_times, "comm_per_step": probe.comm_per_step,
                        "parameters": probe.parameters, "peak_rss_gib": peak_rss_gib(),
-                       "losses": result.losses}, f)
+                       "losses": result.losses, "link_per_step": link}, f)
         return result
 
     loop.run = run_and_record

@@ -28,6 +28,16 @@ def effective_config(scheme: Scheme, out_dir: str, global_batch: int | None, mic
     return path
 
 
+def entry_args(scheme: Scheme, *, config: str, model: str, steps: int, seq_length: int, out_dir: str,
+               extra: list[str] = ()) -> list[str]:
+    """``compare.entry`` and its arguments (probe directory, then train.py's), same for every launcher."""
+    return ["compare.entry", os.path.join(out_dir, "probe"),
+            "--deepspeed_config", config, "--tp", str(scheme.tp), "--pp", str(scheme.pp), "--model", model,
+            "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", os.path.join(out_dir, "log.jsonl"),
+            "--no-progress", "--eval-split", "0", "--lr-decay", "constant",
+            *(["--sequence-parallel"] if scheme.sp else []), *extra]
+
+
 def launch(scheme: Scheme, *, nproc: int, model: str, steps: int, seq_length: int, out_dir: str,
            global_batch: int | None = None, micro_batch: int | None = None, extra: list[str] = (),
            timeout: float = 3600.0) -> dict:
@@ -37,10 +47,9 @@ def launch(scheme: Scheme, *, nproc: int, model: str, steps: int, seq_length: in
     config = effective_config(scheme, out_dir, global_batch, micro_batch)
     log = os.path.join(out_dir, "log.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), "-m", "compare.entry", os.path.join(out_dir, "probe"),
-           "--deepspeed_config", config, "--tp", str(scheme.tp), "--pp", str(scheme.pp), "--model", model,
-           "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", log, "--no-progress",
-           "--eval-split", "0", "--lr-decay", "constant", *(["--sequence-parallel"] if scheme.sp else []), *extra]
+           "--master_port", str(free_port()), "-m",
+           *entry_args(scheme, config=config, model=model, steps=steps, seq_length=seq_length, out_dir=out_dir,
+                       extra=extra)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()

@@ -107,3 +107,50 @@ def test_allreduce_link_bytes_match_the_ring(tmp_path):
         assert node["correct"] and node["world"] == 4
         assert expected <= node["tx_bytes"] <= expected * (1 + LINK_OVERHEAD), (node, expected)
     assert _leftovers() == []
+
+
+TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 8192, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+TINY_PARAMS = 8192 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64     # wte, wpe, 2 blocks, final norm
+# Link bytes above the formulas: TCP/IP headers (0.3%, see LINK_OVERHEAD) plus the small collectives the
+# formulas leave out (loss broadcast, grad-norm scalars, DeepSpeed's activation-partition metadata).
+# Measured +0.7% (PTD-P) and +1.4% (ZeRO-3) per step; the bound is 3%.
+STEP_OVERHEAD = 0.03
+
+
+def _ranks(out_dir):
+    return [json.loads(p.read_text()) for p in sorted((out_dir / "probe").glob("rank*.json"))]
+
+
+def test_launcher_trains_across_nodes_with_single_host_losses_and_formula_link_bytes(tmp_path):
+    """2 nodes x 2 ranks through `deepspeed --hostfile --no_ssh --node_rank i` in each namespace:
+    PTD-P (t=2 in a node, p=2 across) and ZeRO-3 (d=4) train with the losses of the same model, data and
+    seed on one host (1 rank), and each node's link carries the formula's bytes per step."""
+    from compare.cluster_launch import launch_on_cluster
+    from compare.launch import launch as launch_here
+    from compare.schemes import parse_scheme
+    from mtds.cluster.formulas import ptdp_link_bytes, zero3_link_bytes
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(TINY_GPT2))
+    common = dict(model=str(model), steps=3, seq_length=32, global_batch=8, micro_batch=2, timeout=300)
+    reference = launch_here(parse_scheme("ptdp:tp=1"), nproc=1, out_dir=str(tmp_path / "host"), **common)
+    ref_losses = _ranks(tmp_path / "host")[0]["losses"]
+    spec = ClusterSpec(nodes=2, ranks_per_node=2, inter_node="1gbit", prefix=PREFIX)
+    expected = {"ptdp:tp=2,pp=2": ptdp_link_bytes(microbatches=4, micro_batch=2, seq=32, hidden=64, vocab=8192,
+                                                 tp=2, pp=2, nodes=2),
+                "zero3": zero3_link_bytes(params=TINY_PARAMS, world=4, nodes=2)}
+    with Cluster(spec) as c:
+        for name, formula in expected.items():
+            out = tmp_path / name.replace(":", "_")
+            launch_on_cluster(c, parse_scheme(name), out_dir=str(out), echo=None, **common)
+            ranks = _ranks(out)
+            assert len(ranks) == 4 and reference["wall_s"] > 0
+            for r in ranks:
+                assert len(r["losses"]) == 3
+                for got, want in zip(r["losses"], ref_losses):
+                    assert abs(got - want) <= 1e-5 * abs(want), (name, r["losses"], ref_losses)
+            for node in (0, 2):          # global rank 0 and 2 are the first rank of node 0 and node 1
+                steps = ranks[node]["link_per_step"][1:]     # step 1 of ZeRO-3 records its fetch order
+                per_step = sum(s["tx_bytes"] for s in steps) / len(steps)
+                assert formula * 0.99 <= per_step <= formula * (1 + STEP_OVERHEAD), (name, node, per_step, formula)
+    assert _leftovers() == []

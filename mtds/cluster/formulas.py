@@ -1,0 +1,59 @@
+"""Bytes a node's link must send per training step, from the model and the layout (2 or more nodes,
+ranks numbered node by node, as DeepSpeed's launcher does).
+
+Ring collectives (Thakur et al. 2005): over a ring of n ranks each edge carries 2 (n-1)/n x S for an
+all-reduce of S bytes and (n-1)/n x S for an all-gather (S = gathered size). When a group's ranks sit
+node by node, exactly one edge of its ring leaves each node, so a node's link carries one edge per group
+that spans nodes. gloo implements reduce-scatter as an all-reduce followed by taking the shard (measured
+on the emulated cluster: 1.50 x S per node at 2 x 2 ranks, the all-reduce's volume), NCCL as a ring
+reduce-scatter ((n-1)/n x S).
+"""
+from __future__ import annotations
+
+
+def ring_edge_bytes(kind: str, nbytes: float, n: int, backend: str = "gloo") -> float:
+    """Bytes on one ring edge for a collective over n ranks; nbytes is the full (unsharded) size."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo"):
+        return 2 * (n - 1) / n * nbytes
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def ptdp_link_bytes(*, microbatches: int, micro_batch: int, seq: int, hidden: int, vocab: int, tp: int,
+                    pp: int, nodes: int, tied: bool = True, bytes_per_value: int = 4) -> float:
+    """PTD-P with the pipeline split across nodes (tensor and data parallel groups inside a node), per
+    node and step, in each direction: the stage-boundary activations (forward) or their gradients
+    (backward) of every micro-batch, b s h values (DeepSpeed splits them over the t ranks of a stage and
+    all-gathers on arrival, so the node sends b s h in all), plus the tied word-embedding gradient
+    all-reduce between the first and the last stage (t groups of 2 ranks, V/t x h each)."""
+    if nodes < 2 or pp < 2:
+        return 0.0
+    if pp != nodes:
+        raise ValueError("this formula covers one pipeline stage per node (pp == nodes)")
+    activations = microbatches * micro_batch * seq * hidden * bytes_per_value
+    embedding = tp * ring_edge_bytes("all_reduce", vocab // tp * hidden * bytes_per_value, 2) if tied else 0.0
+    # With pp > 2 a middle node sends activations forward and gradients backward: twice as much.
+    return activations * (1 if pp == 2 else 2) + embedding
+
+
+def zero3_link_bytes(*, params: int, world: int, nodes: int, bytes_per_value: int = 4,
+                     backend: str = "gloo") -> float:
+    """ZeRO-3 over all ranks, per node and step, with DeepSpeed's default persistence and reuse settings
+    (every parameter gathered once per step and kept through backward, measured in the HF-baseline
+    notes): a parameter all-gather of P values and a gradient reduce-scatter of P values."""
+    if nodes < 2:
+        return 0.0
+    full = params * bytes_per_value
+    return ring_edge_bytes("all_gather", full, world) + ring_edge_bytes("reduce_scatter", full, world, backend)
+
+
+def zero1_link_bytes(*, params: int, world: int, nodes: int, bytes_per_value: int = 4) -> float:
+    """ZeRO-1 data parallelism over all ranks: DeepSpeed all-reduces the gradients, then all-gathers the
+    updated parameter partitions (measured in the HF-baseline notes), P values each."""
+    if nodes < 2:
+        return 0.0
+    full = params * bytes_per_value
+    return ring_edge_bytes("all_reduce", full, world) + ring_edge_bytes("all_gather", full, world)
