@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm chosen by cfg.normalization (norm weights start at one, biases at zero).
 
 With sequence parallelism a norm sees only this rank's slice of the sequence, so its (replicated)
-weights pass through `shared_by_sequence_shards`, which sums their gradient over the TP group.
+weights are marked ``sequence_parallel`` and pass through `shared_by_sequence_shards`: their gradient
+is summed over the TP group, per use or once per step (see :mod:`mtds.tp.sequence_grads`).
 The parameter names stay those of torch's LayerNorm, so checkpoints and HF mapping are unchanged.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtds.config import ModelConfig
-from mtds.tp import shared_by_sequence_shards
+from mtds.tp import mark_sequence_parallel, shared_by_sequence_shards
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.sequence_parallel_group = sequence_parallel_group
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        if sequence_parallel_group is not None:
+            mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -36,6 +39,9 @@ class LayerNorm(nn.LayerNorm):
     def __init__(self, hidden_size: int, eps: float, sequence_parallel_group=None):
         super().__init__(hidden_size, eps=eps)
         self.sequence_parallel_group = sequence_parallel_group
+        if sequence_parallel_group is not None:
+            mark_sequence_parallel(self.weight)
+            mark_sequence_parallel(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.sequence_parallel_group

@@ -1,17 +1,20 @@
 """Megatron-style tensor parallelism: mappings, layers, vocab-parallel cross entropy, RNG tracker."""
 from .cross_entropy import gather_vocab_parallel_logits, vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tensor_parallel,
-                     padded_vocab_size, parallel_lm_logits, shard_rows, shared_by_sequence_shards, unshard_rows)
+                     padded_vocab_size, parallel_lm_logits, shard_rows, unshard_rows)
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
+from .sequence_grads import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
+                             shared_by_sequence_shards)
 from .random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallel_lm_logits",
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "padded_vocab_size", "mark_tensor_parallel",
-    "shard_rows", "unshard_rows", "shared_by_sequence_shards",
+    "shard_rows", "unshard_rows", "shared_by_sequence_shards", "mark_sequence_parallel",
+    "allreduce_sequence_parallel_grads",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "scatter_to_sequence_parallel_region", "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "checkpoint",

@@ -17,6 +17,7 @@ from torch import nn
 from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
+from .sequence_grads import mark_sequence_parallel, shared_by_sequence_shards
 from .sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -73,13 +74,6 @@ def _sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitM
     param = nn.Parameter(local.to(dtype=dtype or torch.get_default_dtype(), device=device))
     mark_tensor_parallel(param, dim, segments)
     return param
-
-
-def shared_by_sequence_shards(param: torch.Tensor | None, group) -> torch.Tensor | None:
-    """A replicated parameter applied to this rank's slice of the sequence (sequence parallelism:
-    layer norms, the row-parallel bias). Its gradient is a partial sum over
-    the slice; the identity-forward / all-reduce-backward copy makes autograd add the slices."""
-    return param if param is None else copy_to_tensor_parallel_region(param, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -151,6 +145,8 @@ class RowParallelLinear(nn.Module):
         self.weight = _sharded_parameter((out_features, in_features), 1, group, init_method, None, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=device))
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
 

@@ -32,6 +32,7 @@ from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, 
 from .grad_norm import install_fp32_clipping
 from .logger import StepLogger
 from .schedule import build_scheduler
+from .sequence_grads import defer_sequence_parallel_grads
 from .steps import eval_loss, train_step
 
 
@@ -148,6 +149,8 @@ def run(cfg: TrainConfig) -> RunResult:
         mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
     if precision(ds_config) == "fp32" and zero_stage(ds_config) == 0:
         install_fp32_clipping(engine, groups)
+    if cfg.sequence_parallel:
+        defer_sequence_parallel_grads(engine, groups)
     for callback in cfg.on_engine_ready:
         callback(engine, groups)
 

@@ -1,0 +1,29 @@
+"""Sequence parallelism sums the gradients of parameters shared by the sequence shards (norms,
+row-parallel biases) over the TP group in one all-reduce per step under ZeRO-0/1, and per use under
+ZeRO-2 (which reduce-scatters each gradient as soon as backward produces it). Loss parity of these
+paths is in tests/test_parity.py (sequence-parallel layouts at ZeRO-0, 1, 2 and 3)."""
+from tests.training_helpers import BATCH, SEQ, TINY, ds_config, run_layouts, train_config
+
+ZEROS = (0, 1, 2)
+
+
+def test_shared_parameter_gradients_all_reduce_once_per_step_under_zero_0_and_1():
+    configs = [train_config(tp=2, steps=1, sequence_parallel=sp, deepspeed_config=ds_config(zero=z))
+               for z in ZEROS for sp in (False, True)]
+    results = run_layouts(2, configs)[0]
+    m = BATCH["train_batch_size"] // BATCH["train_micro_batch_size_per_gpu"]     # micro-batches per step (d=1)
+    L, h = TINY.num_layers, TINY.hidden_size
+    activation = BATCH["train_micro_batch_size_per_gpu"] * SEQ * h * 4          # one fp32 [b, s, h]
+    # Without SP each micro-batch all-reduces [b, s, h] over TP 4 times per layer, after the embedding
+    # and for the LM head's input gradient; SP replaces all of those by all-gathers/reduce-scatters.
+    replaced_calls, replaced_bytes = m * (4 * L + 2), m * (4 * L + 2) * activation
+    shared = 6 * L + 2                       # per layer 2 norms x (weight, bias) + 2 biases; final norm
+    shared_bytes = (4 * L * h + 2 * L * h + 2 * h) * 4
+    for index, zero in enumerate(ZEROS):
+        plain, sp = (results[2 * index + i].comm["all_reduce/tp"] for i in (0, 1))
+        if zero < 2:    # one flat all-reduce of all shared gradients per step
+            calls, nbytes = 1, shared_bytes
+        else:           # per parameter per micro-batch
+            calls, nbytes = m * shared, m * shared_bytes
+        assert sp["calls"] == plain["calls"] - replaced_calls + calls, (zero, plain, sp)
+        assert sp["bytes"] == plain["bytes"] - replaced_bytes + nbytes, (zero, plain, sp)
