@@ -12,9 +12,16 @@ TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "32", "--mic
 
 
 def test_param_formula_matches_gpt2_count():
-    # 12 l h^2 + 13 l h + (V + s) h + 2h at t = 1 (PTD-P's count plus the final LayerNorm).
-    l, h, V, s = 4, 256, 8192, 256
-    assert params_per_rank(l, h, V, s) == 12 * l * h * h + 13 * l * h + (V + s) * h + 2 * h
+    # the formula against the parameters real models hold: HF GPT-2 and mtds's model at t = 1
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mtds.config import ModelConfig
+    from mtds.model import GPTModel
+    l, h, V, s = 3, 64, 384, 48
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=l, n_embd=h, n_head=4, vocab_size=V, n_positions=s))
+    ours = GPTModel(ModelConfig(vocab_size=V, hidden_size=h, num_layers=l, num_heads=4, max_position_embeddings=s))
+    assert params_per_rank(l, h, V, s) == sum(p.numel() for p in hf.parameters()) \
+        == sum(p.numel() for p in ours.parameters())
 
 
 def test_bench_script_json(tmp_path):

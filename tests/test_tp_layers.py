@@ -128,7 +128,7 @@ def _layers_worker():
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_tp_layers_match_dense_reference(t):
     for rank, results in enumerate(spawn(_layers_worker, t, timeout=180)):
-        assert results.pop("padded_size") == ((250 + 8 * t - 1) // (8 * t)) * 8 * t
+        assert results.pop("padded_size") == 256     # 250 rounded up to a multiple of 8 t (t = 1, 2, 4)
         for name, value in results.items():
             ok = value[0] if isinstance(value, tuple) else value
             assert ok, f"t={t} rank={rank} {name}: max abs diff {value}"
