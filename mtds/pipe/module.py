@@ -23,11 +23,17 @@ def _recompute(tracker: RNGTracker, function, *args):
 
 def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                           recompute_interval: int = 0, recompute_attention: bool = False,
-                          sequence_parallel: bool = False):
+                          sequence_parallel: bool = False, virtual_stages: int | None = None):
+    """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
+    (that many chunks per rank, for the schedules mtds's own engine runs)."""
     from deepspeed.pipe import PipelineModule
+
+    from .chunked import ChunkedPipelineModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
-    return PipelineModule(layers=specs, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
+    cls, extra = (PipelineModule, {}) if virtual_stages is None else \
+        (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
+    return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
                           partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
                           activation_checkpoint_func=partial(_recompute, rng_tracker),
                           checkpointable_layers=CHECKPOINTABLE_LAYERS)
@@ -76,20 +82,23 @@ class SequentialGPT(nn.Module):
 
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                 recompute_interval: int = 0, recompute_attention: bool = False,
-                sequence_parallel: bool = False) -> nn.Module:
+                sequence_parallel: bool = False, virtual_stages: int | None = None) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
     recomputes every k whole blocks ("full"); ``recompute_attention`` only the attention core
-    ("selective"); they are alternatives, not meant together."""
+    ("selective"); they are alternatives, not meant together. ``virtual_stages``: build a
+    ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules)."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
-    builder = build_pipeline_module if groups.layout.pp > 1 else SequentialGPT
-    return builder(cfg, groups, seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
-                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel)
+    common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
+                  recompute_attention=recompute_attention, sequence_parallel=sequence_parallel)
+    if groups.layout.pp > 1:
+        return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, **common)
+    return SequentialGPT(cfg, groups, **common)
 
 
 __all__ = ["build_model", "build_pipeline_module", "SequentialGPT", "TransformerLayer"]

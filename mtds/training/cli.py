@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel size t (must divide attention heads) [1]")
     g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
                    help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
+    g.add_argument("--pipeline-schedule", default="1f1b", metavar="NAME",
+                   help="pipeline schedule: 1f1b (DeepSpeed's engine) or interleaved (PTD-P interleaved 1F1B on "
+                        "mtds's engine: bubble (p-1)/(v m); needs --virtual-stages >= 2 and micro-batches a "
+                        "multiple of --pp) [1f1b]")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="model chunks per pipeline rank for --pipeline-schedule interleaved [1]")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism (Korthikanti et al. 2022): layer norms, dropout and residuals work "
                         "on 1/t of the sequence, saving activation memory; same communication volume, same "
@@ -92,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         deepspeed_config=args.deepspeed_config, model=args.model or args.init_from_hf or "gpt2-tiny",
         model_overrides=overrides, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
+        pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
         data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,

@@ -13,6 +13,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False             # split activations along the sequence over the TP group
+    pipeline_schedule: str = "1f1b"             # 1f1b (DeepSpeed's engine) | interleaved (mtds.pipe.engine)
+    virtual_stages: int = 1                     # model chunks per pipeline rank (interleaved: >= 2)
     # data
     data: str | None = None                     # None: the shipped corpus
     text_column: str = "text"
@@ -59,6 +61,8 @@ class TrainConfig:
             raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         if self.activation_checkpointing < 0:
             raise ValueError("--activation-checkpointing takes a block interval >= 0")
+        from mtds.pipe.select import check_schedule
+        check_schedule(self.pipeline_schedule, pp=self.pp, virtual_stages=self.virtual_stages)
         object.__setattr__(self, "recompute", self._resolved_recompute())
         if self.recompute == "full" and not self.activation_checkpointing:
             object.__setattr__(self, "activation_checkpointing", 1)

@@ -99,7 +99,8 @@ def run(cfg: TrainConfig) -> RunResult:
     device, backend = init_distributed(cfg.dist_timeout_s)
     world = dist.get_world_size()
 
-    layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp)
+    layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp, vp=cfg.virtual_stages)
+    own_schedule = cfg.pipeline_schedule != "1f1b"    # mtds's ScheduledPipelineEngine, not DeepSpeed's
     model_cfg = resolve_model_config(cfg.model, **cfg.model_overrides)
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
                        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
@@ -114,6 +115,13 @@ def run(cfg: TrainConfig) -> RunResult:
         # replicated across TP ranks. Sequence-parallel activations are already one slice per rank.
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
+    if own_schedule:
+        from mtds.pipe.select import check_schedule, deepspeed_version_problem
+        check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
+                       micro_batches=batch.accumulation)
+        import deepspeed
+        if problem := deepspeed_version_problem(deepspeed.__version__):
+            raise ValueError(problem)
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:
         for name in ("tp", "dp", "pp"):
@@ -125,6 +133,7 @@ def run(cfg: TrainConfig) -> RunResult:
     logger = StepLogger(enabled=reporting, total_steps=cfg.steps, append=bool(cfg.load), jsonl_path=cfg.log_jsonl,
                         tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
     sp = " + sequence parallel" if cfg.sequence_parallel else ""
+    sp += f", {cfg.pipeline_schedule} schedule" if layout.pp > 1 else ""
     logger.info(f"mtds: layout {layout}{sp} on {world} {device.type} rank(s) [{backend}], {precision(ds_config)}, "
                 f"ZeRO-{zero_stage(ds_config)}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
                 f"accumulation {batch.accumulation} x dp {layout.dp}")
@@ -133,7 +142,8 @@ def run(cfg: TrainConfig) -> RunResult:
 
     model = build_model(model_cfg, groups, seed=cfg.seed, rng_tracker=tracker, sequence_parallel=cfg.sequence_parallel,
                         recompute_interval=cfg.activation_checkpointing,
-                        recompute_attention=cfg.recompute == "selective")
+                        recompute_attention=cfg.recompute == "selective",
+                        virtual_stages=cfg.virtual_stages if own_schedule else None)
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
         load_hf_into_stages(model, cfg.init_from_hf, model_cfg, groups)
@@ -144,9 +154,18 @@ def run(cfg: TrainConfig) -> RunResult:
         base_lr = ds_config["optimizer"]["params"].get("lr", 1e-3)
         scheduler = lambda opt: build_scheduler(opt, base_lr=base_lr, min_lr=cfg.min_lr,  # noqa: E731
                                                 warmup=cfg.warmup_steps, total=cfg.steps, decay=cfg.lr_decay)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
-        mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if own_schedule:
+        from mtds.pipe.engine import build_scheduled_engine
+        hidden_len = cfg.seq_length // layout.tp if cfg.sequence_parallel else cfg.seq_length
+        engine = build_scheduled_engine(model, config=ds_config, model_parameters=trainable, lr_scheduler=scheduler,
+                                        schedule=cfg.pipeline_schedule, groups=groups,
+                                        boundary_shape=(batch.micro_batch, hidden_len, model_cfg.hidden_size))
+        if tracer is not None:
+            tracer.name_group(engine.grad_group, "pp")
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
+                                               mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
     if precision(ds_config) == "fp32" and zero_stage(ds_config) == 0:
         install_fp32_clipping(engine, groups)
     if cfg.sequence_parallel:

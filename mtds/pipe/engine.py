@@ -1,0 +1,233 @@
+"""``ScheduledPipelineEngine``: DeepSpeed's ``PipelineEngine`` running mtds's own pipeline schedules.
+
+DeepSpeed's engine runs only its plain 1F1B instruction stream. This subclass replaces ``train_batch``
+and ``eval_batch`` by a walk over the per-rank compute order of ``mtds.pipe.schedules`` (interleaved 1F1B
+over the chunks of a :class:`~mtds.pipe.chunked.ChunkedPipelineModule`, or ZB-H1), with the p2p of
+``mtds.pipe.p2p`` (sends never block, receives block only when needed). Everything else stays
+DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss scaling, accumulation
+scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
+``DeepSpeedEngine.backward``, and at the end of the step -- one flush -- its tied-gradient all-reduce,
+gradient reduction (ZeRO-1 / BF16 optimizer / data parallel), clipping and optimizer step.
+
+"Stage" in DeepSpeed's sense (``is_first_stage``/``is_last_stage``, gradient-accumulation scaling) is
+the *virtual* stage of the chunk being run: rank p−1 runs the loss only in its last chunk.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from .p2p import StageP2P
+from .schedules import check_microbatches, schedule_actions
+
+
+class ScheduledPipelineEngine(PipelineEngine):
+    """Built like DeepSpeed builds a ``PipelineEngine`` (see :func:`build_scheduled_engine`), plus:
+    ``schedule`` (a name in ``mtds.pipe.schedules.SCHEDULES``), ``groups`` (mtds ``ParallelGroups``),
+    ``boundary_shape`` (activation shape between stages for one micro-batch)."""
+
+    def __init__(self, *args, schedule: str, groups, boundary_shape, **kwargs):
+        self._active_chunk = None   # None: DeepSpeed's own (rank) sense of first/last stage, used in __init__
+        super().__init__(*args, **kwargs)
+        self.schedule = schedule
+        self.groups = groups
+        self.chunks = getattr(self.module, "num_chunks", 1)
+        check_microbatches(schedule, self.num_stages, self.chunks, self.micro_batches)
+        # One flush per step; the engine scatters/gathers itself (DeepSpeed's PartitionedTensor path is
+        # tied to its own buffers), so its flags only tell us whether to.
+        scatter = self.is_pipe_partitioned
+        self.is_pipe_partitioned = self.is_grad_partitioned = False
+        grad_group = None
+        for ranks in groups.layout.pp_groups():   # collective: every rank creates every group
+            group = dist.new_group(ranks)
+            if groups.rank in ranks:
+                grad_group = group
+        self.grad_group = grad_group
+        dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.half if self.fp16_enabled() else torch.float32
+        self.p2p = StageP2P(self.grid, act_group=groups.pp_group, grad_group=grad_group, shape=boundary_shape,
+                            dtype=dtype, device=self.device, tp_group=groups.tp_group, tp_size=groups.layout.tp,
+                            scatter_gather=scatter)
+        self.timeline = None       # a mtds.pipe.timeline.TimelineRecorder, when the user asked for one
+
+    # -- DeepSpeed's notion of the stage, per chunk ------------------------------------------------------
+    def _virtual_stage(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage_id
+
+    def is_first_stage(self):
+        if self._active_chunk is None:
+            return super().is_first_stage()
+        return self._virtual_stage(self._active_chunk) == 0
+
+    def is_last_stage(self):
+        if self._active_chunk is None:
+            return super().is_last_stage()
+        return self._virtual_stage(self._active_chunk) == self.num_stages * self.chunks - 1
+
+    @contextlib.contextmanager
+    def _chunk(self, chunk: int):
+        self._active_chunk = chunk
+        if self.chunks > 1:
+            self.module.activate_chunk(chunk)
+        try:
+            yield
+        finally:
+            self._active_chunk = None
+
+    def _span(self, kind: str, chunk=None, micro=None):
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.record(kind, chunk=chunk, micro=micro)
+
+    def _neighbour(self, chunk: int, step: int) -> int:
+        """Pipeline rank of the virtual stage ``step`` (±1) away from ``chunk`` on this rank."""
+        return (self.stage_id + step) % self.num_stages
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() needs gradients enabled; use eval_batch()")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.total_loss = None
+        self.total_additional_losses = None
+        self._compute_loss = True
+        self._run(schedule_actions(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
+        with self._span("reduce"):
+            self._exec_reduce_tied_grads()
+            self._exec_reduce_grads()
+        with self._span("step"):
+            self._exec_optimizer_step()
+        with torch.no_grad():
+            self.agg_train_loss = self._aggregate_total_loss()
+        return self.agg_train_loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        if return_logits or not compute_loss:
+            raise NotImplementedError("mtds's pipeline schedules evaluate the loss only")
+        micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
+        self.module.eval()
+        train_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        self._compute_loss = True
+        try:
+            # Forward only, in the interleaved forward order: every rank's order is the same sequence of
+            # (chunk, micro) slots, so blocking receives are always answered.
+            order = [a for a in schedule_actions("interleaved" if self.chunks > 1 else "1f1b", self.num_stages,
+                                                  self.chunks, _round_up(micro_batches, self.num_stages),
+                                                  self.stage_id) if a.kind == "F" and a.micro < micro_batches]
+            self._run(order)
+        finally:
+            self.set_dataiterator(train_iterator)
+            self.module.train()
+        output = None
+        if self.is_last_stage():
+            output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=micro_batches)
+        if bcast_loss:
+            output = self._bcast_pipe_scalar(output)
+        return output
+
+    def _run(self, actions) -> None:
+        self.fwd_outputs = []
+        self._inputs, self._outputs, self._losses, self._labels = {}, {}, {}, {}
+        for action in actions:
+            handler = {"F": self._forward, "B": self._backward, "W": self._weight}[action.kind]
+            handler(action.chunk, action.micro)
+        with self._span("send"):
+            self.p2p.wait_sends()
+
+    # -- the three compute instructions ------------------------------------------------------------------
+    def _forward(self, chunk: int, micro: int) -> None:
+        with self._chunk(chunk):
+            first, last = self.is_first_stage(), self.is_last_stage()
+            if first:
+                batch = self._next_batch()
+                inputs = batch[0].to(self.device)
+            else:
+                with self._span("recv", chunk, micro):
+                    inputs = self.p2p.recv_forward(self._neighbour(chunk, -1))
+                if not torch.is_grad_enabled():
+                    inputs = inputs.detach()
+            if last:
+                self._labels[micro] = self._next_batch()[1].to(self.device)
+            with self._span("F", chunk, micro):
+                outputs = DeepSpeedEngine.forward(self, inputs)
+                if last:
+                    loss = self.module.loss_fn(outputs, self._labels.pop(micro))
+                    self.fwd_outputs.append(loss.detach())
+                    self.total_loss = loss.detach().clone() if self.total_loss is None \
+                        else self.total_loss + loss.detach()
+            if torch.is_grad_enabled() and not first:
+                self._inputs[chunk, micro] = inputs      # its .grad is what backward sends upstream
+            if last:
+                if torch.is_grad_enabled():
+                    self._losses[micro] = loss
+                return
+            with self._span("send", chunk, micro):
+                self.p2p.send_forward(outputs, self._neighbour(chunk, +1))
+            if torch.is_grad_enabled():
+                self._outputs[chunk, micro] = outputs
+
+    def _backward(self, chunk: int, micro: int) -> None:
+        with self._chunk(chunk):
+            first = self.is_first_stage()
+            if self.is_last_stage():
+                with self._span("B", chunk, micro):
+                    DeepSpeedEngine.backward(self, self._losses.pop(micro))
+            else:
+                with self._span("recv", chunk, micro):
+                    grad = self.p2p.recv_backward(self._neighbour(chunk, +1))
+                with self._span("B", chunk, micro):
+                    self._backward_from(self._outputs.pop((chunk, micro)), grad)
+            inputs = self._inputs.pop((chunk, micro), None)
+            if not first:
+                with self._span("send", chunk, micro):
+                    self.p2p.send_backward(inputs.grad, self._neighbour(chunk, -1))
+
+    def _backward_from(self, outputs: torch.Tensor, grad: torch.Tensor) -> None:
+        """A non-loss stage's backward, as DeepSpeed's PipelineEngine runs it (BF16 optimizer: low-precision
+        grads cleared before, added to the fp32 ones after)."""
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            outputs.backward(gradient=grad)
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _weight(self, chunk: int, micro: int) -> None:
+        raise NotImplementedError("weight-gradient passes (zb-h1) are not supported by this engine yet")
+
+
+def _round_up(m: int, p: int) -> int:
+    return -(-m // p) * p
+
+
+def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,
+                           boundary_shape):
+    """What ``deepspeed.initialize`` does for a ``PipelineModule`` (DeepSpeed 0.19: config class from the
+    module's grid, optimizer flags, zero.Init context around construction), constructing
+    :class:`ScheduledPipelineEngine` instead of ``PipelineEngine``."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero import partition_parameters
+
+    partition_parameters.shutdown_init_context()
+    config_class = DeepSpeedConfig(config, model.mpu())
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine = ScheduledPipelineEngine(args=None, model=model, optimizer=None, model_parameters=model_parameters,
+                                     training_data=None, lr_scheduler=lr_scheduler, mpu=model.mpu(),
+                                     dist_init_required=None, collate_fn=None, config=config,
+                                     config_class=config_class, schedule=schedule, groups=groups,
+                                     boundary_shape=boundary_shape)
+    partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine

@@ -1,0 +1,42 @@
+"""Which pipeline schedule runs a step, checked up front, and the engine that runs it.
+
+``1f1b`` is DeepSpeed's own ``PipelineEngine``, untouched. The other schedules run on mtds's
+``ScheduledPipelineEngine`` (``mtds.pipe.engine``), which builds on private internals of DeepSpeed's
+pipeline engine: they are supported for the DeepSpeed versions in ``DEEPSPEED_RANGE`` only.
+"""
+from __future__ import annotations
+
+from .schedules import check_microbatches
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved")   # what train.py can run (each proven against HF in tests)
+DEEPSPEED_RANGE = ((0, 19, 8), (0, 20, 0))     # [low, high): the engine internals these schedules rely on
+
+
+def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: int | None = None) -> None:
+    """``ValueError`` (one line, with the fix) for a schedule/layout/micro-batch count that cannot run."""
+    if name not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown --pipeline-schedule {name!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if name == "1f1b":
+        if virtual_stages != 1:
+            raise ValueError(f"--virtual-stages {virtual_stages} needs --pipeline-schedule interleaved "
+                             f"(1f1b runs one chunk per rank)")
+        return
+    if pp < 2:
+        raise ValueError(f"--pipeline-schedule {name} needs a pipeline: set --pp >= 2")
+    if micro_batches is not None:
+        check_microbatches(name, pp, virtual_stages, micro_batches)
+
+
+def deepspeed_version_problem(version: str) -> str | None:
+    """One line if ``version`` is outside the range mtds's own schedules are built for, else None."""
+    numbers = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        numbers.append(int(digits) if digits else 0)
+    low, high = DEEPSPEED_RANGE
+    if low <= tuple(numbers) < high:
+        return None
+    fmt = ".".join
+    return (f"DeepSpeed {version} is outside the range mtds's pipeline schedules are built on "
+            f"(>= {fmt(map(str, low))}, < {fmt(map(str, high))}); use --pipeline-schedule 1f1b or install "
+            f"deepspeed>={fmt(map(str, low))},<{fmt(map(str, high))}")
