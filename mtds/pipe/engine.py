@@ -22,7 +22,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .p2p import StageP2P
-from .schedules import check_microbatches, schedule_actions
+from .schedules import Action, check_microbatches, schedule_actions
 
 
 class ScheduledPipelineEngine(PipelineEngine):
@@ -117,12 +117,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.set_dataiterator(data_iter)
         self._compute_loss = True
         try:
-            # Forward only, in the interleaved forward order: every rank's order is the same sequence of
-            # (chunk, micro) slots, so blocking receives are always answered.
-            order = [a for a in schedule_actions("interleaved" if self.chunks > 1 else "1f1b", self.num_stages,
-                                                  self.chunks, _round_up(micro_batches, self.num_stages),
-                                                  self.stage_id) if a.kind == "F" and a.micro < micro_batches]
-            self._run(order)
+            self._run(self._forward_order(micro_batches))
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
@@ -132,6 +127,16 @@ class ScheduledPipelineEngine(PipelineEngine):
         if bcast_loss:
             output = self._bcast_pipe_scalar(output)
         return output
+
+    def _forward_order(self, micro_batches: int) -> list[Action]:
+        """Forward-only order: the training schedule's forwards (the same (chunk, micro) sequence on every
+        rank, so blocking receives are always answered), or chunk by chunk per micro-batch where the
+        schedule cannot take this micro-batch count."""
+        try:
+            actions = schedule_actions(self.schedule, self.num_stages, self.chunks, micro_batches, self.stage_id)
+        except ValueError:
+            return [Action("F", c, i) for i in range(micro_batches) for c in range(self.chunks)]
+        return [a for a in actions if a.kind == "F"]
 
     def _run(self, actions) -> None:
         self.fwd_outputs = []
@@ -205,10 +210,6 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def _weight(self, chunk: int, micro: int) -> None:
         raise NotImplementedError("weight-gradient passes (zb-h1) are not supported by this engine yet")
-
-
-def _round_up(m: int, p: int) -> int:
-    return -(-m // p) * p
 
 
 def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,

@@ -1,0 +1,110 @@
+"""mtds's own pipeline schedules on DeepSpeed's engine (``mtds.pipe.engine``) against the single-process
+HuggingFace reference: losses within 1e-5 relative over 10 clipped fp32 steps, ZeRO-0 and ZeRO-1, and
+pre-clip gradient norms within 1e-5 of DeepSpeed's own 1F1B at the same layout (mtds's norms sit 1.5e-4
+from HF's clip_grad_norm_ under 1F1B too: a gap of the base trainer, not of the schedule); recompute
+with dropout and bf16 against 1F1B at the same layout; the p2p counted by the collective tracer
+against the schedule's formula (with scatter/gather)."""
+import functools
+from dataclasses import replace
+
+import pytest
+
+from tests.training_helpers import (STEPS, TINY, ds_config, hf_reference_losses, max_rel_diff, run_layouts,
+                                    train_config)
+
+REL_TOL = 1e-5
+TINY8 = replace(TINY, num_layers=8)      # p·v = 8 virtual stages at (1,4,1) v=2
+DROPOUT = replace(TINY, hidden_dropout=0.1, attention_dropout=0.1)
+SHORT = 5                                # steps of the exactness cases (no HF reference needed)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(cfg=TINY):
+    return hf_reference_losses(cfg)
+
+
+def interleaved(tp, pp, zero=1, v=2, **kwargs):
+    return train_config(tp=tp, pp=pp, pipeline_schedule="interleaved", virtual_stages=v,
+                        deepspeed_config=kwargs.pop("deepspeed_config", ds_config(zero=zero)), **kwargs)
+
+
+def check_parity(result, what, base, cfg=TINY):
+    """Losses vs HF; grad norms vs ``base``, the same layout under DeepSpeed's 1F1B."""
+    losses = reference(cfg)
+    diff = max_rel_diff(result.losses, losses)
+    assert diff < REL_TOL, f"{what}: losses max rel diff {diff:.2e}\n{result.losses}\n{losses}"
+    norms = base.grad_norms
+    diff = max_rel_diff(result.grad_norms, norms)
+    assert diff < REL_TOL, f"{what}: grad norms max rel diff {diff:.2e}\n{result.grad_norms}\n{norms}"
+
+
+def p2p_per_step(rank, p, v, m):
+    """Messages one pipeline rank sends per step: m activations per chunk that is not the last virtual
+    stage, m input gradients per chunk that is not the first."""
+    stages = [c * p + rank for c in range(v)]
+    return m * (sum(s != p * v - 1 for s in stages) + sum(s != 0 for s in stages))
+
+
+def test_interleaved_two_stages_zero0_zero1_recompute_bf16():
+    dropout = dict(model=DROPOUT, steps=SHORT)
+    bf16 = dict(deepspeed_config=ds_config(zero=1, precision="bf16"), steps=SHORT)
+    configs = [interleaved(1, 2, zero=0), interleaved(1, 2, zero=1), train_config(pp=2),
+               interleaved(1, 2, recompute="full", **dropout), interleaved(1, 2, recompute="none", **dropout),
+               interleaved(1, 2, **bf16), train_config(pp=2, **bf16)]
+    per_rank = run_layouts(2, configs)
+    zero0, zero1, base, recompute, no_recompute, ilv_bf16, base_bf16 = per_rank[-1]   # last stage reports
+    check_parity(zero0, "(1,2,1) v=2 ZeRO-0", base)
+    check_parity(zero1, "(1,2,1) v=2 ZeRO-1", base)
+    # Recomputation replays each chunk's dropout masks: bit-identical to storing the activations. (Not
+    # to 1F1B with dropout: a rank draws its masks from its generator in execution order, and the
+    # interleaved order differs.)
+    assert recompute.losses == no_recompute.losses, (recompute.losses, no_recompute.losses)
+    assert recompute.grad_norms == no_recompute.grad_norms
+    assert max_rel_diff(recompute.losses, reference()[:SHORT]) > 1e-4    # dropout was on
+    assert max_rel_diff(ilv_bf16.losses, base_bf16.losses) < 1e-2, (ilv_bf16.losses, base_bf16.losses)
+    # p2p: every message of the schedule, nothing else, counted by the tracer on the pipeline groups
+    m = 4
+    for rank, results in enumerate(per_rank):
+        sends = results[0].comm["send/pp"]
+        assert sends["calls"] == p2p_per_step(rank, 2, 2, m), (rank, results[0].comm)
+        assert sends["bytes"] == sends["calls"] * 2 * 32 * 64 * 4
+
+
+def test_interleaved_four_ranks():
+    configs = [interleaved(1, 4, zero=1, model=TINY8), train_config(pp=4, model=TINY8),
+               interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2)]
+    per_rank = run_layouts(4, configs)
+    deep, deep_base, tp0, tp1, tp_base = per_rank[-1]
+    check_parity(deep, "(1,4,1) v=2 8 layers ZeRO-1", deep_base, TINY8)
+    check_parity(tp0, "(2,2,1) v=2 ZeRO-0", tp_base)
+    check_parity(tp1, "(2,2,1) v=2 ZeRO-1", tp_base)
+    # scatter/gather: each TP rank sends 1/t of the boundary (b·s·h/t values) and all-gathers on receipt
+    for rank, results in enumerate(per_rank):
+        stage = rank // 2
+        comm = results[2].comm
+        assert comm["send/pp"]["calls"] == p2p_per_step(stage, 2, 2, 4), (rank, comm)
+        assert comm["send/pp"]["bytes"] == comm["send/pp"]["calls"] * 2 * 32 * 64 // 2 * 4, (rank, comm)
+        assert comm["all_gather/tp"]["calls"] == comm["recv/pp"]["calls"], (rank, comm)
+
+
+def test_interleaved_eight_ranks():
+    per_rank = run_layouts(8, [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2)])
+    *results, base = per_rank[-1]
+    for zero, result in enumerate(results):
+        check_parity(result, f"(2,2,2) v=2 ZeRO-{zero}", base)
+
+
+def test_schedule_choice_is_checked_before_any_process_starts():
+    from mtds.pipe.select import check_schedule, deepspeed_version_problem
+    with pytest.raises(ValueError, match="needs a pipeline"):
+        train_config(pp=1, pipeline_schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="--virtual-stages 2 needs --pipeline-schedule interleaved"):
+        train_config(pp=2, virtual_stages=2)
+    with pytest.raises(ValueError, match="unknown --pipeline-schedule"):
+        train_config(pp=2, pipeline_schedule="gpipe")
+    with pytest.raises(ValueError, match="micro-batches"):
+        check_schedule("interleaved", pp=4, virtual_stages=2, micro_batches=2)
+    check_schedule("interleaved", pp=2, virtual_stages=2, micro_batches=4)
+    assert deepspeed_version_problem("0.19.8") is None
+    assert "outside the range" in deepspeed_version_problem("0.20.1")
+    assert "outside the range" in deepspeed_version_problem("0.18.0+abc")
