@@ -72,12 +72,14 @@ def test_interleaved_two_stages_zero0_zero1_recompute_bf16():
 
 def test_interleaved_four_ranks():
     configs = [interleaved(1, 4, zero=1, model=TINY8), train_config(pp=4, model=TINY8),
-               interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2)]
+               interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
+               interleaved(2, 2, zero=1, sequence_parallel=True)]
     per_rank = run_layouts(4, configs)
-    deep, deep_base, tp0, tp1, tp_base = per_rank[-1]
+    deep, deep_base, tp0, tp1, tp_base, sp = per_rank[-1]
     check_parity(deep, "(1,4,1) v=2 8 layers ZeRO-1", deep_base, TINY8)
     check_parity(tp0, "(2,2,1) v=2 ZeRO-0", tp_base)
     check_parity(tp1, "(2,2,1) v=2 ZeRO-1", tp_base)
+    check_parity(sp, "(2,2,1) v=2 ZeRO-1 sequence parallel", tp_base)
     # scatter/gather: each TP rank sends 1/t of the boundary (b·s·h/t values) and all-gathers on receipt
     for rank, results in enumerate(per_rank):
         stage = rank // 2
