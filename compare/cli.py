@@ -4,11 +4,17 @@
            rank), same model, init, data and global batch; write compare.md / compare.json (tokens/s,
            TFLOP/s per rank, peak memory, bytes communicated per step per rank) and loss.png /
            throughput.png. The loss curves should overlay: identical weights and samples.
+           With --nodes N: on an emulated cluster of N nodes (network namespaces, tc-shaped links; root
+           and iproute2), once per --inter-node speed, launched per node by DeepSpeed's multi-node
+           launcher; writes results.{md,csv,json}, tokens_vs_bandwidth.png, link_bytes.png, loss.png,
+           with the planner's prediction beside every cell.
   project  put the same schemes through the planner (mtds.plan) for a GPU cluster; without --model,
            project PTD-P's Table 2 layouts (GPT-3 175B / 530B on A100s) next to the paper's numbers.
 
 Scheme specs: ptdp:tp=T,pp=P (ZeRO-1, ds_configs/cpu_fp32.json), zero3 (tp=1 pp=1, ZeRO-3,
-ds_configs/cpu_zero3_fp32.json); add config=FILE to use another DeepSpeed JSON.
+ds_configs/cpu_zero3_fp32.json), zero1 (plain data parallel, ZeRO-1), hf-zero3 (HF model under
+accelerate + DeepSpeed ZeRO-3), autotp:tp=T (HF model under DeepSpeed AutoTP); add config=FILE to use
+another DeepSpeed JSON.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import textwrap
 EXAMPLES = textwrap.dedent("""\
     examples:
       python -m compare run --schemes ptdp:tp=2,pp=2 zero3 --nproc 4 --model gpt2-tiny --steps 20 --out runs/compare
+      python -m compare run --nodes 2 --ranks-per-node 2 --inter-node 10gbit,1gbit,100mbit \
+          --schemes ptdp:tp=2,pp=2 zero3 zero1 hf-zero3 autotp:tp=2 --out runs/cluster-sweep
       python -m compare project                                    # PTD-P Table 2 vs the planner
       python -m compare project --schemes ptdp:tp=8,pp=12 zero3 --model gpt2-xl --gpus 64 --global-batch 512
     """)
@@ -40,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--micro-batch", type=int, help="micro batch for every scheme [from the configs]")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds per scheme [3600]")
     run.add_argument("--out", default="runs/compare")
+    run.add_argument("--nodes", type=int, help="emulate this many nodes (network namespaces; root + iproute2)")
+    run.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: ranks per node [2]")
+    run.add_argument("--inter-node", default="10gbit,1gbit,100mbit",
+                     help="with --nodes: comma-separated link speeds, tc units [10gbit,1gbit,100mbit]")
+    run.add_argument("--latency", default="0", help="with --nodes: one-way delay per packet (needs netem) [0]")
+    run.add_argument("--warmup", type=int, default=1, help="steps excluded from timings [1]")
+    run.add_argument("--profile", help="with --nodes: planner device profile [calibrate this machine first]")
+    run.add_argument("--no-predict", action="store_true", help="with --nodes: skip the planner column")
+    run.add_argument("--prefix", default="mtds-", help=argparse.SUPPRESS)
     proj = sub.add_parser("project", help="predict the schemes on a GPU cluster (planner)", epilog=EXAMPLES,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     proj.add_argument("--schemes", nargs="+", default=["ptdp:tp=8,pp=12", "zero3"])
@@ -53,7 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def cmd_run_cluster(args) -> int:
+    from .plots import write_sweep_plots
+    from .results import write_results
+    from .sweep import run_sweep
+    if not (args.global_batch and args.micro_batch):
+        raise ValueError("--nodes needs --global-batch and --micro-batch (the same batch for every scheme)")
+    try:
+        rows, meta = run_sweep(args)
+    except KeyboardInterrupt:
+        print("[compare] interrupted; the emulated cluster was torn down", file=sys.stderr)
+        return 130
+    print(write_results(rows, meta, args.out))
+    for path in write_sweep_plots(rows, meta["links"], args.out):
+        print(f"[compare] wrote {path}")
+    return 0
+
+
 def cmd_run(args) -> int:
+    if args.nodes:
+        return cmd_run_cluster(args)
     from .launch import launch
     from .plots import write_plots
     from .schemes import parse_scheme

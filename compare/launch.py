@@ -30,7 +30,12 @@ def effective_config(scheme: Scheme, out_dir: str, global_batch: int | None, mic
 
 def entry_args(scheme: Scheme, *, config: str, model: str, steps: int, seq_length: int, out_dir: str,
                extra: list[str] = ()) -> list[str]:
-    """``compare.entry`` and its arguments (probe directory, then train.py's), same for every launcher."""
+    """``compare.entry`` and its arguments (probe directory, then train.py's), same for every launcher;
+    HF baselines: ``compare.hf_entry`` and its arguments."""
+    if scheme.hf:
+        return ["compare.hf_entry", os.path.join(out_dir, "probe"), "--deepspeed_config", config, "--model", model,
+                "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", os.path.join(out_dir, "log.jsonl"),
+                *(["--autotp", str(scheme.tp)] if scheme.kind == "autotp" else []), *extra]
     return ["compare.entry", os.path.join(out_dir, "probe"),
             "--deepspeed_config", config, "--tp", str(scheme.tp), "--pp", str(scheme.pp), "--model", model,
             "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", os.path.join(out_dir, "log.jsonl"),

@@ -58,7 +58,7 @@ def scheme_rows(schemes, model_name: str, gpus: int, global_batch: int, microbat
     rows = []
     for s in schemes:
         layout = Layout(tp=s.tp, pp=s.pp, dp=s.data_parallel(gpus), microbatch=microbatch,
-                        zero_stage=3 if s.kind == "zero3" else 1, recompute="full", sequence_parallel=bool(s.sp))
+                        zero_stage=s.zero_stage, recompute="full", sequence_parallel=bool(s.sp))
         pred = predict(model, layout, Workload(global_batch, precision), Cluster(get_gpu(gpu, precision), gpus))
         rows.append({"scheme": s.name, "gpus": gpus, "layout": layout.short(), "global_batch": global_batch,
                      "predicted_tflops": pred.tflops_per_gpu, "predicted_days": pred.days_to_train,

@@ -3,6 +3,9 @@
     ptdp:tp=2,pp=2            Megatron TP x DeepSpeed pipeline, ZeRO-1 (ds_configs/cpu_fp32.json)
     ptdp:tp=2,pp=2,sp=1       ... with sequence parallelism (train.py --sequence-parallel)
     zero3                     plain data parallelism with ZeRO-3 (ds_configs/cpu_zero3_fp32.json)
+    zero1                     plain data parallelism with ZeRO-1 (ds_configs/cpu_fp32.json, tp=pp=1)
+    hf-zero3                  HF transformers model under accelerate + DeepSpeed ZeRO-3 (compare.hf_entry)
+    autotp:tp=2               HF model under accelerate + DeepSpeed AutoTP (tensor_parallel.autotp_size)
     ptdp:tp=2,config=my.json  any scheme can name its own DeepSpeed config
 """
 from __future__ import annotations
@@ -12,12 +15,16 @@ from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = {"ptdp": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
-                   "zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json")}
+                   "zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json"),
+                   "zero1": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
+                   "hf-zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json"),
+                   "autotp": os.path.join(REPO, "ds_configs", "cpu_fp32.json")}
+DATA_PARALLEL_ONLY = ("zero3", "zero1", "hf-zero3")     # tp = pp = 1
 
 
 @dataclass(frozen=True)
 class Scheme:
-    kind: str           # "ptdp" | "zero3"
+    kind: str           # "ptdp" | "zero3" | "zero1" | "hf-zero3" | "autotp"
     tp: int = 1
     pp: int = 1
     config: str = ""
@@ -25,7 +32,20 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        return "zero3" if self.kind == "zero3" else f"ptdp-t{self.tp}p{self.pp}" + ("-sp" if self.sp else "")
+        if self.kind in DATA_PARALLEL_ONLY:
+            return self.kind
+        if self.kind == "autotp":
+            return f"autotp-t{self.tp}"
+        return f"ptdp-t{self.tp}p{self.pp}" + ("-sp" if self.sp else "")
+
+    @property
+    def hf(self) -> bool:
+        """Runs the HuggingFace model through accelerate (compare.hf_entry), not train.py."""
+        return self.kind in ("hf-zero3", "autotp")
+
+    @property
+    def zero_stage(self) -> int:
+        return 3 if self.kind in ("zero3", "hf-zero3") else 1
 
     def data_parallel(self, world: int) -> int:
         if world % (self.tp * self.pp):
@@ -36,15 +56,19 @@ class Scheme:
 def parse_scheme(text: str) -> Scheme:
     kind, _, rest = text.partition(":")
     if kind not in DEFAULT_CONFIGS:
-        raise ValueError(f"unknown scheme {text!r}: use ptdp[:tp=T,pp=P] or zero3")
+        raise ValueError(f"unknown scheme {text!r}: use ptdp[:tp=T,pp=P], zero3, zero1, hf-zero3 or autotp:tp=T")
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in ("tp", "pp", "sp", "config"):
             raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1 or config=FILE")
         fields[key] = value if key == "config" else int(value)
-    if kind == "zero3" and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1 or fields.get("sp", 0)):
-        raise ValueError("zero3 runs with tp=1, pp=1 (DeepSpeed's ZeRO-3 cannot combine with its pipeline)")
+    if kind in DATA_PARALLEL_ONLY and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1 or fields.get("sp", 0)):
+        raise ValueError(f"{kind} runs with tp=1, pp=1 (data parallelism only)")
+    if kind == "autotp" and (fields.get("pp", 1) != 1 or fields.get("sp", 0)):
+        raise ValueError("autotp runs with pp=1 and no sequence parallelism (DeepSpeed AutoTP has neither)")
+    if kind == "autotp":
+        fields.setdefault("tp", 2)
     if fields.get("sp", 0) and fields.get("tp", 1) < 2:
         raise ValueError(f"{text!r}: sequence parallelism (sp=1) needs tp > 1")
     fields.setdefault("config", DEFAULT_CONFIGS[kind])

@@ -1,9 +1,12 @@
 """Logs of finished runs -> one row per scheme, written as JSON and markdown.
 
-tokens/s and TFLOP/s are medians over steps after the first (warm-up); TFLOP/s per rank uses the
-PTD-P formulas of mtds.metrics (model: 72 B s l h^2 (1 + s/6h + V/12lh); hardware adds recomputation).
-Peak memory is the largest peak RSS (CPU) over the scheme's ranks; bytes are payload bytes of every
-collective a rank issued in the last step (max over ranks, and the mean).
+tokens/s and TFLOP/s are medians over steps after the warm-up; TFLOP/s per rank uses the PTD-P
+formulas of mtds.metrics (model: 72 B s l h^2 (1 + s/6h + V/12lh); hardware adds recomputation).
+Peak memory is the largest peak RSS (CPU) over the scheme's ranks. Communication is payload bytes per
+rank in the last step, one column per collective family, never summed across families: an all-gather's
+payload is the rank's shard, a reduce-scatter's and an all-reduce's the full tensor, a send the message,
+so their sums would mean nothing (issue 11). On an emulated cluster, link bytes are what each node's
+interface sent per step (kernel counters), averaged over nodes and timed steps.
 """
 from __future__ import annotations
 
@@ -19,16 +22,44 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# collective kind -> column family (p2p: pipeline sends; receives mirror them and are not counted)
+FAMILIES = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+            "send": "p2p_send", "broadcast": "broadcast"}
+
+
+def comm_by_family(summary: dict) -> dict[str, int]:
+    """{"all_reduce": bytes, "all_gather": ..., ...} of one rank's step summary ("kind/group" keys)."""
+    out = {family: 0 for family in FAMILIES.values()}
+    for key, value in summary.items():
+        family = FAMILIES.get(key.split("/")[0])
+        if family:
+            out[family] += value["bytes"]
+    return out
+
+
 def _comm_total(summary: dict) -> int:
     return sum(v["bytes"] for k, v in summary.items() if not k.startswith("barrier"))
 
 
-def summarise(launched: dict) -> dict:
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None) -> dict:
     scheme = launched["scheme"]
     steps = [r for r in read_jsonl(launched["log"]) if r.get("kind") == "train"]
     ranks = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(launched["probe_dir"], "rank*.json")))]
-    timed = steps[1:] or steps
+    if not steps or not ranks:
+        raise RuntimeError(f"{scheme.name}: the run wrote no step log or probe files")
+    timed = steps[warmup:] or steps
+    step_times = [s["step_time_s"] for s in timed]
     last_comm = [_comm_total(r["comm_per_step"][-1]) if r["comm_per_step"] else 0 for r in ranks]
+    families = [comm_by_family(r["comm_per_step"][-1]) if r["comm_per_step"] else {} for r in ranks]
+    link = _link_per_step(ranks, warmup, ranks_per_node)
     return {
         "scheme": scheme.name, "tp": scheme.tp, "pp": scheme.pp, "dp": ranks[0]["world"] // (scheme.tp * scheme.pp),
         "layout": ranks[0]["layout"], "ranks": len(ranks), "config": os.path.basename(scheme.config),
@@ -36,28 +67,57 @@ def summarise(launched: dict) -> dict:
         "tflops_model_per_rank": median([s["tflops_model"] for s in timed]),
         "tflops_hw_per_rank": median([s["tflops_hw"] for s in timed]),
         "peak_mem_gib": max(r["peak_rss_gib"] for r in ranks),
+        "step_s_median": median(step_times), "step_s_p25": _quantile(step_times, 0.25),
+        "step_s_p75": _quantile(step_times, 0.75), "step_s_min": min(step_times), "step_s_max": max(step_times),
+        "timed_steps": len(step_times),
         "comm_bytes_per_step_max_rank": max(last_comm), "comm_bytes_per_step_mean": sum(last_comm) / len(last_comm),
+        "comm_by_family_max_rank": {f: max(fam.get(f, 0) for fam in families) for f in FAMILIES.values()},
         "comm_by_kind_rank0": ranks[0]["comm_per_step"][-1] if ranks[0]["comm_per_step"] else {},
+        "link_bytes_per_step_per_node": link,
         "steps": [s["step"] for s in steps], "losses": [s["loss"] for s in steps],
         "final_loss": steps[-1]["loss"] if steps else None, "wall_s": launched["wall_s"],
     }
+
+
+def _link_per_step(ranks: list[dict], warmup: int, ranks_per_node: int | None) -> float | None:
+    """Mean bytes a node's link sent per timed step; each node's first rank reports (all ranks of a
+    node read the same counters)."""
+    per_node = {}
+    for r in ranks:
+        steps = (r.get("link_per_step") or [])[warmup:]
+        if steps and ranks_per_node and r["rank"] % ranks_per_node == 0:
+            per_node[r["rank"]] = sum(s["tx_bytes"] for s in steps) / len(steps)
+    return sum(per_node.values()) / len(per_node) if per_node else None
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# PTD-P vs ZeRO-3 on this machine ({meta['nproc']} ranks, model {meta['model']}, "
              f"{meta['steps']} steps, seq {meta['seq_length']})", "",
              "| scheme | (t,p,d) | tokens/s | TFLOP/s/rank model | TFLOP/s/rank hw | peak mem GiB | "
-             "comm B/step/rank (max) | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "all-reduce B | all-gather B (shard) | reduce-scatter B | p2p send B | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        fam = r["comm_by_family_max_rank"]
         lines.append(f"| {r['scheme']} | ({r['tp']},{r['pp']},{r['dp']}) | {r['tokens_per_s']:,.0f} | "
                      f"{r['tflops_model_per_rank']:.4f} | {r['tflops_hw_per_rank']:.4f} | {r['peak_mem_gib']:.3f} | "
-                     f"{r['comm_bytes_per_step_max_rank']:,.0f} | {r['final_loss']:.4f} |")
+                     f"{fmt_bytes(fam['all_reduce'])} | {fmt_bytes(fam['all_gather'])} | "
+                     f"{fmt_bytes(fam['reduce_scatter'])} | {fmt_bytes(fam['p2p_send'])} | {r['final_loss']:.4f} |")
     if meta.get("loss_agreement"):
         lines += ["", meta["loss_agreement"]]
     lines += ["", "Peak memory is peak RSS per process on CPU (includes the Python/torch/DeepSpeed runtime). "
-              "Comm bytes are collective payloads of the last step, counted from before DeepSpeed starts "
-              "(so ZeRO's cached all-gather / reduce-scatter calls are included)."]
+              "Communication columns are payload bytes per rank in the last step (max over ranks), counted from "
+              "before DeepSpeed starts (so ZeRO's cached all-gather / reduce-scatter calls are included); one "
+              "column per collective family, because an all-gather's payload is a shard and an all-reduce's "
+              "the full tensor."]
     return "\n".join(lines) + "\n"
 
 

@@ -72,9 +72,9 @@ time.sleep(300)
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_signal_tears_down_and_down_cleans_a_crashed_run(sig):
-    """SIGTERM: the holder's handler tears the cluster down. SIGKILL: nothing can run, the namespaces
+    """SIGINT (Ctrl-C) / SIGTERM: the holder's handler tears the cluster down. SIGKILL: nothing can run, the namespaces
     and the process inside survive, and `mtds-cluster down` removes both."""
     env = {**os.environ, "PYTHONPATH": REPO}
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, PREFIX], stdout=subprocess.PIPE, text=True, env=env)

@@ -1,0 +1,122 @@
+"""`python -m compare run --nodes N ...`: every scheme at every inter-node link speed on an emulated
+cluster (mtds.cluster), each launched per node through DeepSpeed's multi-node launcher, with the
+planner's prediction beside each measured cell.
+
+For each link speed the cluster is built once (namespaces, bridge, shaped links) and every scheme runs
+on it in turn: same model, initial weights, samples, global batch and seed. A scheme that fails is a row
+with its error; the others still run. Ctrl-C (or SIGTERM) tears the cluster down.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from mtds.cluster import Cluster, ClusterSpec, unavailable_reason
+from mtds.cluster.formulas import ptdp_link_bytes, zero1_link_bytes, zero3_link_bytes
+from mtds.cluster.shaping import rate_bits
+
+from .cluster_launch import launch_on_cluster
+from .predict import calibrate, predict_cell
+from .schemes import Scheme, parse_scheme
+from .table import summarise
+
+
+def _first_error_line(out_dir: str, fallback: str) -> str:
+    """The most telling line of a failed run: the last 'SomethingError: ...' in its node logs."""
+    found = None
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        if name.startswith("node") and name.endswith(".log"):
+            with open(os.path.join(out_dir, name), errors="replace") as f:
+                for line in f:
+                    m = re.search(r"\b(\w+(Error|Exception): .*)$", line)
+                    if m and "sigkill_handler" not in line:
+                        found = m.group(1).strip()
+    return (found or fallback.splitlines()[0])[:300]
+
+
+def link_formula(scheme: Scheme, model: str, seq: int, global_batch: int, micro_batch: int,
+                 spec: ClusterSpec) -> float | None:
+    """Bytes per node and step the formulas of mtds.cluster.formulas give, or None where none applies."""
+    from mtds.config import resolve_model_config
+    from mtds.metrics import gpt_param_count
+    cfg = resolve_model_config(model)
+    if cfg.architecture != "gpt2" or not cfg.tie_word_embeddings:
+        return None            # the formulas count GPT-2 shapes (tied embeddings, learned positions)
+    params = int(gpt_param_count(cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings)
+                 + 2 * cfg.hidden_size)                                  # + final layer norm
+    world = spec.world
+    if scheme.kind in ("zero3", "hf-zero3"):
+        return zero3_link_bytes(params=params, world=world, nodes=spec.nodes)
+    if scheme.kind == "zero1" or (scheme.kind == "ptdp" and scheme.tp == 1 and scheme.pp == 1):
+        return zero1_link_bytes(params=params, world=world, nodes=spec.nodes)
+    if scheme.kind == "ptdp" and scheme.pp == spec.nodes and scheme.tp * scheme.data_parallel(world) <= spec.ranks_per_node:
+        d = scheme.data_parallel(world)
+        return ptdp_link_bytes(microbatches=global_batch // (micro_batch * d), micro_batch=micro_batch, seq=seq,
+                               hidden=cfg.hidden_size, vocab=cfg.vocab_size, tp=scheme.tp, pp=scheme.pp,
+                               nodes=spec.nodes)
+    return None
+
+
+def run_sweep(args) -> tuple[list[dict], dict]:
+    reason = unavailable_reason()
+    if reason:
+        raise ValueError(f"--nodes needs an emulated cluster, which is unavailable here: {reason}")
+    schemes = [parse_scheme(s) for s in args.schemes]
+    world = args.nodes * args.ranks_per_node
+    for s in schemes:
+        s.data_parallel(world)
+    speeds = [x.strip() for x in args.inter_node.split(",") if x.strip()]
+    for speed in speeds:
+        rate_bits(speed)
+    profile = args.profile
+    if profile is None and not args.no_predict:
+        os.makedirs(args.out, exist_ok=True)
+        print("[compare] calibrating this machine for the planner (mtds-plan --calibrate, ~1 min)", flush=True)
+        profile = calibrate(os.path.join(args.out, "device_profile.json"))
+    batch = dict(global_batch=args.global_batch, micro_batch=args.micro_batch)
+    rows, total = [], len(speeds) * len(schemes)
+    for speed in speeds:
+        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, inter_node=speed,
+                           latency=args.latency, prefix=args.prefix)
+        with Cluster(spec) as cluster:
+            for s in schemes:
+                out_dir = os.path.join(args.out, speed, s.name)
+                print(f"[compare] {len(rows) + 1}/{total} {speed} {s.name}: {args.nodes} nodes x {args.ranks_per_node} "
+                      f"ranks", flush=True)
+                row = {"scheme": s.name, "kind": s.kind, "tp": s.tp, "pp": s.pp, "dp": s.data_parallel(world)}
+                try:
+                    launched = launch_on_cluster(cluster, s, model=args.model, steps=args.steps,
+                                                 seq_length=args.seq_length, out_dir=out_dir, timeout=args.timeout,
+                                                 echo=None, **batch)
+                    row.update(summarise(launched, warmup=args.warmup, ranks_per_node=args.ranks_per_node),
+                               status="ok", commands=launched["commands"])
+                except RuntimeError as err:
+                    row.update(status="error", error=_first_error_line(out_dir, str(err)))
+                row.update(link=speed, link_bits_per_s=rate_bits(speed), nodes=args.nodes,
+                           ranks_per_node=args.ranks_per_node,
+                           link_formula_bytes=link_formula(s, args.model, args.seq_length, args.global_batch,
+                                                           args.micro_batch, spec))
+                if profile:
+                    try:
+                        row["predicted"] = predict_cell(s, model=args.model, seq=args.seq_length,
+                                                        global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                                        world=world, ranks_per_node=args.ranks_per_node,
+                                                        link_bytes_per_s=spec.link_bytes_per_s, profile=profile)
+                    except (ValueError, RuntimeError) as err:
+                        row["predicted"] = {"error": str(err).splitlines()[0]}
+                rows.append(row)
+                print(_progress(row), flush=True)
+    meta = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "links": speeds, "latency": args.latency,
+            "model": args.model, "steps": args.steps, "warmup": args.warmup, "seq_length": args.seq_length,
+            "global_batch": args.global_batch, "micro_batch": args.micro_batch, "profile": profile}
+    return rows, meta
+
+
+def _progress(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"[compare]   {row['link']} {row['scheme']}: FAILED: {row['error']}"
+    pred = row.get("predicted", {})
+    ptxt = f", predicted {pred['tokens_per_s']:,.0f}" if "tokens_per_s" in pred else ""
+    link = row.get("link_bytes_per_step_per_node")
+    return (f"[compare]   {row['link']} {row['scheme']}: {row['tokens_per_s']:,.0f} tokens/s{ptxt}, step "
+            f"{row['step_s_median']:.3f} s, link {link or 0:,.0f} B/step/node, final loss {row['final_loss']:.4f}")
