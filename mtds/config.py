@@ -158,6 +158,11 @@ def _resolve_base(source: Any) -> ModelConfig:
         if os.path.isfile(path):
             with open(path) as f:
                 from mtds.hf import model_config_from_hf
-                return model_config_from_hf(json.load(f))
+                try:
+                    hf_config = json.load(f)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"model config {path!r} is not valid JSON ({err}): pass a HF config.json or "
+                                     f"a preset name") from None
+                return model_config_from_hf(hf_config)
     raise ValueError(f"unknown model {source!r}: use a preset ({', '.join(PRESETS)}) or a HF config.json "
                      f"file/directory")

@@ -46,7 +46,7 @@ class MicroBatchStream:
         if len(dataset) < B:
             raise DataError(f"the {name} data has {len(dataset)} samples of seq_length "
                             f"{dataset.seq_length}, fewer than one global batch of {B}; use more "
-                            f"data, a smaller --global-batch-size or a shorter --seq-length")
+                            f"data, a smaller train_batch_size in the DeepSpeed config or a shorter --seq-length")
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = B, b
         self.dp_rank, self.dp_size = dp_rank, d

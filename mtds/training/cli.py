@@ -17,8 +17,15 @@ EPILOG = textwrap.dedent("""\
     """)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one ``error:`` line (exit 2) like every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (python train.py --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Train a GPT with 3D parallelism (tensor x pipeline x data) on DeepSpeed.")
     g = p.add_argument_group("layout and model")
@@ -86,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps verify TP-replicated and tied weights are identical [off]")
     g.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a collective gives up [600]")
+    g.add_argument("--on-nan", choices=("stop", "skip"), default="stop",
+                   help="a NaN/inf loss or grad norm (bf16/fp32): stop with one line naming step and rank, saving "
+                        "nothing, or skip steps the optimizer did not apply (ZeRO-1/2) [stop]")
+    g.add_argument("--no-save-on-signal", dest="save_on_signal", action="store_false",
+                   help="on SIGTERM/SIGINT stop after the current step without saving (default: save with --save)")
+    g.add_argument("--build-lock-timeout", type=float, default=300.0, metavar="S",
+                   help="fail start-up when a torch-extensions build lock is waited on for S seconds [300]")
+    p.add_argument("--debug", action="store_true", help="print the traceback of a bad-input error too")
     # Set by the deepspeed launcher; the rank comes from the environment anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return p
@@ -108,18 +123,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
         plot=args.plot,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
-        dist_timeout_s=args.dist_timeout)
+        dist_timeout_s=args.dist_timeout, on_nan=args.on_nan, save_on_signal=args.save_on_signal,
+        build_lock_timeout_s=args.build_lock_timeout)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "bad input": reported as one line, not a traceback."""
     from mtds.data import DataError
     from mtds.layout import LayoutError
+    from mtds.safety.numerics import NonFiniteError
+    from mtds.safety.startup import RendezvousError
 
     from .checkpoint import CheckpointError
     from .consistency import ReplicaMismatch
     from .ds_config import ConfigError
-    return (LayoutError, ConfigError, DataError, CheckpointError, ReplicaMismatch, ValueError, FileNotFoundError)
+    return (LayoutError, ConfigError, DataError, CheckpointError, ReplicaMismatch, NonFiniteError, RendezvousError,
+            ValueError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,4 +149,4 @@ def main(argv: list[str] | None = None) -> None:
         from .loop import run
         run(config_from_args(args))
 
-    run_and_exit(work, user_errors())
+    run_and_exit(work, user_errors(), debug=args.debug)

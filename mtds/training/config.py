@@ -47,6 +47,9 @@ class TrainConfig:
     check_replicas_interval: int = 0            # verify TP-replicated/tied weights agree every N steps
     trace_comm: bool = True                     # count bytes per collective (cheap)
     dist_timeout_s: float = 600.0
+    on_nan: str = "stop"                        # stop | skip (skip: only steps the engine did not apply)
+    save_on_signal: bool = True                 # SIGTERM/SIGINT: finish the step, save (with --save), exit 0
+    build_lock_timeout_s: float = 300.0         # a torch-extensions build lock held longer ends start-up
     # Python API only: functions called as fn(engine, groups) once the engine exists (hooks, probes).
     on_engine_ready: tuple = ()
 
@@ -57,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
+        if self.on_nan not in ("stop", "skip"):
+            raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
         if self.keep_last < 0:
             raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         if self.activation_checkpointing < 0:

@@ -38,13 +38,16 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[torch.device, str]:
     return device, backend
 
 
-def run_and_exit(work, user_errors: tuple[type[BaseException], ...]) -> None:
+def run_and_exit(work, user_errors: tuple[type[BaseException], ...], debug: bool = False) -> None:
     """Console-script body shared by train.py and mtds-eval: run ``work()``; bad input is one
     ``error:`` line on rank 0 and exit 2, a bug a traceback and exit 1; then :func:`shutdown`."""
     code = 0
     try:
         work()
     except user_errors as err:
+        if debug:
+            import traceback
+            traceback.print_exc()
         if not dist.is_initialized() or dist.get_rank() == 0:
             text = str(err).strip()
             print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)

@@ -74,12 +74,30 @@ def plan_batch(config: dict, dp: int) -> BatchPlan:
     return BatchPlan(global_batch=B, micro_batch=b, accumulation=derived)
 
 
+def check_optimizer(config: dict, lr: float | None) -> None:
+    optimizer = config.get("optimizer")
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("type"), str):
+        raise ConfigError('the DeepSpeed config\'s "optimizer" needs a "type" (e.g. "AdamW") and "params"')
+    # What DeepSpeed's engine accepts: its own optimizers or a torch.optim class name.
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    if optimizer["type"].lower() not in DEEPSPEED_OPTIMIZERS and getattr(torch.optim, optimizer["type"], None) is None:
+        raise ConfigError(f"unknown optimizer type {optimizer['type']!r} in the DeepSpeed config: use one of "
+                          f"DeepSpeed's ({', '.join(DEEPSPEED_OPTIMIZERS)}) or a torch.optim class, e.g. AdamW")
+    value = lr if lr is not None else optimizer.get("params", {}).get("lr")
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ConfigError(f"learning rate must be a positive number, got {value!r}: fix optimizer.params.lr or --lr")
+
+
 def prepare_ds_config(config: dict, layout: ParallelLayout, *, device_type: str, lr: float | None = None) -> tuple[dict, BatchPlan]:
     """Validate ``config`` for ``layout`` and return a copy with consistent batch keys."""
     config = copy.deepcopy(config)
     stage = zero_stage(config)
     if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}")
+        raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}: set 0, 1, 2 or 3 in the DeepSpeed "
+                          f"config")
     if layout.pp > 1 and stage > 1:
         raise ConfigError(f"ZeRO stage {stage} cannot be combined with pipeline parallelism (DeepSpeed's pipeline "
                           f"engine supports ZeRO 0-1): use --pp 1 for ZeRO-{stage}, or ZeRO-1 with --pp {layout.pp}")
@@ -91,6 +109,7 @@ def prepare_ds_config(config: dict, layout: ParallelLayout, *, device_type: str,
             raise ConfigError(f"fp16 is not supported on this {device_type} device: use a bf16 or fp32 config "
                               f"(e.g. ds_configs/cpu_bf16.json)")
 
+    check_optimizer(config, lr)
     plan = plan_batch(config, layout.dp)
     config["train_batch_size"] = plan.global_batch
     config["train_micro_batch_size_per_gpu"] = plan.micro_batch

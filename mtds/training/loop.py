@@ -23,6 +23,9 @@ from mtds.config import ModelConfig, resolve_model_config
 from mtds.layout import ParallelGroups, ParallelLayout
 from mtds.metrics import hardware_flops_per_iteration, model_flops_per_iteration, peak_tflops
 from mtds.pipe import build_model
+from mtds.safety.numerics import check_finite
+from mtds.safety.signals import StopRequest
+from mtds.safety.startup import BuildLockWatchdog, rendezvous_error
 from mtds.tp import model_parallel_seed
 
 from . import checkpoint as ckpt
@@ -47,6 +50,7 @@ class RunResult:
     comm: dict = field(default_factory=dict)          # bytes per collective/group, last step
     layout: str = ""
     final_step: int = 0
+    stopped_by: str | None = None                     # SIGTERM / SIGINT when the run stopped early
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -94,9 +98,23 @@ def _build_data(cfg: TrainConfig, model_cfg: ModelConfig, batch: BatchPlan, grou
 
 
 def run(cfg: TrainConfig) -> RunResult:
+    # SIGTERM/SIGINT from here on end the run after the current step (with a checkpoint); a JIT build
+    # lock left by a killed build ends start-up with an error instead of a silent hang.
+    stop = StopRequest().install()
+    try:
+        with BuildLockWatchdog(cfg.build_lock_timeout_s) as watchdog:
+            return _run(cfg, stop, watchdog)
+    finally:
+        stop.uninstall()
+
+
+def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog) -> RunResult:
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
     tracer = CommTracer().install() if cfg.trace_comm else None
-    device, backend = init_distributed(cfg.dist_timeout_s)
+    try:
+        device, backend = init_distributed(cfg.dist_timeout_s)
+    except RuntimeError as err:     # torch's DistStoreError and timeouts while the ranks gather
+        raise rendezvous_error(err, cfg.dist_timeout_s) from None
     world = dist.get_world_size()
 
     layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp, vp=cfg.virtual_stages)
@@ -166,6 +184,7 @@ def run(cfg: TrainConfig) -> RunResult:
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                                mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
+    watchdog.stop()     # JIT builds happen while DeepSpeed starts, not later
     if precision(ds_config) == "fp32" and zero_stage(ds_config) == 0:
         install_fp32_clipping(engine, groups)
     if cfg.sequence_parallel:
@@ -236,15 +255,27 @@ def run(cfg: TrainConfig) -> RunResult:
         result.final_step = step
         if tracer is not None:
             result.comm = tracer.summary()
+        if precision(ds_config) != "fp16" and not (cfg.on_nan == "skip" and skipped):
+            # fp16: the loss scaler skips overflowing steps itself. "skip" accepts a step only where
+            # the engine did not apply it (ZeRO-1/2 check the norm); an applied NaN update always stops.
+            check_finite(step, loss, grad_norm, device)
         if cfg.check_replicas_interval and step % cfg.check_replicas_interval == 0:
             from .consistency import check_replicas
             check_replicas(engine.module, groups)
         if cfg.eval_interval and step % cfg.eval_interval == 0:
             evaluate(step)
-        if cfg.save and cfg.save_interval and step % cfg.save_interval == 0:
+        saved_now = bool(cfg.save and cfg.save_interval and step % cfg.save_interval == 0)
+        if saved_now:
             save(step)
+        result.stopped_by = stop.agreed(device)
+        if result.stopped_by:
+            if cfg.save and cfg.save_on_signal and not saved_now:
+                save(step)
+            logger.info(f"stopped after step {step} on {result.stopped_by}"
+                        + (f"; checkpoint in {cfg.save}" if cfg.save and (cfg.save_on_signal or saved_now) else ""))
+            break
 
-    if cfg.steps > start_step:
+    if cfg.steps > start_step and not result.stopped_by:
         if not (cfg.eval_interval and cfg.steps % cfg.eval_interval == 0):
             evaluate(cfg.steps)
         if cfg.save and not (cfg.save_interval and cfg.steps % cfg.save_interval == 0):

@@ -1,0 +1,230 @@
+"""Bad input, table-driven (the table is docs/bad_input.md): each case must give exactly one line that
+starts with ``error:``, says what is wrong and what to do, and exit code 2 -- never a traceback (unless
+--debug), never a hang. Cases run in-process: flags through train.py's parser; everything else through
+``config_from_args`` + ``run`` on one spawned rank (several cases per process), classified exactly as
+train.py's console entry (``run_and_exit``) does. Cases that only arise distributed run on 2 ranks
+(spawn returns only when every rank has left: none is left running). Other cases live in test_cli.py
+(subprocess, launcher), test_data_errors.py, test_convert.py and test_reliability.py."""
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from mtds.testing import spawn
+
+CPU = "ds_configs/cpu_fp32.json"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ds(tmp, name, config):
+    path = os.path.join(tmp, name)
+    with open(path, "w") as f:
+        json.dump(config, f) if not isinstance(config, str) else f.write(config)
+    return path
+
+
+def _base_ds(**extra):
+    return {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+
+
+def make_inputs(tmp: str) -> dict:
+    """Every broken file a case needs, under ``tmp``."""
+    p = {}
+    p["gas"] = _ds(tmp, "gas.json", _base_ds(gradient_accumulation_steps=3))
+    p["div"] = _ds(tmp, "div.json", {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4})
+    p["both"] = _ds(tmp, "both.json", _base_ds(fp16={"enabled": True}, bf16={"enabled": True}))
+    p["optim"] = _ds(tmp, "optim.json", _base_ds(optimizer={"type": "Adamm", "params": {"lr": 1e-3}}))
+    p["neglr"] = _ds(tmp, "neglr.json", _base_ds(optimizer={"type": "AdamW", "params": {"lr": -1e-3}}))
+    p["stage"] = _ds(tmp, "stage.json", _base_ds(zero_optimization={"stage": 4}))
+    p["nomicro"] = _ds(tmp, "nomicro.json", {"train_batch_size": 16})
+    p["zero2"] = _ds(tmp, "zero2.json", _base_ds(zero_optimization={"stage": 2}))
+    p["bert"] = _ds(tmp, "bert.json", {"model_type": "bert", "hidden_size": 64})
+    p["notype"] = _ds(tmp, "notype.json", {"n_embd": 64, "n_layer": 2})
+    p["badcfg"] = _ds(tmp, "badcfg.json", "{ nope")
+    p["smallvocab"] = _ds(tmp, "smallvocab.json", {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2,
+                                                   "vocab_size": 1000, "n_positions": 128})
+    p["heads3"] = _ds(tmp, "heads3.json", {"model_type": "gpt2", "n_embd": 96, "n_head": 3, "n_layer": 2,
+                                           "vocab_size": 8192, "n_positions": 128})
+    p["kv"] = _ds(tmp, "kv.json", {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                   "num_attention_heads": 4, "num_key_value_heads": 1, "num_hidden_layers": 2,
+                                   "vocab_size": 8192, "max_position_embeddings": 128})
+    p["layers1"] = _ds(tmp, "layers1.json", {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 1,
+                                             "vocab_size": 8192, "n_positions": 128})
+    p["empty"] = _ds(tmp, "empty.txt", "")
+    p["blank"] = _ds(tmp, "blank.jsonl", '{"text": ""}\n{"text": ""}\n')
+    p["column"] = _ds(tmp, "column.jsonl", '{"body": "some text here"}\n')
+    with open(os.path.join(tmp, "garbage.jsonl"), "wb") as f:
+        f.write(bytes(range(256)) * 64)
+    p["garbage"] = os.path.join(tmp, "garbage.jsonl")
+    p["few"] = _ds(tmp, "few.txt", "To be, or not to be, that is the question.\n" * 20)
+    os.makedirs(os.path.join(tmp, "notok"), exist_ok=True)
+    p["notok"] = os.path.join(tmp, "notok")
+    os.makedirs(os.path.join(tmp, "noweights"), exist_ok=True)
+    _ds(os.path.join(tmp, "noweights"), "config.json", json.load(open(p["layers1"])))
+    p["noweights"] = os.path.join(tmp, "noweights")
+    os.makedirs(os.path.join(tmp, "notackpt", "sub"), exist_ok=True)
+    p["notackpt"] = os.path.join(tmp, "notackpt")
+    for name, marker, files in (("oldckpt", None, None), ("newckpt", {"step": 5, "world_size": 1, "format": 99}, None),
+                                ("norank", {"step": 5, "world_size": 2, "format": 2}, None),
+                                ("truncckpt", {"step": 5, "world_size": 1, "format": 2}, {"x.pt": (100, 0)})):
+        tag = os.path.join(tmp, name, "global_step5")
+        os.makedirs(tag, exist_ok=True)
+        _ds(tag, "mtds_meta.json", {"model": {}, "tp": 1, "pp": 1, "dp": 1})
+        if marker:
+            _ds(tag, "mtds_complete.json", marker)
+        if files:
+            import torch
+            torch.save({"rank": 0, "files": files, "rng": None}, os.path.join(tag, "mtds_rank_00000.pt"))
+            with open(os.path.join(tag, "x.pt"), "wb") as f:
+                f.write(b"0123456789")
+        p[name] = os.path.join(tmp, name)
+    return p
+
+
+# (id, argv with {name} placeholders for make_inputs' paths, text the error line must contain)
+RUN_CASES = [
+    # DeepSpeed JSON
+    ("ds-missing-file", ["--deepspeed_config", "/no/such.json"], "not found"),
+    ("ds-gas-mismatch", ["--deepspeed_config", "{gas}"], "!= micro batch 4 x gradient_accumulation_steps 3"),
+    ("ds-batch-not-divisible", ["--deepspeed_config", "{div}"], "not divisible by micro batch 4"),
+    ("ds-fp16-and-bf16", ["--deepspeed_config", "{both}"], "both fp16 and bf16"),
+    ("ds-unknown-optimizer", ["--deepspeed_config", "{optim}"], "unknown optimizer type 'Adamm'"),
+    ("ds-negative-lr", ["--deepspeed_config", "{neglr}"], "learning rate must be a positive number"),
+    ("flag-negative-lr", ["--deepspeed_config", CPU, "--lr", "-0.1"], "learning rate must be a positive number"),
+    ("ds-zero-stage-4", ["--deepspeed_config", "{stage}"], "zero_optimization.stage must be 0-3"),
+    ("ds-no-micro-batch", ["--deepspeed_config", "{nomicro}"], "needs train_micro_batch_size_per_gpu"),
+    # CLI values the parser accepts but the run cannot
+    ("flag-steps-negative", ["--deepspeed_config", CPU, "--steps", "-1"], "--steps must be >= 0"),
+    ("flag-seq-length-zero", ["--deepspeed_config", CPU, "--seq-length", "0"], "--seq-length must be >= 1"),
+    ("flag-keep-last-negative", ["--deepspeed_config", CPU, "--keep-last", "-2"], "--keep-last must be >= 0"),
+    ("flag-tp-zero", ["--deepspeed_config", CPU, "--tp", "0"], "tp and pp must be >= 1"),
+    ("flag-dropout-above-1", ["--deepspeed_config", CPU, "--dropout", "1.5"], "must be in [0, 1)"),
+    ("flag-recompute-negative", ["--deepspeed_config", CPU, "--activation-checkpointing", "-1"],
+     "--activation-checkpointing"),
+    # layouts (world 1 here; t must divide the heads etc. is checked on 2 ranks below)
+    ("layout-tp-pp-world", ["--deepspeed_config", CPU, "--tp", "2", "--pp", "2"], "not divisible by tp*pp"),
+    ("layout-sp-without-tp", ["--deepspeed_config", CPU, "--sequence-parallel"], "needs tensor parallelism"),
+    # model configs
+    ("model-unknown-preset", ["--deepspeed_config", CPU, "--model", "gpt9"], "unknown model 'gpt9'"),
+    ("model-unknown-hf-architecture", ["--deepspeed_config", CPU, "--model", "{bert}"], "'bert' is not supported"),
+    ("model-config-without-model-type", ["--deepspeed_config", CPU, "--model", "{notype}"], "model_type"),
+    ("model-config-not-json", ["--deepspeed_config", CPU, "--model", "{badcfg}"], "badcfg.json' is not valid JSON"),
+    ("model-vocab-below-tokenizer", ["--deepspeed_config", CPU, "--model", "{smallvocab}"], "at least 8192"),
+    ("model-seq-above-positions", ["--deepspeed_config", CPU, "--seq-length", "4096"], "max_position_embeddings"),
+    # data
+    ("data-missing", ["--deepspeed_config", CPU, "--data", "/no/such/corpus.txt"], "does not exist"),
+    ("data-empty-file", ["--deepspeed_config", CPU, "--data", "{empty}"], "empty"),
+    ("data-empty-column", ["--deepspeed_config", CPU, "--data", "{blank}"], "empty"),
+    ("data-wrong-column", ["--deepspeed_config", CPU, "--data", "{column}"], "'text'"),
+    ("data-binary-garbage", ["--deepspeed_config", CPU, "--data", "{garbage}"], "garbage.jsonl"),
+    ("data-too-few-for-a-batch", ["--deepspeed_config", CPU, "--data", "{few}", "--eval-split", "0"],
+     "global batch"),
+    ("data-eval-split-out-of-range", ["--deepspeed_config", CPU, "--eval-split", "1.5"], "eval"),
+    # tokenizers
+    ("tokenizer-missing-dir", ["--deepspeed_config", CPU, "--tokenizer", "/no/such/tokenizer"], "tokenizer"),
+    ("tokenizer-dir-without-files", ["--deepspeed_config", CPU, "--tokenizer", "{notok}"], "tokenizer"),
+    # checkpoints (complete/corrupt/unsafe ones: test_reliability.py)
+    ("ckpt-missing-dir", ["--deepspeed_config", CPU, "--load", "/no/such/ckpt"], "does not exist"),
+    ("ckpt-not-a-checkpoint", ["--deepspeed_config", CPU, "--load", "{notackpt}"], "not an mtds checkpoint"),
+    ("ckpt-other-mtds-version", ["--deepspeed_config", CPU, "--load", "{oldckpt}"], "saved by an older mtds"),
+    ("ckpt-newer-format", ["--deepspeed_config", CPU, "--load", "{newckpt}"], "checkpoint format 99"),
+    ("ckpt-missing-rank-file", ["--deepspeed_config", CPU, "--load", "{norank}"], "missing rank file mtds_rank_00000"),
+    ("ckpt-truncated-file", ["--deepspeed_config", CPU, "--load", "{truncckpt}"], "x.pt has 10 bytes, rank 0 wrote 100"),
+    # HF weights
+    ("hf-init-missing-dir", ["--deepspeed_config", CPU, "--init-from-hf", "/no/such/hf"], "/no/such/hf"),
+    ("hf-init-without-weights", ["--deepspeed_config", CPU, "--init-from-hf", "{noweights}"], "weights"),
+]
+
+# Only distributed: world 2.
+DIST_CASES = [
+    ("layout-tp-not-dividing-heads", ["--deepspeed_config", CPU, "--tp", "2", "--model", "{heads3}"],
+     "does not divide the 3 attention heads"),
+    ("layout-tp-not-dividing-kv-heads", ["--deepspeed_config", CPU, "--tp", "2", "--model", "{kv}"],
+     "does not divide the 1 key/value heads"),
+    ("layout-pp-above-layers", ["--deepspeed_config", CPU, "--pp", "2", "--model", "{layers1}"],
+     "cannot fill"),
+    ("layout-sp-tp-not-dividing-seq", ["--deepspeed_config", CPU, "--tp", "2", "--sequence-parallel",
+                                       "--seq-length", "33"], "divisible by --tp 2"),
+    ("ds-zero2-with-pipeline", ["--deepspeed_config", "{zero2}", "--pp", "2"], "ZeRO stage 2 cannot be combined"),
+]
+
+PARSER_CASES = [
+    ("flag-missing-deepspeed-config", [], "--deepspeed_config"),
+    ("flag-not-an-int", ["--deepspeed_config", CPU, "--tp", "two"], "invalid int value: 'two'"),
+    ("flag-unknown-choice", ["--deepspeed_config", CPU, "--on-nan", "ignore"], "invalid choice: 'ignore'"),
+    ("flag-unknown", ["--deepspeed_config", CPU, "--tensor-parallel", "2"], "unrecognized arguments"),
+]
+
+
+def _outcomes(cases, paths):
+    """What train.py's main would print for each case: ("error", line) / ("bug", traceback) / ("ran", "")."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from mtds.training.cli import build_parser, config_from_args, user_errors
+    out = []
+    for _, argv, _ in cases:
+        argv = ["--steps", "0", "--no-progress"] + [a.format(**paths) for a in argv]
+        try:
+            from mtds.training import run
+            run(config_from_args(build_parser().parse_args(argv)))
+            out.append(("ran", ""))
+        except user_errors() as err:
+            out.append(("error", str(err)))
+        except Exception:
+            out.append(("bug", traceback.format_exc()))
+        if dist.is_initialized():
+            dist.barrier()
+    return out
+
+
+def _check(case, outcome):
+    name, _, expected = case
+    kind, text = outcome
+    assert kind == "error", f"{name}: {kind}\n{text}"
+    assert "\n" not in text.strip(), f"{name}: more than one line: {text!r}"
+    assert expected in text, f"{name}: {text!r} lacks {expected!r}"
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return make_inputs(str(tmp_path_factory.mktemp("bad")))
+
+
+@pytest.fixture(scope="module")
+def single_rank(paths):
+    return spawn(_outcomes, 1, RUN_CASES, paths, timeout=300)[0]
+
+
+@pytest.mark.parametrize("index", range(len(RUN_CASES)), ids=[c[0] for c in RUN_CASES])
+def test_bad_input(single_rank, index):
+    _check(RUN_CASES[index], single_rank[index])
+
+
+def test_bad_input_on_two_ranks(paths):
+    per_rank = spawn(_outcomes, 2, DIST_CASES, paths, timeout=300)   # returns only when both ranks are done
+    for case, outcome in zip(DIST_CASES, per_rank[0]):
+        _check(case, outcome)
+    assert [k for k, _ in per_rank[1]] == ["error"] * len(DIST_CASES)
+
+
+@pytest.mark.parametrize("name, argv, expected", PARSER_CASES, ids=[c[0] for c in PARSER_CASES])
+def test_bad_flags(name, argv, expected):
+    from mtds.training.cli import build_parser
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def test_cases_are_many_and_documented():
+    doc = open(os.path.join(ROOT, "docs", "bad_input.md")).read()
+    names = [c[0] for c in RUN_CASES + DIST_CASES + PARSER_CASES]
+    assert len(names) >= 40 and len(set(names)) == len(names)
+    missing = [n for n in names if f"`{n}`" not in doc]
+    assert not missing, missing

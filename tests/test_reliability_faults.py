@@ -1,0 +1,145 @@
+"""Faults with real processes under a real launcher (torchrun), CI-sized: one kill -9 while training and
+one while saving (``python -m mtds.faults --tries 10`` runs more), SIGTERM + SIGINT with an exact
+restart, a NaN stop, a rendezvous that cannot complete and a stale torch-extensions build lock."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mtds.faults.harness import (EXIT_BOUND_S, REPO, _command, _env, _logged_steps, _rank_pids, run_try,
+                                 write_inputs)
+from mtds.reshard.complete import find_complete
+from mtds.testing import free_port, spawn
+from tests.training_helpers import ds_config, train_config
+
+
+@pytest.mark.parametrize("mode, seed", [("train", 3), ("save", 1)])
+def test_kill_9_of_one_rank(tmp_path, mode, seed):
+    r = run_try(str(tmp_path), seed, mode)
+    where = f"{mode} try: {r}; see {tmp_path}"
+    assert r.exit_s < EXIT_BOUND_S, where
+    assert r.launcher_named_rank, where
+    assert not r.broken_visible, where            # no visible global_stepN folder is incomplete
+    assert r.complete_after_kill, where           # saves every step: something was complete before the kill
+    assert r.restart_ok and r.resumed_step == max(r.complete_after_kill), where
+    assert not r.lost_complete, where
+
+
+def _train_steps(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if '"kind": "train"' in line]
+
+
+def test_sigterm_and_sigint_finish_the_step_save_exit_0_and_resume_exactly(tmp_path):
+    work = str(tmp_path)
+    write_inputs(work)
+    layout = ("--tp", "2")
+    # no --save-interval: the only checkpoint is the one the signal asks for
+    cmd = [a for a in _command(work, layout, 8) if a not in ("--save-interval", "1")]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    try:
+        while _logged_steps(work) < 2:
+            assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+            time.sleep(0.02)
+        pids = _rank_pids(launcher)
+        os.kill(pids[0], signal.SIGTERM)     # a scheduler signals each process; here each its own
+        os.kill(pids[1], signal.SIGINT)
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, out[-3000:]
+    stopped = _train_steps(os.path.join(work, "log.jsonl"))
+    last = stopped[-1]["step"]
+    assert 2 <= last < 8, last
+    assert f"stopped after step {last} on SIG" in out and "Traceback" not in out, out[-3000:]
+    assert os.path.basename(find_complete(os.path.join(work, "ck"))[0]) == f"global_step{last}"
+
+    restart = subprocess.run(cmd + ["--load", os.path.join(work, "ck")], cwd=REPO, env=_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    os.rename(os.path.join(work, "log.jsonl"), os.path.join(work, "interrupted.jsonl"))
+    reference = subprocess.run([a if a != os.path.join(work, "ck") else os.path.join(work, "ref") for a in cmd],
+                               cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got = [(r["step"], r["loss"], r["grad_norm"]) for r in _train_steps(os.path.join(work, "interrupted.jsonl"))]
+    want = [(r["step"], r["loss"], r["grad_norm"]) for r in _train_steps(os.path.join(work, "log.jsonl"))]
+    assert got == want, (got, want)      # steps 1..last before the signal, last+1..8 after the restart
+
+
+class _PoisonGrad:
+    """on_engine_ready hook: NaN gradients on global rank ``rank`` in optimizer step ``step`` (1-based)."""
+
+    def __init__(self, step, rank):
+        self.step, self.rank = step, rank
+
+    def __call__(self, engine, groups):
+        if groups.rank != self.rank:
+            return
+        param = next(p for p in engine.module.parameters() if p.requires_grad)
+        param.register_hook(lambda g: g * float("nan") if engine.global_steps == self.step - 1 else g)
+
+
+def _nan_worker(root):
+    from mtds.safety.numerics import NonFiniteError
+    from mtds.training import run
+    out = []
+    for name, kw in (("bf16", dict(deepspeed_config=ds_config(zero=1, precision="bf16"))),
+                     ("fp32", dict(deepspeed_config=ds_config(zero=0))),
+                     ("skip", dict(deepspeed_config=ds_config(zero=1), on_nan="skip"))):
+        try:
+            result = run(train_config(tp=2, steps=4, save=f"{root}/{name}", save_interval=1,
+                                      on_engine_ready=(_PoisonGrad(3, 1),), **kw))
+            out.append((result.skipped, result.losses))
+        except NonFiniteError as err:
+            out.append(str(err))
+    return out
+
+
+def test_nan_stops_naming_step_and_rank_and_saves_nothing_poisoned(tmp_path):
+    bf16, fp32, skip = spawn(_nan_worker, 2, str(tmp_path), timeout=300)[0]
+    for message in (bf16, fp32):
+        assert isinstance(message, str) and message.startswith("step 3: ") and " on rank " in message, message
+        assert "\n" not in message
+    for name in ("bf16", "fp32"):
+        assert os.path.basename(find_complete(str(tmp_path / name))[0]) == "global_step2"
+        assert not (tmp_path / name / "global_step3").exists()
+    skipped, losses = skip          # ZeRO-1 declines the poisoned update; training goes on
+    assert skipped == [False, False, True, False] and all(x == x for x in losses), skip
+
+
+def _single(args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**_env(), **(env or {})})
+
+
+def test_rendezvous_that_cannot_complete_is_one_line_in_bounded_time():
+    start = time.monotonic()
+    out = _single(["--deepspeed_config", "ds_configs/cpu_fp32.json", "--dist-timeout", "3"],
+                  env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+    assert time.monotonic() - start < 60
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and "did not all join the rendezvous" in errors[0], out.stderr
+    assert "1/2" in errors[0] and "Traceback" not in out.stderr
+
+
+def test_stale_build_lock_is_reported_with_the_fix(tmp_path):
+    (tmp_path / "ext" / "fused_adam").mkdir(parents=True)
+    lock = tmp_path / "ext" / "fused_adam" / "lock"
+    lock.touch()
+    config = tmp_path / "adam.json"    # DeepSpeed's own Adam: a JIT build of fused_adam, waiting on the lock
+    config.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": False}}}))
+    start = time.monotonic()
+    out = _single(["--deepspeed_config", str(config), "--steps", "1", "--build-lock-timeout", "2"],
+                  env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    assert time.monotonic() - start < 90
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert str(lock) in errors[0] and f"rm {lock}" in errors[0]
