@@ -36,6 +36,13 @@ def test_shared_parameter_gradients_all_reduce_once_per_step_under_zero_0_and_1(
             calls, nbytes = m * shared, m * shared_bytes
         assert sp["calls"] == plain["calls"] - replaced_calls + calls, (zero, plain, sp)
         assert sp["bytes"] == plain["bytes"] - replaced_bytes + nbytes, (zero, plain, sp)
+        # what replaces them, per micro-batch: reduce-scatters after the out/fc2 projections and the
+        # embedding (forward) and of the QKV/fc1/LM-head input gradients (backward); all-gathers of the
+        # QKV/fc1/LM-head inputs in forward and again in backward (only slices are kept), of the
+        # out/fc2 output gradients, and of the embedding and position gradients
+        comm = results[2 * index + 1].comm
+        assert comm["reduce_scatter/tp"]["calls"] == m * (4 * L + 2), comm
+        assert comm["all_gather/tp"]["calls"] == m * (6 * L + 4), comm
 
 
 def test_run_traces_the_collectives_deepspeed_caches(runs):

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model chunks per pipeline rank for --pipeline-schedule interleaved [1]")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism (Korthikanti et al. 2022): layer norms, dropout and residuals work "
-                        "on 1/t of the sequence, saving activation memory; same communication volume, same "
-                        "losses. Needs t > 1 dividing --seq-length")
+                        "on 1/t of the sequence, saving activation memory; all-gathers and reduce-scatters replace "
+                        "the all-reduces, plus one all-gather per column-parallel linear in backward (only the "
+                        "input slice is kept); same losses. Needs t > 1 dividing --seq-length")
     g.add_argument("--model",
                    help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
                         "file/directory [the --init-from-hf directory, else gpt2-tiny]")
