@@ -228,3 +228,14 @@ def test_cases_are_many_and_documented():
     assert len(names) >= 40 and len(set(names)) == len(names)
     missing = [n for n in names if f"`{n}`" not in doc]
     assert not missing, missing
+
+
+def test_debug_adds_the_traceback_and_keeps_the_line():
+    import subprocess
+    import sys
+    for extra, traceback in (([], False), (["--debug"], True)):
+        out = subprocess.run([sys.executable, "train.py", "--deepspeed_config", "/no/such.json", *extra], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and len(errors) == 1 and "not found" in errors[0], out.stderr[-2000:]
+        assert ("Traceback" in out.stderr) == traceback, out.stderr[-2000:]

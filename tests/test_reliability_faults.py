@@ -143,3 +143,34 @@ def test_stale_build_lock_is_reported_with_the_fix(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
     assert str(lock) in errors[0] and f"rm {lock}" in errors[0]
+
+
+class _FreezeRank:
+    """on_engine_ready hook: global rank ``rank`` stops itself (SIGSTOP) as optimizer step ``step`` starts."""
+
+    def __init__(self, step, rank):
+        self.step, self.rank = step, rank
+
+    def __call__(self, engine, groups):
+        if groups.rank == self.rank:
+            def freeze(module, args):
+                if engine.global_steps == self.step - 1:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+            engine.module.register_forward_pre_hook(freeze)
+
+
+def _freeze_worker():
+    from mtds.training import run
+    run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=5, on_engine_ready=(_FreezeRank(3, 1),)))
+
+
+def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout(capfd):
+    from mtds.testing import RankFailure
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        spawn(_freeze_worker, 2, timeout=120)       # gloo alone would wait for the 300 s collective timeout
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
+    assert "error: rank 1 has not been heard from for" in err, err[-3000:]
+    assert elapsed < 60, elapsed

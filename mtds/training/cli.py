@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing, or skip steps the optimizer did not apply (ZeRO-1/2) [stop]")
     g.add_argument("--no-save-on-signal", dest="save_on_signal", action="store_false",
                    help="on SIGTERM/SIGINT stop after the current step without saving (default: save with --save)")
+    g.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
+                   help="stop (exit 1, naming the rank) when a peer rank is silent this long: dead or frozen where no "
+                        "socket says so; 0 turns the watchdog off [30]")
     g.add_argument("--build-lock-timeout", type=float, default=300.0, metavar="S",
                    help="fail start-up when a torch-extensions build lock is waited on for S seconds [300]")
     p.add_argument("--debug", action="store_true", help="print the traceback of a bad-input error too")
@@ -125,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         plot=args.plot,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
         dist_timeout_s=args.dist_timeout, on_nan=args.on_nan, save_on_signal=args.save_on_signal,
-        build_lock_timeout_s=args.build_lock_timeout)
+        build_lock_timeout_s=args.build_lock_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

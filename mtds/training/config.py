@@ -50,6 +50,7 @@ class TrainConfig:
     on_nan: str = "stop"                        # stop | skip (skip: only steps the engine did not apply)
     save_on_signal: bool = True                 # SIGTERM/SIGINT: finish the step, save (with --save), exit 0
     build_lock_timeout_s: float = 300.0         # a torch-extensions build lock held longer ends start-up
+    heartbeat_timeout_s: float = 30.0           # a peer silent this long (dead or frozen) ends this rank; 0 off
     # Python API only: functions called as fn(engine, groups) once the engine exists (hooks, probes).
     on_engine_ready: tuple = ()
 

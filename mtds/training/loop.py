@@ -23,6 +23,7 @@ from mtds.config import ModelConfig, resolve_model_config
 from mtds.layout import ParallelGroups, ParallelLayout
 from mtds.metrics import hardware_flops_per_iteration, model_flops_per_iteration, peak_tflops
 from mtds.pipe import build_model
+from mtds.safety.heartbeat import Heartbeat
 from mtds.safety.numerics import check_finite
 from mtds.safety.signals import StopRequest
 from mtds.safety.startup import BuildLockWatchdog, rendezvous_error
@@ -101,20 +102,23 @@ def run(cfg: TrainConfig) -> RunResult:
     # SIGTERM/SIGINT from here on end the run after the current step (with a checkpoint); a JIT build
     # lock left by a killed build ends start-up with an error instead of a silent hang.
     stop = StopRequest().install()
+    heartbeat = Heartbeat(cfg.heartbeat_timeout_s)     # started once the process group exists
     try:
         with BuildLockWatchdog(cfg.build_lock_timeout_s) as watchdog:
-            return _run(cfg, stop, watchdog)
+            return _run(cfg, stop, watchdog, heartbeat)
     finally:
+        heartbeat.stop()
         stop.uninstall()
 
 
-def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog) -> RunResult:
+def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heartbeat: Heartbeat) -> RunResult:
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
     tracer = CommTracer().install() if cfg.trace_comm else None
     try:
         device, backend = init_distributed(cfg.dist_timeout_s)
     except RuntimeError as err:     # torch's DistStoreError and timeouts while the ranks gather
         raise rendezvous_error(err, cfg.dist_timeout_s) from None
+    heartbeat.start()
     world = dist.get_world_size()
 
     layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp, vp=cfg.virtual_stages)
