@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=int, default=1, help="steps excluded from timings [1]")
     run.add_argument("--profile", help="with --nodes: planner device profile [calibrate this machine first]")
     run.add_argument("--no-predict", action="store_true", help="with --nodes: skip the planner column")
+    run.add_argument("--lock", help="with --nodes: hold this flock file while each link speed runs (shared machines)")
     run.add_argument("--prefix", default="mtds-", help=argparse.SUPPRESS)
     proj = sub.add_parser("project", help="predict the schemes on a GPU cluster (planner)", epilog=EXAMPLES,
                           formatter_class=argparse.RawDescriptionHelpFormatter)

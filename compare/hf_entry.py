@@ -105,13 +105,17 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for _ in range(accumulation):
-            input_ids, labels = (t.to(device) for t in next(stream))
-            logits = model(input_ids=input_ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-            accelerator.backward(loss)             # DeepSpeed divides by the accumulation steps itself
-            optimizer.step()                       # the engine steps at the accumulation boundary only
-            scheduler.step()
-            optimizer.zero_grad()
+            # accumulate(): without it accelerate tells the engine every micro-batch is a boundary,
+            # and the optimizer steps `accumulation` times per global batch.
+            with accelerator.accumulate(model):
+                input_ids, labels = (t.to(device) for t in next(stream))
+                logits = model(input_ids=input_ids).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                         labels.reshape(-1))
+                accelerator.backward(loss)         # DeepSpeed divides by the accumulation steps itself
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
             total += loss.detach() / accumulation
         elapsed = time.perf_counter() - start
         comm.append(tracer.summary())

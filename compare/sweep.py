@@ -8,6 +8,8 @@ with its error; the others still run. Ctrl-C (or SIGTERM) tears the cluster down
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 
@@ -34,9 +36,25 @@ def _first_error_line(out_dir: str, fallback: str) -> str:
     return (found or fallback.splitlines()[0])[:300]
 
 
+@contextlib.contextmanager
+def held(lock_path: str | None):
+    """Hold an exclusive flock on `lock_path` (if given): a shared machine's jobs take turns, one link
+    speed (all its schemes) per turn."""
+    if not lock_path:
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def link_formula(scheme: Scheme, model: str, seq: int, global_batch: int, micro_batch: int,
-                 spec: ClusterSpec) -> float | None:
-    """Bytes per node and step the formulas of mtds.cluster.formulas give, or None where none applies."""
+                 spec: ClusterSpec, row: dict | None = None) -> float | None:
+    """Bytes per node and step the formulas of mtds.cluster.formulas give, or None where none applies.
+    ZeRO-3 with several micro-batches takes its all-gather volume from the tracer (`row`), see there."""
     from mtds.config import resolve_model_config
     from mtds.metrics import gpt_param_count
     cfg = resolve_model_config(model)
@@ -46,7 +64,10 @@ def link_formula(scheme: Scheme, model: str, seq: int, global_batch: int, micro_
                  + 2 * cfg.hidden_size)                                  # + final layer norm
     world = spec.world
     if scheme.kind in ("zero3", "hf-zero3"):
-        return zero3_link_bytes(params=params, world=world, nodes=spec.nodes)
+        m = global_batch // (micro_batch * world)
+        traced = (row or {}).get("comm_by_family_max_rank", {}).get("all_gather")
+        gathered = traced * world / 4 if (m > 1 and traced) else None      # fp32 values gathered in all
+        return zero3_link_bytes(params=params, world=world, nodes=spec.nodes, microbatches=m, gathered=gathered)
     if scheme.kind == "zero1" or (scheme.kind == "ptdp" and scheme.tp == 1 and scheme.pp == 1):
         return zero1_link_bytes(params=params, world=world, nodes=spec.nodes)
     if scheme.kind == "ptdp" and scheme.pp == spec.nodes and scheme.tp * scheme.data_parallel(world) <= spec.ranks_per_node:
@@ -72,13 +93,14 @@ def run_sweep(args) -> tuple[list[dict], dict]:
     if profile is None and not args.no_predict:
         os.makedirs(args.out, exist_ok=True)
         print("[compare] calibrating this machine for the planner (mtds-plan --calibrate, ~1 min)", flush=True)
-        profile = calibrate(os.path.join(args.out, "device_profile.json"))
+        with held(args.lock):
+            profile = calibrate(os.path.join(args.out, "device_profile.json"))
     batch = dict(global_batch=args.global_batch, micro_batch=args.micro_batch)
     rows, total = [], len(speeds) * len(schemes)
     for speed in speeds:
         spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, inter_node=speed,
                            latency=args.latency, prefix=args.prefix)
-        with Cluster(spec) as cluster:
+        with held(args.lock), Cluster(spec) as cluster:      # one link speed's runs in one turn
             for s in schemes:
                 out_dir = os.path.join(args.out, speed, s.name)
                 print(f"[compare] {len(rows) + 1}/{total} {speed} {s.name}: {args.nodes} nodes x {args.ranks_per_node} "
@@ -87,7 +109,7 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                 try:
                     launched = launch_on_cluster(cluster, s, model=args.model, steps=args.steps,
                                                  seq_length=args.seq_length, out_dir=out_dir, timeout=args.timeout,
-                                                 echo=None, **batch)
+                                                 **batch, echo=print if speed == speeds[0] else None)
                     row.update(summarise(launched, warmup=args.warmup, ranks_per_node=args.ranks_per_node),
                                status="ok", commands=launched["commands"])
                 except RuntimeError as err:
@@ -95,7 +117,7 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                 row.update(link=speed, link_bits_per_s=rate_bits(speed), nodes=args.nodes,
                            ranks_per_node=args.ranks_per_node,
                            link_formula_bytes=link_formula(s, args.model, args.seq_length, args.global_batch,
-                                                           args.micro_batch, spec))
+                                                           args.micro_batch, spec, row))
                 if profile:
                     try:
                         row["predicted"] = predict_cell(s, model=args.model, seq=args.seq_length,

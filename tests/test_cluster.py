@@ -154,3 +154,40 @@ def test_launcher_trains_across_nodes_with_single_host_losses_and_formula_link_b
                 per_step = sum(s["tx_bytes"] for s in steps) / len(steps)
                 assert formula * 0.99 <= per_step <= formula * (1 + STEP_OVERHEAD), (name, node, per_step, formula)
     assert _leftovers() == []
+
+
+def _rank_pids(namespace):
+    """PIDs of the training ranks (not the launchers) running inside a node."""
+    out = []
+    for pid in netns.pids_in(namespace):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mtds.cluster.selftest" in cmd and any(a.startswith(b"--local_rank") for a in cmd):
+            out.append(pid)
+    return out
+
+
+def test_a_killed_rank_fails_the_run_and_teardown_leaves_nothing(tmp_path):
+    """Kill one rank mid all-reduce (a 128 MB all-reduce over a 100mbit link takes ~20 s): the launch
+    returns a failure naming the node instead of hanging, and the cluster goes away completely."""
+    spec = ClusterSpec(nodes=2, ranks_per_node=1, inter_node="100mbit", prefix=PREFIX)
+    with Cluster(spec) as c:
+        import threading
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(runs=launch(
+            c, ["mtds.cluster.selftest", str(tmp_path), str(32 << 20)], module=True, out_dir=str(tmp_path),
+            env={"PYTHONPATH": REPO}, timeout=120, echo=None)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not (_rank_pids(spec.node_ns(1)) and c.link_stats()[1]["tx_bytes"] > 1 << 20):
+            assert time.monotonic() < deadline, "the all-reduce never started"
+            time.sleep(0.2)
+        victim = _rank_pids(spec.node_ns(1))[0]
+        os.kill(victim, signal.SIGKILL)
+        worker.join(timeout=90)
+        assert not worker.is_alive(), "the launch hung after a rank was killed"
+        assert "node 1" in failure_summary(result["runs"]) and not (tmp_path / "node0.json").exists()
+    assert _leftovers() == [] and not _alive(victim)

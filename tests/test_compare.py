@@ -86,7 +86,7 @@ def test_planner_cell_follows_the_link(tmp_path):
 
 def test_compare_run_on_emulated_nodes(tmp_path):
     """`compare run --nodes 2`: PTD-P (pipeline across the nodes), HF GPT2LMHeadModel under accelerate +
-    DeepSpeed ZeRO-3, and AutoTP (which DeepSpeed refuses for GPT-2: a row with its error) through the
+    DeepSpeed ZeRO-3 (2 micro-batches per step: accumulation must not step the optimizer twice), and AutoTP (which DeepSpeed refuses for GPT-2: a row with its error) through the
     DeepSpeed launcher per node; results files appear, losses agree, link bytes are counted."""
     from mtds.cluster import unavailable_reason
     reason = unavailable_reason()
@@ -98,7 +98,7 @@ def test_compare_run_on_emulated_nodes(tmp_path):
     out = tmp_path / "sweep"
     code = main(["run", "--nodes", "2", "--ranks-per-node", "1", "--inter-node", "1gbit", "--schemes", "ptdp:pp=2",
                  "hf-zero3", "autotp:tp=2", "--model", str(model), "--steps", "2", "--seq-length", "32",
-                 "--global-batch", "4", "--micro-batch", "2", "--no-predict", "--out", str(out), "--timeout", "300",
+                 "--global-batch", "8", "--micro-batch", "2", "--no-predict", "--out", str(out), "--timeout", "300",
                  "--prefix", f"mtds-c{os.getpid()}-"])
     assert code == 0
     for name in ("results.md", "results.csv", "results.json", "tokens_vs_bandwidth.png", "link_bytes.png", "loss.png"):
