@@ -1,29 +1,49 @@
-"""Count collective calls and payload bytes, per collective kind and per process group.
+"""Count collective calls, payload bytes and ring bus bytes, per collective kind and per process group.
 
-``CommTracer`` wraps the ``torch.distributed`` collectives in place. It must be installed before
-DeepSpeed sets up communication (DeepSpeed keeps its own references to the functions it found).
-The cost per call is one dict update, so it can stay on during benchmarks.
+``CommTracer`` wraps the collectives in place, in both namespaces callers reach them through:
+``torch.distributed`` and ``torch.distributed.distributed_c10d`` (DeepSpeed 0.19's comm backend calls
+``distributed_c10d._all_gather_base`` and ``distributed_c10d.all_gather_into_tensor`` directly). It
+must be installed before DeepSpeed sets up communication (DeepSpeed keeps its own references to the
+functions it found). The cost per call is a few dict updates, so it can stay on during benchmarks.
 
 Payload bytes are the bytes of the tensor a rank contributes (all-reduce: the tensor; all-gather:
-the input shard; reduce-scatter: the full input; send/recv/broadcast: the tensor). Bus bytes of a
-ring algorithm follow from them: all-reduce moves 2(n-1)/n x payload per rank, all-gather and
-reduce-scatter (n-1)/n x the full tensor (Thakur et al. 2005; NCCL's "busbw" convention).
+the input shard; reduce-scatter: the full input; send/recv/broadcast: the tensor). Bus bytes are
+what a ring algorithm puts on each rank's link (Thakur et al. 2005; NCCL's "busbw" convention),
+rounded to whole bytes per call, for a group of n ranks:
+  all-reduce 2(n-1)/n x payload; all-gather (n-1) x shard = (n-1)/n x the full tensor;
+  reduce-scatter and all-to-all (n-1)/n x payload; broadcast, reduce, gather, scatter, p2p: payload.
+A collective over a group of one rank moves nothing and is not counted at all.
+
+Also counted: ``batch_isend_irecv`` (each P2POp as a send or recv in its group), the coalesced
+collectives (one call, the summed tensors) and the object collectives (``all_gather_object``,
+``broadcast_object_list``, ...; their bytes are those of the tensor collectives torch runs for them).
+A traced call made from inside another traced call (torch's object collectives, ``_all_gather_base``
+forwarding to ``all_gather_into_tensor``, ``batch_isend_irecv`` calling ``isend``) is not counted
+again: its bytes belong to the outer call.
 """
 from __future__ import annotations
 
 import functools
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+_NAMESPACES = (dist, c10d)
 
 # function name -> (kind, position of the group argument, position of the payload tensor)
+# payload position None: the bytes are those of the tensor collectives the call runs inside.
 _TRACED: dict[str, tuple[str, int, int | None]] = {
     "all_reduce": ("all_reduce", 2, 0),
+    "all_reduce_coalesced": ("all_reduce", 2, 0),     # payload: the list of tensors
     "all_gather": ("all_gather", 2, 1),               # payload: this rank's input shard
     "all_gather_into_tensor": ("all_gather", 2, 1),
     "_all_gather_base": ("all_gather", 2, 1),
+    "_all_gather_base_coalesced": ("all_gather", 2, 1),
+    "all_gather_coalesced": ("all_gather", 2, 1),
     "all_gather_single": ("all_gather", 2, 1),
     "reduce_scatter": ("reduce_scatter", 3, 1),       # payload: the full input
     "reduce_scatter_tensor": ("reduce_scatter", 3, 1),
@@ -37,9 +57,31 @@ _TRACED: dict[str, tuple[str, int, int | None]] = {
     "all_to_all": ("all_to_all", 2, 1),
     "all_to_all_single": ("all_to_all", 4, 1),
     "reduce": ("reduce", 3, 0),
+    "gather": ("gather", 3, 0),
+    "scatter": ("scatter", 3, 0),
     "barrier": ("barrier", 0, None),
+    "all_gather_object": ("all_gather_object", 2, None),
+    "broadcast_object_list": ("broadcast_object_list", 2, None),
+    "gather_object": ("gather_object", 3, None),
+    "scatter_object_list": ("scatter_object_list", 3, None),
+    "batch_isend_irecv": ("p2p_batch", 0, None),      # special-cased: one record per P2POp
 }
-_KWARG_NAMES = ("tensor", "input_tensor", "input_tensor_list", "input_list", "input")
+_KWARG_NAMES = ("tensor", "tensors", "input_tensor", "input_tensor_list", "input_list", "input")
+
+
+def bus_bytes(kind: str, payload: int, n: int) -> int:
+    """Bytes a ring algorithm moves over each rank's link for one call (see the module docstring)."""
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return round(2 * (n - 1) * payload / n)
+    if kind == "all_gather":
+        return (n - 1) * payload
+    if kind in ("reduce_scatter", "all_to_all"):
+        return round((n - 1) * payload / n)
+    if kind == "barrier":
+        return 0
+    return payload
 
 
 def _nbytes(obj) -> int:
@@ -59,10 +101,16 @@ def _argument(args, kwargs, position: int | None, names: tuple[str, ...]):
     return None
 
 
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
 @dataclass
 class CollectiveStats:
     calls: int = 0
-    bytes: int = 0
+    bytes: int = 0           # payload bytes (see module docstring)
+    bus_bytes: int = 0       # ring bytes on each rank's link
+    group_size: int = 0
 
 
 @dataclass
@@ -83,22 +131,18 @@ class CommTracer:
         return self.group_names.get(group, "other")
 
     def install(self) -> "CommTracer":
-        """Start counting. The first install in a process puts wrappers on ``torch.distributed``;
-        they stay (DeepSpeed may have cached them) and report to whichever tracers are active."""
-        for name, (kind, group_pos, payload_pos) in _TRACED.items():
-            current = getattr(dist, name, None)
-            if current is None:
-                continue
-            if not hasattr(current, "_mtds_tracers"):
-                current = _wrap(kind, group_pos, payload_pos, current)
-                setattr(dist, name, current)
-            if self not in current._mtds_tracers:
-                current._mtds_tracers.append(self)
+        """Start counting. The first install in a process puts wrappers on ``torch.distributed`` and
+        ``distributed_c10d``; they stay (DeepSpeed may have cached them) and report to whichever
+        tracers are active."""
+        for name, spec in _TRACED.items():
+            wrapper = _installed_wrapper(name, spec)
+            if wrapper is not None and self not in wrapper._mtds_tracers:
+                wrapper._mtds_tracers.append(self)
         return self
 
     def uninstall(self) -> None:
         for name in _TRACED:
-            current = getattr(dist, name, None)
+            current = getattr(dist, name, None) or getattr(c10d, name, None)
             if current is not None and self in getattr(current, "_mtds_tracers", ()):
                 current._mtds_tracers.remove(self)
 
@@ -108,21 +152,69 @@ class CommTracer:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def record(self, kind: str, group, nbytes: int) -> None:
-        entry = self.stats[(kind, self._group_label(group))]
+    def record(self, kind: str, group, nbytes: int, bus: int | None = None, group_size: int | None = None) -> None:
+        n = _group_size(group) if group_size is None else group_size
+        if n <= 1:
+            return   # a group of one moves nothing
+        label = self._group_label(group)
+        entry = self.stats[(kind, label)]
+        if entry.calls and entry.group_size != n:   # an unnamed label mixing group sizes: keep them apart
+            entry = self.stats[(kind, f"{label}{n}")]
         entry.calls += 1
         entry.bytes += nbytes
+        entry.bus_bytes += bus_bytes(kind, nbytes, n) if bus is None else bus
+        entry.group_size = n
 
     def reset(self) -> None:
         self.stats.clear()
 
     def summary(self) -> dict[str, dict[str, int]]:
-        """``{"all_reduce/tp": {"calls": n, "bytes": b}, ...}`` sorted by key."""
-        return {f"{kind}/{group}": {"calls": s.calls, "bytes": s.bytes}
+        """``{"all_reduce/tp": {"calls": n, "bytes": payload, "bus_bytes": b, "group_size": g}, ...}``
+        sorted by key."""
+        return {f"{kind}/{group}": {"calls": s.calls, "bytes": s.bytes, "bus_bytes": s.bus_bytes,
+                                    "group_size": s.group_size}
                 for (kind, group), s in sorted(self.stats.items())}
 
     def total_bytes(self, group: str | None = None) -> int:
+        """Payload bytes of every call (in ``group`` if given)."""
         return sum(s.bytes for (kind, g), s in self.stats.items() if group in (None, g) and kind != "barrier")
+
+    def total_bus_bytes(self, group: str | None = None) -> int:
+        """Ring bus bytes of every call (in ``group`` if given): what this rank's links carry."""
+        return sum(s.bus_bytes for (kind, g), s in self.stats.items() if group in (None, g))
+
+
+def label_deepspeed_groups(tracer: CommTracer, engine) -> None:
+    """Name the process groups DeepSpeed made itself, by axis: a pipeline engine's grid (its own
+    data, pipe, tensor-slice and model groups) and the pipeline module's tied-weight groups."""
+    grid = getattr(engine, "grid", None)
+    if grid is not None:
+        for attr, name in (("dp_proc_group", "dp"), ("pp_proc_group", "pp"), ("slice_proc_group", "tp"),
+                           ("ds_model_proc_group", "mp")):
+            tracer.name_group(getattr(grid, attr, None), name)
+        from deepspeed.runtime.pipe import p2p
+        for group in getattr(p2p, "_groups", None) or ():   # only when send/recv go by broadcast
+            tracer.name_group(group, "pp")
+    for comm in getattr(engine.module, "tied_comms", {}).values():
+        tracer.name_group(comm.get("group"), "tied")
+
+
+_local = threading.local()   # depth of traced calls on this thread, and the outer call's inner bytes
+
+
+def _installed_wrapper(name: str, spec):
+    """The wrapper of ``name`` in both namespaces, put there on first use (same object in both)."""
+    functions = [getattr(ns, name, None) for ns in _NAMESPACES]
+    wrapper = next((f for f in functions if hasattr(f, "_mtds_tracers")), None)
+    if wrapper is None:
+        original = next((f for f in functions if f is not None), None)
+        if original is None:
+            return None
+        wrapper = _wrap(*spec, original)
+    for ns, current in zip(_NAMESPACES, functions):
+        if current is not None and current is not wrapper and not hasattr(current, "_mtds_tracers"):
+            setattr(ns, name, wrapper)
+    return wrapper
 
 
 def _wrap(kind: str, group_pos: int, payload_pos: int | None, original):
@@ -130,12 +222,39 @@ def _wrap(kind: str, group_pos: int, payload_pos: int | None, original):
 
     @functools.wraps(original)
     def traced(*args, **kwargs):
-        if tracers:
-            group = _argument(args, kwargs, group_pos, ("group",))
-            nbytes = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES)) if payload_pos is not None else 0
-            for tracer in tracers:
-                tracer.record(kind, group, nbytes)
-        return original(*args, **kwargs)
+        if not tracers:
+            return original(*args, **kwargs)
+        outer = getattr(_local, "inner", None)
+        if outer is not None:
+            # Called from inside a traced call: let the outer call account for these bytes.
+            result = original(*args, **kwargs)
+            if payload_pos is not None:
+                group = _argument(args, kwargs, group_pos, ("group",))
+                n = _group_size(group)
+                nbytes = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES))
+                outer[0] += nbytes
+                outer[1] += bus_bytes(kind, nbytes, n)
+            return result
+        _local.inner = inner = [0, 0]
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _local.inner = None
+        if kind == "p2p_batch":
+            ops = _argument(args, kwargs, 0, ("p2p_op_list",)) or ()
+            for op in ops:
+                op_kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
+                for tracer in tracers:
+                    tracer.record(op_kind, op.group, _nbytes(op.tensor))
+            return result
+        group = _argument(args, kwargs, group_pos, ("group",))
+        if payload_pos is None:
+            nbytes, bus = inner            # object collectives (and barrier: nothing inside)
+        else:
+            nbytes, bus = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES)), None
+        for tracer in tracers:
+            tracer.record(kind, group, nbytes, bus)
+        return result
 
     traced._mtds_tracers = tracers
     return traced

@@ -13,6 +13,8 @@ __all__ = [
     "gpt_param_count",
     "model_flops_per_iteration",
     "hardware_flops_per_iteration",
+    "training_flops_per_iteration",
+    "model_config_flops",
     "peak_tflops",
     "GPU_PEAK_TFLOPS",
 ]
@@ -71,12 +73,57 @@ def hardware_flops_per_iteration(
     raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
 
 
+def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
+                                 ffn_hidden: int | None = None, num_heads: int | None = None,
+                                 num_kv_heads: int | None = None, gated_mlp: bool = False,
+                                 recompute: str = "none") -> float:
+    """Matmul FLOPs of one training iteration for any decoder of this family: the one count used by
+    the step log (TFLOP/s, MFU) and the planner.
+
+    Forward FLOPs per token and layer (2 per multiply-add):
+      QKV 2h(h + 2 h_kv) with h_kv = h * kv_heads / heads (grouped-query attention: smaller K, V),
+      scores and x V 4sh, output projection 2h^2, MLP 2hf per h x f matrix: 2 matrices (GELU) or
+      3 (SwiGLU: gate, up, down); the logits 2hV once per token (tied or untied head alike: an untied
+      head adds parameters, not FLOPs). Backward is twice the forward, so an iteration is 3 passes.
+    Recomputation, as in :func:`hardware_flops_per_iteration`: "full" runs the layers' forward again
+    (4 passes of the layers, 3 of the logits); "selective" adds the attention core once more per
+    pass in the accounting of Korthikanti et al. (4sh x 3). With f = 4h, MHA and GELU this equals
+    PTD-P's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) and 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+    """
+    h, f = float(hidden), float(ffn_hidden or 4 * hidden)
+    kv = h * num_kv_heads / num_heads if (num_heads and num_kv_heads) else h
+    layer = 2 * h * (h + 2 * kv) + 4.0 * seq * h + 2 * h * h + 2 * h * f * (3 if gated_mlp else 2)
+    logits = 2 * h * vocab
+    tokens = float(batch) * seq
+    if recompute == "none":
+        return 3 * tokens * (layers * layer + logits)
+    if recompute == "full":
+        return tokens * (4 * layers * layer + 3 * logits)
+    if recompute == "selective":
+        return 3 * tokens * (layers * (layer + 4.0 * seq * h) + logits)
+    raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+
+
+def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> float:
+    """:func:`training_flops_per_iteration` for an ``mtds.config.ModelConfig`` (FFN width, SwiGLU,
+    GQA read from it); ``recompute="none"`` gives model FLOPs, the numerator of MFU."""
+    return training_flops_per_iteration(batch, seq, cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
+                                        ffn_hidden=cfg.ffn_size, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
+                                        gated_mlp=cfg.activation == "swiglu", recompute=recompute)
+
+
 # Dense tensor-core peak in TFLOP/s (no sparsity), from NVIDIA datasheets:
-# A100 SXM4 (2020 A100 datasheet), H100 SXM5 (2022 H100 datasheet), V100 SXM2 (2017 datasheet).
-# V100 has no bf16 tensor cores, hence no entry.
+# A100 SXM4 (2020 A100 datasheet), V100 SXM2 (2017 datasheet); H100 SXM5 / PCIe / NVL (2023 H100
+# datasheet) and H200 SXM / NVL (2024 H200 datasheet): the sparsity figures there, halved. The SXM
+# numbers agree with the team's reference table (H100-SXM5-80GB, 989 bf16). PCIe and NVL parts run
+# lower clocks and power, hence their own rows. V100 has no bf16 tensor cores, hence no entry.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},           # SXM5
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},           # SXM
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "V100": {"fp16": 125.0, "fp32": 15.7},
 }
 
@@ -89,8 +136,16 @@ _DTYPE_ALIASES = {
 
 
 def _gpu_family(name: str) -> str | None:
-    """Map a GPU key ("A100-80GB") or torch device name ("NVIDIA A100-SXM4-80GB") to a family."""
+    """Map a GPU key ("A100-80GB", "H100-SXM5-80GB") or torch device name ("NVIDIA A100-SXM4-80GB",
+    "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL") to a row of GPU_PEAK_TFLOPS.
+    Hopper names without PCIe or NVL are the SXM parts."""
     upper = name.upper()
+    for family in ("H100", "H200"):
+        if family in upper:
+            for variant in ("PCIe", "NVL"):
+                if variant.upper() in upper and f"{family} {variant}" in GPU_PEAK_TFLOPS:
+                    return f"{family} {variant}"
+            return family
     for family in GPU_PEAK_TFLOPS:
         if family in upper:
             return family

@@ -32,8 +32,11 @@ def test_train_from_hf_then_export_matches_hf_training(tmp_path):
     common = dict(tp=2, pp=2, model=hf_dir, steps=STEPS, deepspeed_config=ds_config(zero=1))
     from_hf, from_ckpt = run_layouts(8, [train_config(init_from_hf=hf_dir, save=str(tmp_path / "ck"), **common),
                                          train_config(load=converted, **common)])[0]
-    ref_losses = train_hf(hf, STEPS)
+    ref = train_hf(hf, STEPS)
+    ref_losses = ref.losses
     assert max(abs(a - b) / b for a, b in zip(from_hf.losses, ref_losses)) < REL_TOL, (from_hf.losses, ref_losses)
+    assert max(abs(a - b) / b for a, b in zip(from_hf.grad_norms, ref.grad_norms)) < REL_TOL, \
+        (from_hf.grad_norms, ref.grad_norms)
     assert max(abs(a - b) / b for a, b in zip(from_ckpt.losses, from_hf.losses)) < REL_TOL
 
     convert(["mtds-to-hf", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "out")])

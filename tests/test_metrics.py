@@ -6,8 +6,10 @@ import pytest
 from mtds.metrics import (
     gpt_param_count,
     hardware_flops_per_iteration,
+    model_config_flops,
     model_flops_per_iteration,
     peak_tflops,
+    training_flops_per_iteration,
 )
 
 
@@ -59,10 +61,61 @@ def test_korthikanti_mfu_hfu_ratio():
     assert ratio == pytest.approx(43.7 / 41.5, rel=5e-3)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 2, 4, 10), (8, 1024, 12, 768, 50257), (512, 2048, 96, 12288, 51200)])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_general_count_is_ptdp_for_gpt2_shapes(shape, recompute):
+    # f = 4h, multi-head attention, GELU: the general count reduces to the closed forms (72 / 96)
+    general = training_flops_per_iteration(*shape, ffn_hidden=4 * shape[3], num_heads=4, num_kv_heads=4,
+                                           recompute=recompute)
+    assert general == pytest.approx(hardware_flops_per_iteration(*shape, recompute), rel=1e-12)
+
+
+LLAMA_LIKE = dict(vocab_size=100, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=40,
+                  activation="swiglu", normalization="rmsnorm", position_embedding="rotary", qkv_bias=False,
+                  linear_bias=False, tie_word_embeddings=False, architecture="llama")
+
+
+def test_llama_like_count_by_hand():
+    from mtds.config import ModelConfig
+    # B=2, s=8, h=16, 4 heads of 4 dims, 2 KV heads (K, V 8 wide), SwiGLU f=40, V=100, untied head.
+    # Per token and layer, forward: QKV 2*16*(16+8+8) = 1024, scores+xV 4*8*16 = 512,
+    # out-proj 2*16*16 = 512, MLP 3 matrices 3*2*16*40 = 3840 -> 5888. Logits 2*16*100 = 3200.
+    # 16 tokens x 3 passes: 48 * (3*5888 + 3200) = 1,001,472.
+    cfg = ModelConfig(**LLAMA_LIKE)
+    assert model_config_flops(cfg, 2, 8) == 1_001_472
+    # full: layers 4 passes, logits 3: 16 * (4*3*5888 + 3*3200) = 1,284,096
+    assert model_config_flops(cfg, 2, 8, recompute="full") == 1_284_096
+    # selective: + 4sh = 512 per token and layer, 3 passes: 48 * (3*6400 + 3200) = 1,075,200
+    assert model_config_flops(cfg, 2, 8, recompute="selective") == 1_075_200
+    # GPT-2's formula would have counted 72*16*3*256*(1 + 8/96 + 100/576) + ... i.e. something else
+    assert model_flops_per_iteration(2, 8, 3, 16, 100) != model_config_flops(cfg, 2, 8)
+
+
+def test_step_log_reports_the_architecture_flops(tmp_path):
+    """The step log's model TFLOP/s is the general count over the step time (a Llama-like model)."""
+    import json
+
+    from mtds.config import ModelConfig
+    from tests.training_helpers import TINY, ds_config, run_layouts, train_config
+    cfg = ModelConfig(**{**LLAMA_LIKE, "vocab_size": TINY.vocab_size, "hidden_size": 32, "num_layers": 2,
+                         "max_position_embeddings": 64})
+    log = tmp_path / "log.jsonl"
+    run_layouts(1, [train_config(model=cfg, steps=1, deepspeed_config=ds_config(zero=0), log_jsonl=str(log))])
+    [record] = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("step") == 1 and "loss" in r]
+    expected = model_config_flops(cfg, 8, 32)
+    assert record["tflops_model"] * 1e12 * record["step_time_s"] == pytest.approx(expected, rel=1e-9)
+
+
 def test_peak_tflops():
     assert peak_tflops("A100-80GB", "bf16") == 312.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp16") == 312.0
-    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0          # SXM5
+    assert peak_tflops("H100-SXM5-80GB", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA H100 NVL", "bf16") == 835.5
+    assert peak_tflops("NVIDIA H100 PCIe", "fp32") == 51.0
+    assert peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H200 NVL", "bf16") == 835.5
     assert peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0
     assert peak_tflops("V100", "bf16") is None
     assert peak_tflops("cpu", "fp32") is None

@@ -94,8 +94,11 @@ def test_tp_block_matches_dense_and_communicates_as_megatron(t):
         for name, diff in r["grads"]:
             assert diff < 1e-6, (rank, name, diff)
         elements = B * S * H * 4  # fp32 bytes of one b*s*h activation
-        assert r["fwd"] == {"all_reduce/tp": {"calls": 2, "bytes": 2 * elements}}, r["fwd"]
-        assert r["bwd"] == {"all_reduce/tp": {"calls": 2, "bytes": 2 * elements}}, r["bwd"]
+        # ring all-reduce over t ranks: 2(t-1)/t of the tensor on each link
+        expected = {"all_reduce/tp": {"calls": 2, "bytes": 2 * elements, "bus_bytes": 2 * elements * 2 * (t - 1) // t,
+                                      "group_size": t}}
+        assert r["fwd"] == expected, r["fwd"]
+        assert r["bwd"] == expected, r["bwd"]
 
 
 def _sequence_worker():

@@ -1,11 +1,12 @@
-"""RNG tracker: replicated-region dropout identical across TP ranks, sharded-region dropout distinct,
-state save/restore reproduces masks, and recomputation replays them."""
+"""RNG streams on real ranks at (t, p) = (2, 2): replicated-region dropout identical across the TP ranks
+of a stage and different between stages, sharded-region dropout distinct on every rank, state
+save/restore reproduces masks, and recomputation replays them."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from mtds.layout import ParallelLayout
-from mtds.tp import MODEL_PARALLEL_RNG, checkpoint, model_parallel_seed
+from mtds.tp import MODEL_PARALLEL_RNG, checkpoint, seed_parallel_streams
 from tests.dist import spawn
 
 
@@ -16,14 +17,17 @@ def _gather(x, group):
 
 
 def _rng_worker():
-    groups = ParallelLayout.for_world(dist.get_world_size(), tp=2).build_groups()
-    tracker = model_parallel_seed(1234, groups.tp_rank)
+    groups = ParallelLayout.for_world(dist.get_world_size(), tp=2, pp=2).build_groups()
+    tracker = seed_parallel_streams(1234, groups)
     ones = torch.ones(64, 64)
     replicated = F.dropout(ones, 0.5)
     with tracker.fork():
         sharded = F.dropout(ones, 0.5)
     after = F.dropout(ones, 0.5)  # fork must not disturb the default stream
     rep, sh, aft = (_gather(m, groups.tp_group) for m in (replicated, sharded, after))
+    # across stages (same TP rank, other pipeline stage): both streams differ
+    rep_pp, sh_pp = (_gather(m, groups.pp_group) for m in (replicated, sharded))
+    every_sharded = _gather(sharded, None)
 
     # Save, draw, restore, draw again: same masks.
     saved_default, saved_tracker = torch.get_rng_state(), tracker.get_states()
@@ -54,6 +58,11 @@ def _rng_worker():
     return dict(
         replicated_same=torch.equal(rep[0], rep[1]),
         sharded_differ=not torch.equal(sh[0], sh[1]),
+        replicated_differ_across_stages=not torch.equal(rep_pp[0], rep_pp[1]),
+        sharded_differ_across_stages=not torch.equal(sh_pp[0], sh_pp[1]),
+        sharded_all_distinct=all(not torch.equal(every_sharded[i], every_sharded[j])
+                                 for i in range(4) for j in range(i)),
+        not_the_replicated_stream=not any(torch.equal(m, replicated) for m in every_sharded),
         default_stream_same_after_fork=torch.equal(aft[0], aft[1]),
         restore_reproduces=torch.equal(first, second),
         recompute_same_output=torch.equal(grads[0][0], grads[1][0]),
@@ -62,7 +71,7 @@ def _rng_worker():
 
 
 def test_dropout_streams_and_recomputation_replay():
-    for rank, result in enumerate(spawn(_rng_worker, 2, timeout=120)):
+    for rank, result in enumerate(spawn(_rng_worker, 4, timeout=120)):
         assert all(result.values()), (rank, result)
 
 

@@ -2,6 +2,9 @@
 the single-process HuggingFace reference (GPT2LMHeadModel + torch.optim.AdamW on the same batches)."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from mtds.config import ModelConfig
@@ -16,14 +19,24 @@ SEED = 1234
 BATCH = dict(train_batch_size=8, train_micro_batch_size_per_gpu=2)
 
 
-def ds_config(zero: int = 1, precision: str = "fp32", clip: float = CLIP, **extra) -> dict:
+SGD_LR = 0.5  # plain SGD needs a large step to move this tiny model; no Adam normalisation hides scale
+
+
+def ds_config(zero: int = 1, precision: str = "fp32", clip: float = CLIP, optimizer: str = "adamw", **extra) -> dict:
+    """``optimizer``: "adamw" (scale-invariant updates) or "sgd" (updates proportional to the gradient)."""
+    if optimizer == "sgd":
+        opt = {"type": "SGD", "params": {"lr": SGD_LR}}
+    else:
+        opt = {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                           "torch_adam": True}}
     config = {
         **BATCH,
         "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.1, "torch_adam": True}},
+        "optimizer": opt,
         "zero_optimization": {"stage": zero},
     }
+    if optimizer == "sgd":
+        config["zero_allow_untested_optimizer"] = True
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -38,6 +51,8 @@ def train_config(tp=1, pp=1, **kwargs):
     base = dict(deepspeed_config=ds_config(), model=TINY, tp=tp, pp=pp, steps=STEPS, seq_length=SEQ,
                 eval_split=0.0, seed=SEED, warmup_steps=2, lr_decay="cosine", min_lr=LR / 10, progress=False)
     base.update(kwargs)
+    if base["deepspeed_config"]["optimizer"]["type"] == "SGD" and "min_lr" not in kwargs:
+        base["min_lr"] = SGD_LR / 10
     return TrainConfig(**base)
 
 
@@ -55,7 +70,14 @@ def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout:
     return spawn(_run_all, world, configs, force_fp16, timeout=timeout)
 
 
-def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> list[float]:
+@dataclass
+class Reference:
+    """Per-step losses and pre-clip global gradient norms of the single-process reference."""
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
     """HF GPT2LMHeadModel with mtds's initial weights, trained by :func:`train_hf`."""
     from transformers import GPT2LMHeadModel
 
@@ -65,22 +87,30 @@ def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> lis
     ours = GPTModel(cfg, seed=SEED)
     hf = GPT2LMHeadModel(hf_config_from_model_config(cfg))
     hf.load_state_dict(model_to_hf_state(ours), strict=False)
-    return train_hf(hf, steps, clip)
+    return train_hf(hf, steps, clip, optimizer)
 
 
-def train_hf(hf, steps: int = STEPS, clip: float = CLIP) -> list[float]:
-    """The reference loop: torch AdamW, mtds's batches (same seed and order) and LR schedule, clipping."""
+def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> list[float]:
+    return hf_reference(cfg, steps, clip).losses
+
+
+def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
+    """The reference loop: torch AdamW (or plain SGD), mtds's batches (same seed and order), the LR
+    schedule written out in closed form, clipping; records each step's pre-clip global grad norm."""
     from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
-    from mtds.training.schedule import lr_factor
 
     hf.train()
-    opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, base_lr=LR, min_lr=LR / 10, warmup=2,
-                                                                        total=steps, decay="cosine"))
+    if optimizer == "sgd":
+        base_lr = SGD_LR
+        opt = torch.optim.SGD(hf.parameters(), lr=base_lr)
+    else:
+        base_lr = LR
+        opt = torch.optim.AdamW(hf.parameters(), lr=base_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: reference_lr_factor(s, base_lr, base_lr / 10, 2, steps))
     dataset = build_packed_dataset(None, load_tokenizer(None), SEQ, show_progress=False)
     B, b = BATCH["train_batch_size"], BATCH["train_micro_batch_size_per_gpu"]
     stream = MicroBatchStream(dataset, global_batch_size=B, micro_batch_size=b, seed=SEED)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         total = 0.0
         for _ in range(B // b):
@@ -89,13 +119,29 @@ def train_hf(hf, steps: int = STEPS, clip: float = CLIP) -> list[float]:
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             (loss / (B // b)).backward()
             total += loss.item() / (B // b)
+        # The norm in float64: torch's fp32 clip_grad_norm_ total is off by ~2e-5 relative here (one
+        # 0.5M-element embedding gradient), more than the tolerance the layouts are held to.
+        norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters()
+                                   if p.grad is not None)))
         if clip:
             torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(total)
-    return losses
+    return Reference(losses, norms)
+
+
+def reference_lr_factor(step: int, base_lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 to min_lr/base_lr at step ``total``
+    (written here independently of mtds.training.schedule, which tests/test_schedule.py checks)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total <= warmup:
+        return 1.0
+    t = min(1.0, (step - warmup) / (total - warmup))
+    floor = min_lr / base_lr
+    return floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:

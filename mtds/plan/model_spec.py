@@ -50,25 +50,13 @@ class ModelSpec:
         For f != 4h the same derivation with per-token layer matmuls 2(4h^2 + 2hf) + 4sh and
         logits 2hV: F = 3 B s (l (8h^2 + 4hf + 4sh) + 2hV), which equals 72 B s l h^2 (...) at f = 4h.
         """
-        if self.ffn == 4 * self.hidden:
-            return metrics.model_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab)
-        return 3.0 * batch * self.seq * (self.layers * self._layer_flops_per_token() + 2.0 * self.hidden * self.vocab)
+        return self.hardware_flops(batch, "none")
 
     def hardware_flops(self, batch: int, recompute: str) -> float:
-        """Executed FLOPs including recomputation (metrics.hardware_flops_per_iteration); for
-        f != 4h: full 4 passes of the layers + 3 of the logits, selective adds 4sh per token-layer."""
-        if self.ffn == 4 * self.hidden:
-            return metrics.hardware_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab,
-                                                        recompute)
-        tokens, layer, logits = batch * self.seq, self._layer_flops_per_token(), 2.0 * self.hidden * self.vocab
-        if recompute == "full":
-            return tokens * (4.0 * self.layers * layer + 3.0 * logits)
-        extra = 4.0 * self.seq * self.hidden if recompute == "selective" else 0.0
-        return 3.0 * tokens * (self.layers * (layer + extra) + logits)
-
-    def _layer_flops_per_token(self) -> float:
-        h = self.hidden
-        return 8.0 * h * h + 4.0 * h * self.ffn + 4.0 * self.seq * h
+        """Executed FLOPs including recomputation: the count the step log uses too
+        (metrics.training_flops_per_iteration; equals metrics.hardware_flops_per_iteration at f = 4h)."""
+        return metrics.training_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab,
+                                                    ffn_hidden=self.ffn, recompute=recompute)
 
     def __str__(self) -> str:
         tag = f"{self.name} " if self.name else ""

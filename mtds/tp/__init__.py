@@ -8,7 +8,7 @@ from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_para
                        scatter_to_tensor_parallel_region)
 from .sequence_grads import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
                              shared_by_sequence_shards)
-from .random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed
+from .random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed, seed_parallel_streams
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallel_lm_logits",
@@ -17,5 +17,6 @@ __all__ = [
     "allreduce_sequence_parallel_grads",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "gather_from_sequence_parallel_region", "scatter_to_sequence_parallel_region", "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "checkpoint",
+    "gather_from_sequence_parallel_region", "scatter_to_sequence_parallel_region",
+    "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "seed_parallel_streams", "checkpoint",
 ]

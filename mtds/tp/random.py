@@ -1,9 +1,11 @@
 """Random-number streams for tensor parallelism, and recomputation that replays them.
 
 Dropout on a *replicated* activation (after a row-parallel all-reduce) must drop the same elements
-on every TP rank, so it uses the default generator, seeded identically on all TP ranks. Dropout on a
-*sharded* activation (attention probabilities of this rank's heads) must differ between ranks, so it
-runs inside ``tracker.fork()``, which swaps in a generator seeded with ``seed + offset + tp_rank``.
+on every TP rank, so it uses the default generator, seeded identically on all TP ranks of a pipeline
+stage. Dropout on a *sharded* activation (attention probabilities of this rank's heads, sequence
+slices) must differ between ranks, so it runs inside ``tracker.fork()``, which swaps in a generator
+seeded with ``seed + 100 * pp_rank + 2718 + tp_rank``. Each pipeline stage has its own seed
+(``seed + 100 * pp_rank``), so stages never replay one another's masks.
 
 The tracker is an object handed to the model, not a module global; :func:`checkpoint` captures its
 states at forward time and restores them for the recomputation, so replayed dropout masks match.
@@ -19,6 +21,8 @@ import torch.utils.checkpoint
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Megatron's offset between the data-parallel seed and the tensor-parallel stream.
 TP_SEED_OFFSET = 2718
+# Megatron's offset between pipeline stages' seeds.
+PP_SEED_OFFSET = 100
 
 
 def _device_type(device: torch.device | str | None) -> str:
@@ -74,16 +78,26 @@ class RNGTracker:
             set_rng_state(outside, self.device_type)
 
 
-def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None) -> RNGTracker:
-    """Seed the default generator with ``seed`` (same on all TP ranks) and return a tracker whose
-    model-parallel stream is seeded with ``seed + 2718 + tp_rank`` (distinct per TP rank)."""
+def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None,
+                        pp_rank: int = 0) -> RNGTracker:
+    """Seed the default generator with ``seed + 100 * pp_rank`` (same on all TP ranks of a stage, so
+    replicated regions drop alike; different per pipeline stage, so stages do not replay each other's
+    masks) and return a tracker whose model-parallel stream is seeded with that + 2718 + ``tp_rank``
+    (distinct per TP rank and per stage). Megatron's offsets (``_set_random_seed``,
+    ``model_parallel_cuda_manual_seed``)."""
     device_type = _device_type(device)
-    torch.manual_seed(seed)
+    stage_seed = seed + PP_SEED_OFFSET * pp_rank
+    torch.manual_seed(stage_seed)
     if device_type == "cuda":
-        torch.cuda.manual_seed(seed)
+        torch.cuda.manual_seed(stage_seed)
     tracker = RNGTracker(device)
-    tracker.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
+    tracker.add(MODEL_PARALLEL_RNG, stage_seed + TP_SEED_OFFSET + tp_rank)
     return tracker
+
+
+def seed_parallel_streams(seed: int, groups, device: torch.device | str | None = None) -> RNGTracker:
+    """:func:`model_parallel_seed` for this rank's place in ``groups`` (a ``ParallelGroups``)."""
+    return model_parallel_seed(seed, groups.tp_rank, device, pp_rank=groups.pp_rank)
 
 
 def checkpoint(function: Callable[..., Any], tracker: RNGTracker | None, *args: Any) -> Any:

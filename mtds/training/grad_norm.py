@@ -56,9 +56,22 @@ def _device(parameters) -> torch.device:
 
 
 def install_fp32_clipping(engine, groups: ParallelGroups) -> None:
-    """Replace the engine's fp32/no-ZeRO clipping with :func:`clip_grad_norm` and record the norm."""
+    """Replace the engine's fp32/no-ZeRO clipping with :func:`clip_grad_norm` and record the norm.
+
+    Without clipping DeepSpeed computes no norm on this path at all; then measure it just before the
+    optimizer step (gradients are reduced over data parallelism by then), so every step reports one.
+    """
 
     def clip_fp32_gradients():
         engine._global_grad_norm = clip_grad_norm(engine.module.parameters(), engine.gradient_clipping(), groups)
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+    if engine.gradient_clipping() > 0:
+        return
+    take_model_step = engine._take_model_step
+
+    def measured_model_step(*args, **kwargs):
+        engine._global_grad_norm = global_grad_norm(engine.module.parameters(), groups)
+        return take_model_step(*args, **kwargs)
+
+    engine._take_model_step = measured_model_step

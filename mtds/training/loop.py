@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mtds.comm_trace import CommTracer
+from mtds.comm_trace import CommTracer, label_deepspeed_groups
 from mtds.config import ModelConfig, resolve_model_config
 from mtds.layout import ParallelGroups, ParallelLayout
-from mtds.metrics import hardware_flops_per_iteration, model_flops_per_iteration, peak_tflops
+from mtds.metrics import model_config_flops, peak_tflops
 from mtds.pipe import build_model
 from mtds.safety.heartbeat import Heartbeat
 from mtds.safety.numerics import check_finite
 from mtds.safety.signals import StopRequest
 from mtds.safety.startup import BuildLockWatchdog, rendezvous_error
-from mtds.tp import model_parallel_seed
+from mtds.tp import seed_parallel_streams
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -146,9 +146,9 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
             raise ValueError(problem)
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:
-        for name in ("tp", "dp", "pp"):
+        for name in ("tp", "dp", "pp", "mp"):
             tracer.name_group(getattr(groups, f"{name}_group"), name)
-    tracker = model_parallel_seed(cfg.seed, groups.tp_rank, device)
+    tracker = seed_parallel_streams(cfg.seed, groups, device)   # per stage, per TP rank (sharded regions)
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
@@ -193,6 +193,8 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         install_fp32_clipping(engine, groups)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
+    if tracer is not None:
+        label_deepspeed_groups(tracer, engine)   # the pipeline engine's own grid groups, tied weights
     for callback in cfg.on_engine_ready:
         callback(engine, groups)
 
@@ -211,11 +213,9 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
 
     result = RunResult(layout=str(layout), final_step=start_step)
     tokens_per_step = batch.global_batch * cfg.seq_length
-    flops_model = model_flops_per_iteration(batch.global_batch, cfg.seq_length, model_cfg.num_layers,
-                                            model_cfg.hidden_size, model_cfg.vocab_size)
-    flops_hw = hardware_flops_per_iteration(batch.global_batch, cfg.seq_length, model_cfg.num_layers,
-                                            model_cfg.hidden_size, model_cfg.vocab_size,
-                                            recompute=cfg.recompute)
+    # FLOPs from the architecture (FFN width, SwiGLU, GQA): the planner's count, one function
+    flops_model = model_config_flops(model_cfg, batch.global_batch, cfg.seq_length)
+    flops_hw = model_config_flops(model_cfg, batch.global_batch, cfg.seq_length, recompute=cfg.recompute)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = peak_tflops(device_name, precision(ds_config)) if device_name else None
 
