@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mtds.testing import spawn
-from tests.training_helpers import TINY, hf_reference_losses, max_rel_diff, run_layouts, train_config
+from tests.training_helpers import TINY, hf_reference, max_rel_diff, run_layouts, train_config
 
 S, B, H, A, T = 32, 2, 64, 4, 2      # sequence, micro-batch, hidden, heads, tensor-parallel size
 
@@ -78,8 +78,10 @@ def test_selective_recompute_is_exact_with_dropout_and_matches_hf_without():
     pipe_none, pipe_selective, plain_none, plain_selective, no_dropout = run_layouts(4, configs)[0]
     assert pipe_selective.losses == pipe_none.losses, "(2,2,1) sp: selective recompute changed the losses"
     assert plain_selective.losses == plain_none.losses, "(2,1,2) sp: selective recompute changed the losses"
-    reference = hf_reference_losses(steps=STEPS)
+    ref = hf_reference(steps=STEPS)
+    reference = ref.losses
     assert max_rel_diff(no_dropout.losses, reference) < 1e-5, (no_dropout.losses, reference)
+    assert max_rel_diff(no_dropout.grad_norms, ref.grad_norms) < 1e-5, (no_dropout.grad_norms, ref.grad_norms)
     # dropout was really on
     assert max_rel_diff(pipe_none.losses, reference) > 1e-4
 
