@@ -83,7 +83,8 @@ def cmd_run(args) -> int:
         raise ValueError("nothing to run: give the script after --, e.g. `-- train.py --tp 2`")
     with Cluster(_spec(args)) as cluster:
         runs = launch(cluster, script, out_dir=args.out, module=args.module, timeout=args.timeout,
-                      env={"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
+                      env={"PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, [
+                          os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))})
         stats = cluster.link_stats()
     for i, st in enumerate(stats):
         print(f"[cluster] node {i} link: sent {st['tx_bytes']:,} B, received {st['rx_bytes']:,} B")
