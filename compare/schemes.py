@@ -49,7 +49,7 @@ class Scheme:
 
     def data_parallel(self, world: int) -> int:
         if world % (self.tp * self.pp):
-            raise ValueError(f"{self.name}: --nproc {world} is not divisible by tp x pp = {self.tp * self.pp}")
+            raise ValueError(f"{self.name}: {world} ranks (--nproc, --gpus or nodes x ranks per node) are not divisible by tp x pp = {self.tp * self.pp}")
         return world // (self.tp * self.pp)
 
 
