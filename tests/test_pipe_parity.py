@@ -1,8 +1,9 @@
-"""mtds's own pipeline schedules on DeepSpeed's engine (``mtds.pipe.engine``) against the single-process
+"""The pipeline schedules beyond DeepSpeed's 1F1B -- interleaved 1F1B on mtds's engine
+(``mtds.pipe.engine``) and DualPipeV on DeepSpeed's DualPipeVEngine -- against the single-process
 HuggingFace reference: losses and pre-clip gradient norms within 1e-5 relative over 10 clipped fp32 steps,
 ZeRO-0 and ZeRO-1, and the norms also within 1e-5 of DeepSpeed's own 1F1B at the same layout; recompute
-with dropout and bf16 against 1F1B at the same layout; the p2p counted by the collective tracer
-against the schedule's formula (with scatter/gather)."""
+with dropout exact, bf16 against 1F1B bf16; the p2p counted by the collective tracer against the
+schedule's formula (with scatter/gather)."""
 import functools
 from dataclasses import replace
 
@@ -38,6 +39,10 @@ def check_parity(result, what, base, cfg=TINY):
     assert diff < REL_TOL, f"{what}: grad norms max rel diff {diff:.2e}\n{result.grad_norms}\n{norms}"
 
 
+def dualpipev(tp, pp, zero=1, **kwargs):
+    return train_config(tp=tp, pp=pp, pipeline_schedule="dualpipev", deepspeed_config=ds_config(zero=zero), **kwargs)
+
+
 def p2p_per_step(rank, p, v, m):
     """Messages one pipeline rank sends per step: m activations per chunk that is not the last virtual
     stage, m input gradients per chunk that is not the first."""
@@ -45,16 +50,18 @@ def p2p_per_step(rank, p, v, m):
     return m * (sum(s != p * v - 1 for s in stages) + sum(s != 0 for s in stages))
 
 
-def test_interleaved_two_stages_zero0_zero1_recompute_bf16():
+def test_two_stages_interleaved_and_dualpipev():
     dropout = dict(model=DROPOUT, steps=SHORT)
     bf16 = dict(deepspeed_config=ds_config(zero=1, precision="bf16"), steps=SHORT)
     configs = [interleaved(1, 2, zero=0), interleaved(1, 2, zero=1), train_config(pp=2),
                interleaved(1, 2, recompute="full", **dropout), interleaved(1, 2, recompute="none", **dropout),
-               interleaved(1, 2, **bf16), train_config(pp=2, **bf16)]
+               interleaved(1, 2, **bf16), train_config(pp=2, **bf16), dualpipev(1, 2, zero=0), dualpipev(1, 2, zero=1)]
     per_rank = run_layouts(2, configs)
-    zero0, zero1, base, recompute, no_recompute, ilv_bf16, base_bf16 = per_rank[-1]   # last stage reports
+    zero0, zero1, base, recompute, no_recompute, ilv_bf16, base_bf16, dpv0, dpv1 = per_rank[-1]   # last stage reports
     check_parity(zero0, "(1,2,1) v=2 ZeRO-0", base)
     check_parity(zero1, "(1,2,1) v=2 ZeRO-1", base)
+    check_parity(dpv0, "(1,2,1) dualpipev ZeRO-0", base)
+    check_parity(dpv1, "(1,2,1) dualpipev ZeRO-1", base)
     # Recomputation replays each chunk's dropout masks: bit-identical to storing the activations. (Not
     # to 1F1B with dropout: a rank draws its masks from its generator in execution order, and the
     # interleaved order differs.)
@@ -70,16 +77,17 @@ def test_interleaved_two_stages_zero0_zero1_recompute_bf16():
         assert sends["bytes"] == sends["calls"] * 2 * 32 * 64 * 4
 
 
-def test_interleaved_four_ranks():
+def test_four_ranks_interleaved_and_dualpipev():
     configs = [interleaved(1, 4, zero=1, model=TINY8), train_config(pp=4, model=TINY8),
                interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
-               interleaved(2, 2, zero=1, sequence_parallel=True)]
+               interleaved(2, 2, zero=1, sequence_parallel=True), dualpipev(2, 2)]
     per_rank = run_layouts(4, configs)
-    deep, deep_base, tp0, tp1, tp_base, sp = per_rank[-1]
+    deep, deep_base, tp0, tp1, tp_base, sp, dpv = per_rank[-1]
     check_parity(deep, "(1,4,1) v=2 8 layers ZeRO-1", deep_base, TINY8)
     check_parity(tp0, "(2,2,1) v=2 ZeRO-0", tp_base)
     check_parity(tp1, "(2,2,1) v=2 ZeRO-1", tp_base)
     check_parity(sp, "(2,2,1) v=2 ZeRO-1 sequence parallel", tp_base)
+    check_parity(dpv, "(2,2,1) dualpipev ZeRO-1 (no scatter/gather: DeepSpeed refuses it)", tp_base)
     # scatter/gather: each TP rank sends 1/t of the boundary (b·s·h/t values) and all-gathers on receipt
     for rank, results in enumerate(per_rank):
         stage = rank // 2
@@ -106,6 +114,8 @@ def test_schedule_choice_is_checked_before_any_process_starts():
         train_config(pp=2, pipeline_schedule="gpipe")
     with pytest.raises(ValueError, match="micro-batches"):
         check_schedule("interleaved", pp=4, virtual_stages=2, micro_batches=2)
+    with pytest.raises(ValueError, match="at least 2 x pp = 4 micro-batches"):
+        check_schedule("dualpipev", pp=2, virtual_stages=1, micro_batches=3)
     check_schedule("interleaved", pp=2, virtual_stages=2, micro_batches=4)
     assert deepspeed_version_problem("0.19.8") is None
     assert "outside the range" in deepspeed_version_problem("0.20.1")

@@ -23,16 +23,22 @@ def _recompute(tracker: RNGTracker, function, *args):
 
 def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                           recompute_interval: int = 0, recompute_attention: bool = False,
-                          sequence_parallel: bool = False, virtual_stages: int | None = None):
+                          sequence_parallel: bool = False, virtual_stages: int | None = None,
+                          dualpipev: bool = False):
     """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
-    (that many chunks per rank, for the schedules mtds's own engine runs)."""
+    (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
+    DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
+    rank 0, which holds both ends)."""
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
     from .chunked import ChunkedPipelineModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \
         (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
+    if dualpipev:
+        cls, extra = DualPipeVModule, {}
     return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
                           partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
                           activation_checkpoint_func=partial(_recompute, rng_tracker),
@@ -82,7 +88,8 @@ class SequentialGPT(nn.Module):
 
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                 recompute_interval: int = 0, recompute_attention: bool = False,
-                sequence_parallel: bool = False, virtual_stages: int | None = None) -> nn.Module:
+                sequence_parallel: bool = False, virtual_stages: int | None = None,
+                dualpipev: bool = False) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
@@ -97,7 +104,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel)
     if groups.layout.pp > 1:
-        return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, **common)
+        return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev, **common)
     return SequentialGPT(cfg, groups, **common)
 
 

@@ -1,14 +1,16 @@
-"""Which pipeline schedule runs a step, checked up front, and the engine that runs it.
+"""Which pipeline schedule runs a step, checked up front.
 
-``1f1b`` is DeepSpeed's own ``PipelineEngine``, untouched. The other schedules run on mtds's
-``ScheduledPipelineEngine`` (``mtds.pipe.engine``), which builds on private internals of DeepSpeed's
-pipeline engine: they are supported for the DeepSpeed versions in ``DEEPSPEED_RANGE`` only.
+``1f1b`` is DeepSpeed's own ``PipelineEngine``, untouched; ``dualpipev`` DeepSpeed's own
+``DualPipeVEngine`` (0.19.8+) on mtds's model. ``interleaved`` (and ``zb-h1`` once it is selectable)
+run on mtds's ``ScheduledPipelineEngine`` (``mtds.pipe.engine``), which builds on private internals of
+DeepSpeed's pipeline engine. Both non-1f1b paths are supported for ``DEEPSPEED_RANGE`` only.
 """
 from __future__ import annotations
 
 from .schedules import check_microbatches
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved")   # what train.py can run (each proven against HF in tests)
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "dualpipev")   # what train.py runs (each proven against HF in tests)
+OWN_ENGINE = ("interleaved", "zb-h1")          # run by mtds.pipe.engine; dualpipev is DeepSpeed's DualPipeVEngine
 DEEPSPEED_RANGE = ((0, 19, 8), (0, 20, 0))     # [low, high): the engine internals these schedules rely on
 
 
@@ -23,6 +25,14 @@ def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: in
         return
     if pp < 2:
         raise ValueError(f"--pipeline-schedule {name} needs a pipeline: set --pp >= 2")
+    if name == "dualpipev":
+        if virtual_stages != 1:
+            raise ValueError("--pipeline-schedule dualpipev places two chunks per rank itself: leave "
+                             "--virtual-stages at 1")
+        if micro_batches is not None and micro_batches < 2 * pp:
+            raise ValueError(f"dualpipev needs at least 2 x pp = {2 * pp} micro-batches per step, got "
+                             f"{micro_batches}: raise train_batch_size / (micro batch x data parallel)")
+        return
     if micro_batches is not None:
         check_microbatches(name, pp, virtual_stages, micro_batches)
 

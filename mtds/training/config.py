@@ -13,7 +13,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False             # split activations along the sequence over the TP group
-    pipeline_schedule: str = "1f1b"             # 1f1b (DeepSpeed's engine) | interleaved (mtds.pipe.engine)
+    pipeline_schedule: str = "1f1b"             # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
     virtual_stages: int = 1                     # model chunks per pipeline rank (interleaved: >= 2)
     # data
     data: str | None = None                     # None: the shipped corpus

@@ -83,7 +83,8 @@ def _build_data(cfg: TrainConfig, model_cfg: ModelConfig, batch: BatchPlan, grou
     logger.info(f"data: {len(train_ds)} training samples of {cfg.seq_length + 1} tokens"
                 + (f", {len(eval_ds)} held out" if eval_ds is not None else ""))
     needs = dict(need_inputs=groups.is_first_stage or groups.layout.pp == 1,
-                 need_labels=groups.is_last_stage or groups.layout.pp == 1)
+                 need_labels=groups.is_last_stage or groups.layout.pp == 1
+                 or (groups.is_first_stage and cfg.pipeline_schedule == "dualpipev"))   # V: loss on rank 0
     stream = MicroBatchStream(train_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
                               dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, **needs)
 
@@ -121,8 +122,10 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
     heartbeat.start()
     world = dist.get_world_size()
 
-    layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp, vp=cfg.virtual_stages)
-    own_schedule = cfg.pipeline_schedule != "1f1b"    # mtds's ScheduledPipelineEngine, not DeepSpeed's
+    from mtds.pipe.select import OWN_ENGINE
+    dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
+    own_schedule = cfg.pipeline_schedule in OWN_ENGINE  # mtds's ScheduledPipelineEngine
+    layout = ParallelLayout.for_world(world, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages)
     model_cfg = resolve_model_config(cfg.model, **cfg.model_overrides)
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
                        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
@@ -137,7 +140,13 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         # replicated across TP ranks. Sequence-parallel activations are already one slice per rank.
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
-    if own_schedule:
+    if dualpipev and layout.tp > 1:
+        logger_line = "dualpipev: DeepSpeed's DualPipeVEngine refuses scatter/gather; stage outputs go whole"
+        if dist.get_rank() == 0:
+            print(logger_line, flush=True)
+        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                 "grad_partitioned": False}
+    if own_schedule or dualpipev:
         from mtds.pipe.select import check_schedule, deepspeed_version_problem
         check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
                        micro_batches=batch.accumulation)
@@ -165,7 +174,7 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
     model = build_model(model_cfg, groups, seed=cfg.seed, rng_tracker=tracker, sequence_parallel=cfg.sequence_parallel,
                         recompute_interval=cfg.activation_checkpointing,
                         recompute_attention=cfg.recompute == "selective",
-                        virtual_stages=cfg.virtual_stages if own_schedule else None)
+                        virtual_stages=cfg.virtual_stages if own_schedule else None, dualpipev=dualpipev)
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
         load_hf_into_stages(model, cfg.init_from_hf, model_cfg, groups)
