@@ -5,6 +5,9 @@ ZeRO-0 and ZeRO-1, and the norms also within 1e-5 of DeepSpeed's own 1F1B at the
 with dropout exact, bf16 against 1F1B bf16; the p2p counted by the collective tracer against the
 schedule's formula (with scatter/gather)."""
 import functools
+import json
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -50,14 +53,32 @@ def p2p_per_step(rank, p, v, m):
     return m * (sum(s != p * v - 1 for s in stages) + sum(s != 0 for s in stages))
 
 
-def test_two_stages_interleaved_and_dualpipev():
+TIMELINE_SCHEDULES = ("dualpipev", "1f1b", "interleaved")
+
+
+@functools.lru_cache(maxsize=1)
+def two_stage_runs():
+    """One 2-rank launch for every (1,2,1) case: parity runs, then 2-step --timeline runs."""
     dropout = dict(model=DROPOUT, steps=SHORT)
     bf16 = dict(deepspeed_config=ds_config(zero=1, precision="bf16"), steps=SHORT)
-    configs = [interleaved(1, 2, zero=0), interleaved(1, 2, zero=1), train_config(pp=2),
+    out = tempfile.mkdtemp(prefix="mtds-timeline-")
+    timelines = [train_config(pp=2, pipeline_schedule=name, virtual_stages=2 if name == "interleaved" else 1,
+                              steps=2, timeline=os.path.join(out, f"{name}.json"),
+                              log_jsonl=os.path.join(out, f"{name}.jsonl")) for name in TIMELINE_SCHEDULES]
+    # DualPipeV first: its batched p2p refuses the collective tracer's wrappers, which stay installed in a
+    # process once a traced run has put them there.
+    configs = [dualpipev(1, 2, zero=0), dualpipev(1, 2, zero=1), timelines.pop(0),
+               interleaved(1, 2, zero=0), interleaved(1, 2, zero=1), train_config(pp=2),
                interleaved(1, 2, recompute="full", **dropout), interleaved(1, 2, recompute="none", **dropout),
-               interleaved(1, 2, **bf16), train_config(pp=2, **bf16), dualpipev(1, 2, zero=0), dualpipev(1, 2, zero=1)]
-    per_rank = run_layouts(2, configs)
-    zero0, zero1, base, recompute, no_recompute, ilv_bf16, base_bf16, dpv0, dpv1 = per_rank[-1]   # last stage reports
+               interleaved(1, 2, **bf16), train_config(pp=2, **bf16)]
+    return run_layouts(2, configs + timelines), out
+
+
+def test_two_stages_interleaved_and_dualpipev():
+    per_rank, _ = two_stage_runs()
+    per_rank = [results[3:-2] for results in per_rank]     # without the dualpipev and timeline runs
+    dpv0, dpv1, _ = two_stage_runs()[0][-1][:3]
+    zero0, zero1, base, recompute, no_recompute, ilv_bf16, base_bf16 = per_rank[-1]   # last stage reports
     check_parity(zero0, "(1,2,1) v=2 ZeRO-0", base)
     check_parity(zero1, "(1,2,1) v=2 ZeRO-1", base)
     check_parity(dpv0, "(1,2,1) dualpipev ZeRO-0", base)
@@ -77,12 +98,38 @@ def test_two_stages_interleaved_and_dualpipev():
         assert sends["bytes"] == sends["calls"] * 2 * 32 * 64 * 4
 
 
+def test_timeline_of_every_schedule():
+    """--timeline: a Chrome trace with an F and a B of every micro-batch on both ranks (each chunk of
+    the interleaved schedule, each DualPipeV phase), a PNG, and the measured bubble in the JSONL."""
+    _, out = two_stage_runs()
+    for name in TIMELINE_SCHEDULES:
+        with open(os.path.join(out, f"{name}.json")) as f:
+            trace = json.load(f)["traceEvents"]
+        chunks = 2 if name != "1f1b" else 1
+        for rank in (0, 1):
+            for kind in ("F", "B"):
+                seen = sorted((e["args"].get("chunk", 0), e["args"]["micro"]) for e in trace
+                              if e["ph"] == "X" and e["pid"] == rank and e["cat"] == kind)
+                assert seen == [(c, i) for c in range(chunks) for i in range(4)], (name, rank, kind, seen)
+            assert any(e["ph"] == "X" and e["pid"] == rank and e["cat"] == "step" for e in trace), (name, rank)
+        with open(os.path.join(out, f"{name}.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        records = [json.loads(line) for line in open(os.path.join(out, f"{name}.jsonl"))]
+        train = [r for r in records if r["kind"] == "train"]
+        assert len(train) == 2, (name, records)
+        for r in train:
+            assert len(r["bubble_per_stage"]) == 2 and r["bubble"] == max(r["bubble_per_stage"])
+            assert all(0 < b < 1 for b in r["bubble_per_stage"]), (name, r)
+
+
 def test_four_ranks_interleaved_and_dualpipev():
-    configs = [interleaved(1, 4, zero=1, model=TINY8), train_config(pp=4, model=TINY8),
+    configs = [dualpipev(2, 2), interleaved(1, 4, zero=1, model=TINY8), train_config(pp=4, model=TINY8),
                interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
-               interleaved(2, 2, zero=1, sequence_parallel=True), dualpipev(2, 2)]
-    per_rank = run_layouts(4, configs)
-    deep, deep_base, tp0, tp1, tp_base, sp, dpv = per_rank[-1]
+               interleaved(2, 2, zero=1, sequence_parallel=True)]
+    everything = run_layouts(4, configs)
+    dpv = everything[-1][0]
+    per_rank = [results[1:] for results in everything]
+    deep, deep_base, tp0, tp1, tp_base, sp = per_rank[-1]
     check_parity(deep, "(1,4,1) v=2 8 layers ZeRO-1", deep_base, TINY8)
     check_parity(tp0, "(2,2,1) v=2 ZeRO-0", tp_base)
     check_parity(tp1, "(2,2,1) v=2 ZeRO-1", tp_base)

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per step (and per evaluation)")
     g.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars")
     g.add_argument("--plot", metavar="PNG", help="write loss / learning-rate / throughput curves here at the end")
+    g.add_argument("--timeline", metavar="JSON",
+                   help="pipeline timeline: measured bubble per stage in every step's log; the last step as a "
+                        "Chrome trace (open in Perfetto) here and a Gantt chart PNG next to it")
     g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps verify TP-replicated and tied weights are identical [off]")
@@ -125,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         activation_checkpointing=args.activation_checkpointing, recompute=args.recompute,
         init_from_hf=args.init_from_hf, save=args.save, save_interval=args.save_interval, keep_last=args.keep_last,
         load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
-        plot=args.plot,
+        plot=args.plot, timeline=args.timeline,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
         dist_timeout_s=args.dist_timeout, on_nan=args.on_nan, save_on_signal=args.save_on_signal,
         build_lock_timeout_s=args.build_lock_timeout, heartbeat_timeout_s=args.heartbeat_timeout)

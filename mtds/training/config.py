@@ -42,6 +42,7 @@ class TrainConfig:
     load: str | None = None
     log_jsonl: str | None = None
     tensorboard: str | None = None
+    timeline: str | None = None                 # Chrome trace JSON (+ .png Gantt) of the last step; bubble per step
     plot: str | None = None                     # PNG of loss / lr / throughput at the end
     progress: bool | None = None                # None: a bar when stdout is a TTY
     check_replicas_interval: int = 0            # verify TP-replicated/tied weights agree every N steps

@@ -114,7 +114,9 @@ def run(cfg: TrainConfig) -> RunResult:
 
 def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heartbeat: Heartbeat) -> RunResult:
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
-    tracer = CommTracer().install() if cfg.trace_comm else None
+    # DeepSpeed's DualPipeV batches its p2p as torch P2POps, which refuse the tracer's wrapped isend/irecv:
+    # no tracer there (in a process where none was installed before).
+    tracer = CommTracer().install() if cfg.trace_comm and cfg.pipeline_schedule != "dualpipev" else None
     try:
         device, backend = init_distributed(cfg.dist_timeout_s)
     except RuntimeError as err:     # torch's DistStoreError and timeouts while the ranks gather
@@ -240,9 +242,15 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         ckpt.save(engine, cfg.save, step, {"data": stream.state_dict()}, groups, model_cfg=model_cfg,
                   tokenizer=cfg.tokenizer, rng_tracker=tracker, keep_last=cfg.keep_last)
 
+    timeline = None
+    if cfg.timeline and layout.pp > 1:
+        from mtds.pipe.instrument import StepTimeline
+        timeline = StepTimeline(engine, groups, cfg.timeline)
     for step in range(start_step + 1, cfg.steps + 1):
         if tracer is not None:
             tracer.reset()
+        if timeline is not None:
+            timeline.begin()
         skipped_before, lr = engine.skipped_steps, engine.get_lr()[0]
         start = time.perf_counter()
         loss = train_step(engine, stream, groups, batch.accumulation, device)
@@ -260,6 +268,7 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
             "peak_mem_gib": _peak_memory_gib(device), "step_time_s": elapsed,
             "comm_bytes": tracer.total_bytes() if tracer is not None else None,
             "consumed_samples": stream.consumed_samples,
+            **(timeline.end() if timeline is not None else {}),
         }
         logger.log(record)
         result.losses.append(loss)
@@ -293,6 +302,8 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
             evaluate(cfg.steps)
         if cfg.save and not (cfg.save_interval and cfg.steps % cfg.save_interval == 0):
             save(cfg.steps)
+    if timeline is not None:
+        timeline.write(title=f"{layout} {cfg.pipeline_schedule}, step {result.final_step}")
     logger.close(plot_path=cfg.plot, title=f"{layout} {precision(ds_config)} ZeRO-{zero_stage(ds_config)}")
     if tracer is not None:
         tracer.uninstall()
