@@ -31,6 +31,9 @@ class CheckpointMeta:
     precision: str = "fp32"
     tokenizer: str | None = None
     weights_only: bool = False       # hf-to-mtds output: module weights, no optimizer/data state
+    # parameter order of the pipeline module ("" DeepSpeed's PipelineModule / plain; "chunks2" mtds's
+    # ChunkedPipelineModule; "dualpipev"): rank files written in another order need resharding by name
+    module_order: str = ""
     pipeline: bool = False           # per-layer files (PipelineModule) vs mp_rank files (SequentialGPT)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)

@@ -121,7 +121,7 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
             meta = None if model_cfg is None else CheckpointMeta(
                 model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp, step=step,
                 zero_stage=_zero_stage(engine), precision=_precision(engine), tokenizer=_default_tokenizer(tokenizer),
-                pipeline=layout.pp > 1)
+                pipeline=layout.pp > 1, module_order=_module_order(engine))
             commit(directory, tag, staging_dir, Marker(step=step, world_size=world), meta)
             if keep_last:
                 prune(directory, keep_last)
@@ -170,9 +170,20 @@ def _check_model(meta: CheckpointMeta, model_cfg: ModelConfig | None, directory:
         raise CheckpointError(f"checkpoint {directory!r} is of a different model: {_one_line(err)}") from None
 
 
+def _module_order(engine) -> str:
+    """How the pipeline module orders its parameters (rank files are positional): see CheckpointMeta."""
+    module = engine.module
+    if hasattr(module, "phase_bounds"):
+        return "dualpipev"
+    chunks = getattr(module, "num_chunks", None)
+    return "" if chunks is None else f"chunks{chunks}"
+
+
 def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool:
     layout = groups.layout
     if (meta.tp, meta.pp) != (layout.tp, layout.pp) or meta.zero_stage != _zero_stage(engine):
+        return True
+    if meta.module_order != _module_order(engine):     # another schedule / v: same weights, other order
         return True
     # ZeRO-1/2 partition the optimizer state over d: another d needs re-partitioning.
     return meta.zero_stage > 0 and meta.dp != layout.dp
