@@ -103,14 +103,22 @@ def test_planner_recommends_only_what_train_py_runs(monkeypatch):
     res = plan(GPT3, work, cluster)
     assert res.feasible and all(not pr.not_runnable for pr in res.feasible)
     assert all(runnable.TRAIN_PY_RUNS["pipeline_schedule"][pr.layout.pipeline_schedule] for pr in res.feasible)
+    assert res.best.layout.pipeline_schedule == "interleaved"
     everything = plan(GPT3, work, cluster, runnable_only=False)
     flagged = [pr for pr in everything.feasible if pr.not_runnable]
     assert flagged and len(everything.feasible) > len(res.feasible)
-    assert everything.best.step_time_s < res.best.step_time_s   # the flagged ones are why it is faster
-    # flipping one flag in mtds/plan/runnable.py makes the planner recommend the schedule
-    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "interleaved", True)
+    assert {pr.layout.pipeline_schedule for pr in flagged} == {"zb-h1"}
+    # clearing one flag in mtds/plan/runnable.py takes the schedule out of the recommendations
+    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "interleaved", False)
     now = plan(GPT3, work, cluster)
-    assert now.best.layout.pipeline_schedule == "interleaved" and not now.best.not_runnable
+    assert now.best.layout.pipeline_schedule != "interleaved" and not now.best.not_runnable
+    assert now.best.step_time_s > res.best.step_time_s
+
+
+def test_runnable_schedules_are_the_ones_train_py_accepts():
+    from mtds.pipe.select import PIPELINE_SCHEDULES
+    flags = runnable.TRAIN_PY_RUNS["pipeline_schedule"]
+    assert {name for name, runs in flags.items() if runs} == set(PIPELINE_SCHEDULES)
 
 
 def test_evaluating_an_unrunnable_layout_flags_it():
@@ -146,8 +154,11 @@ def test_cli_pipeline_schedule_and_runnable_flags(capsys):
     rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--recompute", "full",
                    "--pipeline-schedule", "interleaved", "--json")
     d = json.loads(out)
-    assert rc == 0 and d["pipeline_schedule"] == "interleaved" and d["virtual_stages"] > 1
-    assert d["runnable"] is False and "interleaved" in d["not_runnable"][0]
+    assert rc == 0 and d["pipeline_schedule"] == "interleaved" and d["virtual_stages"] > 1 and d["runnable"] is True
+    rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--recompute", "full",
+                   "--pipeline-schedule", "zb-h1", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["runnable"] is False and "zb-h1" in d["not_runnable"][0]
     rc, out = _cli(capsys, *gpt3, "--json", "--top", "5")
     assert all(lay["runnable"] for lay in json.loads(out)["layouts"])
     rc, out = _cli(capsys, *gpt3, "--json", "--top", "0", "--include-unrunnable")

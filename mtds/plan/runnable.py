@@ -10,9 +10,9 @@ from __future__ import annotations
 TRAIN_PY_RUNS = {
     "pipeline_schedule": {
         "1f1b": True,          # DeepSpeed's PipelineEngine
-        "interleaved": False,  # mtds interleaved engine: set True when it lands on main
-        "zb-h1": False,        # mtds ZB-H1 engine: set True when it lands on main
-        "dualpipev": False,    # DeepSpeed's DualPipeVEngine under train.py: set True when it lands
+        "interleaved": True,   # mtds.pipe.engine.ScheduledPipelineEngine
+        "zb-h1": False,        # modelled, not selectable in train.py yet (no weight-gradient store)
+        "dualpipev": True,     # DeepSpeed's DualPipeVEngine under train.py
     },
     "recompute": {
         "none": True,
