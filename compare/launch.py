@@ -40,7 +40,9 @@ def entry_args(scheme: Scheme, *, config: str, model: str, steps: int, seq_lengt
             "--deepspeed_config", config, "--tp", str(scheme.tp), "--pp", str(scheme.pp), "--model", model,
             "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", os.path.join(out_dir, "log.jsonl"),
             "--no-progress", "--eval-split", "0", "--lr-decay", "constant",
-            *(["--sequence-parallel"] if scheme.sp else []), *extra]
+            *(["--sequence-parallel"] if scheme.sp else []),
+            *(["--pipeline-schedule", scheme.schedule, "--virtual-stages", str(scheme.v)]
+              if scheme.schedule != "1f1b" else []), *extra]
 
 
 def launch(scheme: Scheme, *, nproc: int, model: str, steps: int, seq_length: int, out_dir: str,

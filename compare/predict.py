@@ -28,7 +28,8 @@ def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, mic
     gpu = get_gpu("local", profile=profile)
     spec = resolve_model(model, seq=seq)
     layout = Layout(scheme.tp, scheme.pp, scheme.data_parallel(world), micro_batch, zero_stage=scheme.zero_stage,
-                    recompute="none", sequence_parallel=bool(scheme.sp))
+                    recompute="none", sequence_parallel=bool(scheme.sp), pipeline_schedule=scheme.schedule,
+                    virtual_stages=2 if scheme.schedule == "dualpipev" else scheme.v)
     cluster = Cluster(gpu, world, gpus_per_node=ranks_per_node,
                       inter_gbps=link_bytes_per_s / 1e9 if link_bytes_per_s else None)
     pred = predict(spec, layout, Workload(global_batch, precision="fp32"), cluster)

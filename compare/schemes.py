@@ -2,6 +2,8 @@
 
     ptdp:tp=2,pp=2            Megatron TP x DeepSpeed pipeline, ZeRO-1 (ds_configs/cpu_fp32.json)
     ptdp:tp=2,pp=2,sp=1       ... with sequence parallelism (train.py --sequence-parallel)
+    ptdp:pp=2,schedule=interleaved,v=2
+                              ... with another pipeline schedule (train.py --pipeline-schedule, --virtual-stages)
     zero3                     plain data parallelism with ZeRO-3 (ds_configs/cpu_zero3_fp32.json)
     zero1                     plain data parallelism with ZeRO-1 (ds_configs/cpu_fp32.json, tp=pp=1)
     hf-zero3                  HF transformers model under accelerate + DeepSpeed ZeRO-3 (compare.hf_entry)
@@ -29,6 +31,8 @@ class Scheme:
     pp: int = 1
     config: str = ""
     sp: int = 0         # 1: sequence parallelism over the TP group
+    schedule: str = "1f1b"   # train.py --pipeline-schedule (ptdp with pp > 1)
+    v: int = 1               # train.py --virtual-stages (interleaved)
 
     @property
     def name(self) -> str:
@@ -36,7 +40,8 @@ class Scheme:
             return self.kind
         if self.kind == "autotp":
             return f"autotp-t{self.tp}"
-        return f"ptdp-t{self.tp}p{self.pp}" + ("-sp" if self.sp else "")
+        schedule = "" if self.schedule == "1f1b" else f"-{self.schedule}" + (f"-v{self.v}" if self.v > 1 else "")
+        return f"ptdp-t{self.tp}p{self.pp}" + ("-sp" if self.sp else "") + schedule
 
     @property
     def hf(self) -> bool:
@@ -60,9 +65,15 @@ def parse_scheme(text: str) -> Scheme:
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("tp", "pp", "sp", "config"):
-            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1 or config=FILE")
-        fields[key] = value if key == "config" else int(value)
+        if not eq or key not in ("tp", "pp", "sp", "config", "schedule", "v"):
+            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, schedule=NAME, v=V "
+                             f"or config=FILE")
+        fields[key] = value if key in ("config", "schedule") else int(value)
+    if kind != "ptdp" and ("schedule" in fields or "v" in fields):
+        raise ValueError(f"{text!r}: schedule= and v= are pipeline options of ptdp schemes")
+    if "schedule" in fields or "v" in fields:
+        from mtds.pipe.select import check_schedule   # the trainer's own check, before anything launches
+        check_schedule(fields.get("schedule", "1f1b"), pp=fields.get("pp", 1), virtual_stages=fields.get("v", 1))
     if kind in DATA_PARALLEL_ONLY and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1 or fields.get("sp", 0)):
         raise ValueError(f"{kind} runs with tp=1, pp=1 (data parallelism only)")
     if kind == "autotp" and (fields.get("pp", 1) != 1 or fields.get("sp", 0)):

@@ -4,6 +4,7 @@ import json
 import os
 
 from compare.cli import main
+from compare.launch import entry_args
 from compare.schemes import parse_scheme
 
 TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 8192, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
@@ -17,7 +18,14 @@ def test_scheme_specs():
     assert (z.tp, z.pp) == (1, 1) and z.config.endswith("cpu_zero3_fp32.json") and os.path.isfile(z.config)
     sp = parse_scheme("ptdp:tp=2,sp=1")
     assert (sp.sp, sp.name) == (1, "ptdp-t2p1-sp")
-    for bad in ("zero3:tp=2", "fsdp", "ptdp:tq=2", "ptdp:tp=1,sp=1", "zero3:sp=1"):
+    il = parse_scheme("ptdp:pp=2,schedule=interleaved,v=2")
+    assert (il.schedule, il.v, il.name) == ("interleaved", 2, "ptdp-t1p2-interleaved-v2")
+    args = entry_args(il, config=il.config, model="gpt2-tiny", steps=1, seq_length=8, out_dir="o")
+    assert args[args.index("--pipeline-schedule") + 1] == "interleaved" and args[args.index("--virtual-stages") + 1] == "2"
+    assert "--pipeline-schedule" not in entry_args(s, config=s.config, model="gpt2-tiny", steps=1, seq_length=8,
+                                                   out_dir="o")
+    for bad in ("zero3:tp=2", "fsdp", "ptdp:tq=2", "ptdp:tp=1,sp=1", "zero3:sp=1", "zero3:schedule=interleaved",
+                "ptdp:pp=1,schedule=interleaved,v=2", "ptdp:pp=2,schedule=zb-h1", "ptdp:pp=2,v=2"):
         try:
             parse_scheme(bad)
         except ValueError:
