@@ -11,7 +11,9 @@ from tests.training_helpers import LR, TINY, ds_config, hf_reference_losses, max
 #   ZeRO-0 under a pipeline; DeepSpeed's ZeRO-1 optimizer likewise): losses within 3.6e-5, grad norms
 #   within 1.0e-3 at (2,2,1), (2,1,2), (1,2,2);
 # - bf16 gradient accumulation (ZeRO-0 without a pipeline): losses within 7.9e-5 of its own (1,1,1)
-#   run, but 6.5e-3 from the fp32-accumulating runs (the "drift" of this path).
+#   run, but 6.5e-3 from the fp32-accumulating runs (the "drift" of this path); grad norms within
+#   6.4e-4 at (2,1,1) once mtds marks the TP-sharded gradients (DeepSpeed's unfused optimizer alone
+#   left TP rank 1's shards out: 6.3e-2 low).
 # A learning rate 25% smaller moves the losses by 1.1e-2 to 2.2e-2: both tolerances catch it.
 BF16_TIGHT, BF16_TIGHT_NORM = 2e-4, 5e-3
 BF16_LOOSE = 1e-3
@@ -41,9 +43,8 @@ def test_bf16_layouts_match_the_bf16_single_rank_run_of_their_path():
             assert diff > tol, f"{what}: a 25% smaller LR stays within {tol} ({diff:.2e})"
             continue
         assert diff < tol, f"{what}: losses {diff:.2e} from bf16 (1,1,1)\n{result.losses}\n{base.losses}"
-        if path == "fp32-acc":
-            norm_diff = max_rel_diff(result.grad_norms, base.grad_norms)
-            assert norm_diff < BF16_TIGHT_NORM, f"{what}: grad norms {norm_diff:.2e}\n{result.grad_norms}"
+        norm_diff = max_rel_diff(result.grad_norms, base.grad_norms)
+        assert norm_diff < BF16_TIGHT_NORM, f"{what}: grad norms {norm_diff:.2e}\n{result.grad_norms}"
     # the bf16-accumulating path really is the less exact one
     assert max_rel_diff(bf16_acc.losses, fp32_acc.losses) > 10 * BF16_TIGHT
 

@@ -75,3 +75,26 @@ def install_fp32_clipping(engine, groups: ParallelGroups) -> None:
         return take_model_step(*args, **kwargs)
 
     engine._take_model_step = measured_model_step
+
+
+def mark_sharded_gradients(engine, groups: ParallelGroups) -> None:
+    """Make DeepSpeed's unfused fp16/bf16 optimizer (ZeRO-0 without a pipeline) count TP shards.
+
+    That optimizer passes ``p.grad.to(p.dtype)`` (the gradient tensor itself) to ``get_weight_norm``,
+    which keeps a tensor on TP ranks > 0 only if *it* carries ``tensor_model_parallel``. Gradients do
+    not inherit the parameter's attribute, so every shard held by TP ranks > 0 was left out: at
+    t = 2 the reported norm read up to 6% low, and clipping used it. Marking each sharded
+    parameter's gradient just before the optimizer step restores the global norm.
+    """
+    if groups.layout.tp == 1:
+        return
+    sharded = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
+    optimizer_step = engine.optimizer.step
+
+    def step(*args, **kwargs):
+        for p in sharded:
+            if p.grad is not None:
+                p.grad.tensor_model_parallel = True
+        return optimizer_step(*args, **kwargs)
+
+    engine.optimizer.step = step

@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig
 from .distributed import init_distributed
 from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, zero_stage
-from .grad_norm import install_fp32_clipping
+from .grad_norm import install_fp32_clipping, mark_sharded_gradients
 from .logger import StepLogger
 from .schedule import build_scheduler
 from .sequence_grads import defer_sequence_parallel_grads
@@ -202,6 +202,8 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
     watchdog.stop()     # JIT builds happen while DeepSpeed starts, not later
     if precision(ds_config) == "fp32" and zero_stage(ds_config) == 0:
         install_fp32_clipping(engine, groups)
+    elif precision(ds_config) != "fp32" and zero_stage(ds_config) == 0 and layout.pp == 1:
+        mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
     if tracer is not None:
