@@ -144,6 +144,32 @@ def test_four_ranks_interleaved_and_dualpipev():
         assert comm["all_gather/tp"]["calls"] == comm["recv/pp"]["calls"], (rank, comm)
 
 
+def zb_h1(tp, pp, zero=1, **kwargs):
+    return train_config(tp=tp, pp=pp, pipeline_schedule="zb-h1", deepspeed_config=ds_config(zero=zero), **kwargs)
+
+
+def test_zb_h1_four_ranks():
+    """ZB-H1 (B: input grads, W: the TP linears' deferred weight grads) vs HF, at (1,2,2) ZeRO-0/1 and
+    (2,2,1) ZeRO-1; full recompute with dropout bit-identical to storing the activations (the queued W
+    holds the recomputed forward's tensors), and both bit-identical to DeepSpeed's 1F1B (same forward
+    order per rank, so the same dropout masks)."""
+    dropout = dict(model=DROPOUT, steps=SHORT)
+    per_rank = run_layouts(4, [zb_h1(1, 2, zero=0), zb_h1(1, 2, zero=1), zb_h1(2, 2, zero=1),
+                               zb_h1(2, 2, recompute="full", **dropout), zb_h1(2, 2, recompute="none", **dropout),
+                               train_config(tp=2, pp=2, **dropout)])
+    dp0, dp1, tp1, recompute, no_recompute, base = per_rank[-1]     # last stage reports
+    ref = reference()
+    for result, what in ((dp0, "(1,2,2) ZeRO-0"), (dp1, "(1,2,2) ZeRO-1"), (tp1, "(2,2,1) ZeRO-1")):
+        diff = max_rel_diff(result.losses, ref.losses)
+        assert diff < REL_TOL, f"zb-h1 {what}: losses max rel diff {diff:.2e}\n{result.losses}\n{ref.losses}"
+        diff = max_rel_diff(result.grad_norms, ref.grad_norms)
+        assert diff < REL_TOL, f"zb-h1 {what}: grad norms max rel diff {diff:.2e}\n{result.grad_norms}\n{ref.grad_norms}"
+    assert recompute.losses == no_recompute.losses, (recompute.losses, no_recompute.losses)
+    assert recompute.grad_norms == no_recompute.grad_norms
+    assert (no_recompute.losses, no_recompute.grad_norms) == (base.losses, base.grad_norms)
+    assert max_rel_diff(recompute.losses, ref.losses[:SHORT]) > 1e-4    # dropout was on
+
+
 def test_interleaved_eight_ranks():
     per_rank = run_layouts(8, [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2)])
     *results, base = per_rank[-1]

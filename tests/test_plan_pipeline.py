@@ -125,7 +125,10 @@ def test_evaluating_an_unrunnable_layout_flags_it():
     pr = evaluate(GPT3, Workload(1536), Cluster(A100, 1536), tp=8, pp=12, microbatch=1, recompute="full",
                   pipeline_schedule="zb-h1")
     assert pr.layout.pipeline_schedule == "zb-h1" and pr.feasible
-    assert pr.not_runnable == ("train.py cannot run --pipeline-schedule zb-h1 yet",)
+    assert pr.not_runnable == ("train.py runs --pipeline-schedule zb-h1 in fp32 only, not bf16",)
+    fp32 = evaluate(GPT3, Workload(1536, precision="fp32"), Cluster(A100, 1536), tp=8, pp=12, microbatch=1,
+                    recompute="full", pipeline_schedule="zb-h1")
+    assert fp32.not_runnable == () and fp32.as_dict()["runnable"] is True
     assert pr.as_dict()["runnable"] is False
 
 
@@ -164,4 +167,4 @@ def test_cli_pipeline_schedule_and_runnable_flags(capsys):
     rc, out = _cli(capsys, *gpt3, "--json", "--top", "0", "--include-unrunnable")
     assert any(not lay["runnable"] for lay in json.loads(out)["layouts"])
     rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--pipeline-schedule", "zb-h1")
-    assert "not runnable: train.py cannot run --pipeline-schedule zb-h1 yet" in out
+    assert "not runnable: train.py runs --pipeline-schedule zb-h1 in fp32 only, not bf16" in out

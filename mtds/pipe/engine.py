@@ -22,7 +22,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .p2p import StageP2P
-from .schedules import Action, check_microbatches, schedule_actions
+from ..tp.weight_grad_store import WeightGradStore
+from .select import check_precision
+from .schedules import Action, check_microbatches, has_weight_pass, schedule_actions
 
 
 class ScheduledPipelineEngine(PipelineEngine):
@@ -52,6 +54,13 @@ class ScheduledPipelineEngine(PipelineEngine):
                             dtype=dtype, device=self.device, tp_group=groups.tp_group, tp_size=groups.layout.tp,
                             scatter_gather=scatter)
         self.timeline = None       # a mtds.pipe.timeline.TimelineRecorder, when the user asked for one
+        self.weight_grads = None   # ZB-H1: the TP linears' deferred weight gradients, run by W actions
+        if has_weight_pass(schedule):
+            check_precision(schedule, {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp16"))
+            self.weight_grads = WeightGradStore()
+            for module in self.module.modules():
+                if hasattr(module, "weight_grad_store"):
+                    module.weight_grad_store = self.weight_grads
 
     # -- DeepSpeed's notion of the stage, per chunk ------------------------------------------------------
     def _virtual_stage(self, chunk: int) -> int:
@@ -146,6 +155,9 @@ class ScheduledPipelineEngine(PipelineEngine):
             handler(action.chunk, action.micro)
         with self._span("send"):
             self.p2p.wait_sends()
+        if self.weight_grads is not None and self.weight_grads.pending():
+            # DeepSpeed's gradient reduction follows: every weight gradient must be in param.grad by then.
+            raise RuntimeError(f"{self.weight_grads.pending()} deferred weight gradients left after the schedule")
 
     # -- the three compute instructions ------------------------------------------------------------------
     def _forward(self, chunk: int, micro: int) -> None:
@@ -180,6 +192,15 @@ class ScheduledPipelineEngine(PipelineEngine):
                 self._outputs[chunk, micro] = outputs
 
     def _backward(self, chunk: int, micro: int) -> None:
+        if self.weight_grads is not None:
+            self.weight_grads.key = (chunk, micro)
+        try:
+            self._input_backward(chunk, micro)
+        finally:
+            if self.weight_grads is not None:
+                self.weight_grads.key = None
+
+    def _input_backward(self, chunk: int, micro: int) -> None:
         with self._chunk(chunk):
             first = self.is_first_stage()
             if self.is_last_stage():
@@ -209,7 +230,10 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def _weight(self, chunk: int, micro: int) -> None:
-        raise NotImplementedError("weight-gradient passes (zb-h1) are not supported by this engine yet")
+        """ZB-H1's W: the weight/bias GEMMs the TP linears queued during this micro-batch's B, in order,
+        accumulated into ``param.grad`` (fp32 only, see ``__init__``)."""
+        with self._span("W", chunk, micro):
+            self.weight_grads.run((chunk, micro))
 
 
 def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,

@@ -1,7 +1,7 @@
 """Which pipeline schedule runs a step, checked up front.
 
 ``1f1b`` is DeepSpeed's own ``PipelineEngine``, untouched; ``dualpipev`` DeepSpeed's own
-``DualPipeVEngine`` (0.19.8+) on mtds's model. ``interleaved`` (and ``zb-h1`` once it is selectable)
+``DualPipeVEngine`` (0.19.8+) on mtds's model. ``interleaved`` and ``zb-h1`` (fp32)
 run on mtds's ``ScheduledPipelineEngine`` (``mtds.pipe.engine``), which builds on private internals of
 DeepSpeed's pipeline engine. Both non-1f1b paths are supported for ``DEEPSPEED_RANGE`` only.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .schedules import check_microbatches
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "dualpipev")   # what train.py runs (each proven against HF in tests)
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")   # what train.py runs (each proven against HF in tests)
 OWN_ENGINE = ("interleaved", "zb-h1")          # run by mtds.pipe.engine; dualpipev is DeepSpeed's DualPipeVEngine
 DEEPSPEED_RANGE = ((0, 19, 8), (0, 20, 0))     # [low, high): the engine internals these schedules rely on
 
@@ -35,6 +35,14 @@ def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: in
         return
     if micro_batches is not None:
         check_microbatches(name, pp, virtual_stages, micro_batches)
+
+
+def check_precision(name: str, precision: str) -> None:
+    """ZB-H1's deferred weight gradients go straight into ``param.grad``; the BF16 optimizer and the fp16
+    loss scaler fold low-precision grads into fp32 after each backward, which W does not do yet."""
+    if name == "zb-h1" and precision != "fp32":
+        raise ValueError(f"--pipeline-schedule zb-h1 runs in fp32 only, not {precision}: use an fp32 DeepSpeed "
+                         f"config (e.g. ds_configs/cpu_fp32.json) or --pipeline-schedule 1f1b/interleaved")
 
 
 def deepspeed_version_problem(version: str) -> str | None:

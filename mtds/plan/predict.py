@@ -189,7 +189,7 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
         time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
-        not_runnable=tuple(not_runnable(layout)),
+        not_runnable=tuple(not_runnable(layout, work.precision)),
     )
 
 

@@ -11,7 +11,7 @@ TRAIN_PY_RUNS = {
     "pipeline_schedule": {
         "1f1b": True,          # DeepSpeed's PipelineEngine
         "interleaved": True,   # mtds.pipe.engine.ScheduledPipelineEngine
-        "zb-h1": False,        # modelled, not selectable in train.py yet (no weight-gradient store)
+        "zb-h1": True,         # mtds.pipe.engine with deferred TP weight gradients (fp32)
         "dualpipev": True,     # DeepSpeed's DualPipeVEngine under train.py
     },
     "recompute": {
@@ -22,12 +22,17 @@ TRAIN_PY_RUNS = {
 }
 
 
-def not_runnable(layout) -> list[str]:
-    """Why train.py cannot run ``layout`` (empty list: it can)."""
+FP32_ONLY_SCHEDULES = ("zb-h1",)   # the deferred weight gradients skip the bf16/fp16 optimizers' bookkeeping
+
+
+def not_runnable(layout, precision: str | None = None) -> list[str]:
+    """Why train.py cannot run ``layout`` (empty list: it can) at ``precision`` (None: not checked)."""
     out = []
     schedule = layout.pipeline_schedule if layout.pp > 1 else "1f1b"
     if not TRAIN_PY_RUNS["pipeline_schedule"].get(schedule, False):
         out.append(f"train.py cannot run --pipeline-schedule {schedule} yet")
+    elif schedule in FP32_ONLY_SCHEDULES and precision not in (None, "fp32"):
+        out.append(f"train.py runs --pipeline-schedule {schedule} in fp32 only, not {precision}")
     if not TRAIN_PY_RUNS["recompute"].get(layout.recompute, False):
         out.append(f"train.py cannot run {layout.recompute} recomputation yet")
     return out

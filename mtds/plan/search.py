@@ -102,7 +102,7 @@ def plan(model: ModelSpec, work: Workload, cluster: Cluster, *, max_microbatch: 
     for layout in candidate_layouts(model, work, cluster, fixed, max_microbatch):
         problems = structural_problems(model, layout, work, cluster)
         if runnable_only:
-            problems += not_runnable(layout)
+            problems += not_runnable(layout, work.precision)
         if problems:
             if keep_infeasible:
                 result.infeasible.append((layout, problems))

@@ -19,6 +19,7 @@ from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parall
                        scatter_to_tensor_parallel_region)
 from .sequence_grads import mark_sequence_parallel, shared_by_sequence_shards
 from .sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
+from .weight_grad_store import linear_with_deferred_weight_grad
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -106,12 +107,14 @@ class ColumnParallelLinear(nn.Module):
             mark_tensor_parallel(self.bias, 0, output_segments)
         else:
             self.register_parameter("bias", None)
+        self.weight_grad_store = None   # a WeightGradStore while a zero-bubble schedule defers W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel:   # weight gradients not deferred (computed in B)
             y = linear_with_sequence_parallel_input(x, self.weight, self.bias, self.group)
         else:
-            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+            y = linear_with_deferred_weight_grad(copy_to_tensor_parallel_region(x, self.group), self.weight,
+                                                 self.bias, self.weight_grad_store)
         if not self.gather_output:
             return y
         y = gather_from_tensor_parallel_region(y, self.group)
@@ -149,6 +152,7 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.weight_grad_store = None   # a WeightGradStore while a zero-bubble schedule defers W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -156,7 +160,8 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, SEQUENCE_DIM)
             return y if self.bias is None else y + shared_by_sequence_shards(self.bias, self.group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        y = linear_with_deferred_weight_grad(x, self.weight, None, self.weight_grad_store)
+        y = reduce_from_tensor_parallel_region(y, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
