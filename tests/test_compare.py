@@ -25,7 +25,7 @@ def test_scheme_specs():
     assert "--pipeline-schedule" not in entry_args(s, config=s.config, model="gpt2-tiny", steps=1, seq_length=8,
                                                    out_dir="o")
     for bad in ("zero3:tp=2", "fsdp", "ptdp:tq=2", "ptdp:tp=1,sp=1", "zero3:sp=1", "zero3:schedule=interleaved",
-                "ptdp:pp=1,schedule=interleaved,v=2", "ptdp:pp=2,schedule=zb-h1", "ptdp:pp=2,v=2"):
+                "ptdp:pp=1,schedule=interleaved,v=2", "ptdp:pp=2,schedule=zb-h1,v=2", "ptdp:pp=2,v=2"):
         try:
             parse_scheme(bad)
         except ValueError:

@@ -178,11 +178,15 @@ def test_interleaved_eight_ranks():
 
 
 def test_schedule_choice_is_checked_before_any_process_starts():
-    from mtds.pipe.select import check_schedule, deepspeed_version_problem
+    from mtds.pipe.select import check_precision, check_schedule, deepspeed_version_problem
     with pytest.raises(ValueError, match="needs a pipeline"):
         train_config(pp=1, pipeline_schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match="--virtual-stages 2 needs --pipeline-schedule interleaved"):
         train_config(pp=2, virtual_stages=2)
+    with pytest.raises(ValueError, match="zb-h1 runs one chunk per rank"):
+        train_config(pp=2, pipeline_schedule="zb-h1", virtual_stages=2)
+    with pytest.raises(ValueError, match="fp32 only, not bf16"):
+        check_precision("zb-h1", "bf16")
     with pytest.raises(ValueError, match="unknown --pipeline-schedule"):
         train_config(pp=2, pipeline_schedule="gpipe")
     with pytest.raises(ValueError, match="micro-batches"):

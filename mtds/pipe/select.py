@@ -33,6 +33,9 @@ def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: in
             raise ValueError(f"dualpipev needs at least 2 x pp = {2 * pp} micro-batches per step, got "
                              f"{micro_batches}: raise train_batch_size / (micro batch x data parallel)")
         return
+    if name == "zb-h1" and virtual_stages != 1:
+        raise ValueError(f"--pipeline-schedule zb-h1 runs one chunk per rank: leave --virtual-stages at 1 "
+                         f"(or use --pipeline-schedule interleaved for V={virtual_stages})")
     if micro_batches is not None:
         check_microbatches(name, pp, virtual_stages, micro_batches)
 
