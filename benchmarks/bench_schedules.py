@@ -47,7 +47,7 @@ def write_ds_config(path: str, m: int, micro: int) -> str:
 
 
 def launch(args, name: str, v: int, m: int, model: str, work: str) -> dict:
-    """One train.py run; returns per-step bubble records (steps 2..N) and the timeline PNG path."""
+    """One train.py run (v: chunks per rank, passed on for interleaved only); returns per-step bubble records (steps 2..N) and the timeline PNG path."""
     from mtds.testing import free_port
     case = os.path.join(work, f"{name}_m{m}")
     os.makedirs(case, exist_ok=True)
@@ -56,7 +56,7 @@ def launch(args, name: str, v: int, m: int, model: str, work: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.p),
            "--master_port", str(free_port()), os.path.join(REPO, "train.py"),
            "--deepspeed_config", config, "--pp", str(args.p), "--pipeline-schedule", name,
-           "--virtual-stages", str(v), "--model", model, "--seq-length", str(args.seq_length),
+           "--virtual-stages", str(v if name == "interleaved" else 1), "--model", model, "--seq-length", str(args.seq_length),
            "--steps", str(args.steps), "--eval-split", "0", "--lr-decay", "constant", "--no-progress",
            "--log-jsonl", jsonl, "--timeline", trace]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
