@@ -8,7 +8,7 @@ widened to --hidden, with 4p transformer blocks: 4 per rank, 2 per chunk at v = 
 train_batch_size = m x micro batch. The measured bubble is the median over steps 2..N (step 1 is warm-up)
 of the step log's per-stage idle / step time (``mtds.pipe.timeline.measured_bubble``). Theory
 (``mtds.pipe.theory``) is reported in the same unit: idle / step time = b / (1 + b), where b is the
-papers' idle / compute. zb-h1 is theory only (train.py does not run it); a case train.py refuses shows
+papers' idle / compute. A schedule train.py does not run is theory only; a case train.py refuses shows
 train.py's own check message. Writes the markdown table (stdout and OUT/measured_p{p}.md) and one
 Gantt PNG of the last step per case (OUT/measured_{schedule}_p{p}_m{m}.png); traces and logs go to --work.
 """
@@ -24,7 +24,6 @@ from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
-RUNNABLE = ("1f1b", "interleaved", "dualpipev")
 
 
 def write_model(path: str, blocks: int, hidden: int) -> str:
@@ -109,7 +108,7 @@ def main(argv=None):
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is warm-up and not measured)")
     sys.path.insert(0, REPO)
-    from mtds.pipe.select import check_schedule
+    from mtds.pipe.select import PIPELINE_SCHEDULES, check_schedule
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     model = write_model(os.path.join(args.work, "model"), args.blocks or 4 * args.p, args.hidden)
@@ -131,7 +130,7 @@ def main(argv=None):
                     continue
             t_max, t_mean, t_ratio = theory(name, p, v, m)
             cells = f"{t_max:.1%} ({t_mean:.1%}) | {t_ratio:.3f} |"
-            if name not in RUNNABLE:
+            if name not in PIPELINE_SCHEDULES:
                 rows.append(f"{lead} not runnable in train.py; theory only | | | | {cells} |")
                 print(rows[-1], flush=True)
                 continue
