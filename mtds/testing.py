@@ -60,14 +60,30 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         os._exit(code)
 
 
+PORT_ATTEMPTS = 3              # rendezvous ports tried before a port clash counts as a failure
+PORT_IN_USE = "EADDRINUSE"
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
           env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order."""
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size must be in 1..64, got {world_size}")
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _spawn_once(fn, world_size, args, timeout, env, free_port())
+        except RankFailure as failure:
+            # free_port() releases the port before rank 0 binds it; another process can take it in
+            # between. Rank 0 then fails in rendezvous, before `fn` ran anywhere: try a new port.
+            if PORT_IN_USE not in str(failure) or attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict[str, str] | None,
+                port: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout, child_env),
                          daemon=True) for r in range(world_size)]

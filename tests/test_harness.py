@@ -53,3 +53,23 @@ def test_killed_rank_is_noticed_quickly():
     with pytest.raises(RankFailure, match="rank 1 failed"):
         spawn(_die_hard, 2, timeout=50)
     assert time.monotonic() - start < 40
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
+    import socket
+
+    import mtds.testing as testing
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    try:
+        ports = iter([busy, testing.free_port()])
+        monkeypatch.setattr(testing, "free_port", lambda: next(ports))
+        assert spawn(_rank_and_world, 2) == [(0, 2), (1, 2)]
+        # a port that stays taken is a failure, named, after the last attempt
+        monkeypatch.setattr(testing, "free_port", lambda: busy)
+        with pytest.raises(RankFailure, match="EADDRINUSE"):
+            spawn(_rank_and_world, 2, timeout=60)
+    finally:
+        taken.close()
