@@ -5,13 +5,20 @@ the ``mp_rank_*`` files, not ZeRO partitions) nor load a universal checkpoint in
 Both directions go through the same per-parameter folder layout DeepSpeed uses
 (``zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt``, full logical tensors, vocab padding stripped):
 
-* ``write_universal_from_zero0``: an fp32 ZeRO-0 checkpoint -> that layout (our own converter);
+* ``write_universal_from_zero0``: an fp32 ZeRO-0 checkpoint -> that layout (our own converter). The
+  output is what DeepSpeed's ds_to_universal writes (per-parameter split keys, ``zero/optimizer_state.pt``
+  with the parameter groups, the ``mp_rank_*`` engine files beside it), so DeepSpeed's own universal
+  loader resumes it into ZeRO-1/2 engines at any layout;
 * ``load_universal_into_zero0``: that layout (ours or DeepSpeed's) -> a running fp32 ZeRO-0 engine,
   each rank slicing its shards with the split table.
+
+The Adam state of a ZeRO-0 checkpoint is keyed by position in the torch optimizer; it is matched to
+parameters by the names saved beside it (``PARAM_NAMES_KEY``), never by order.
 """
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
@@ -23,7 +30,7 @@ from .errors import CheckpointFormatError
 from .meta import CheckpointMeta
 from .names import ds_name, parse
 from .reader import layer_names
-from .spec import shard, split_of, unshard
+from .spec import Split, shard, split_of, unshard
 
 STATES = ("exp_avg", "exp_avg_sq")
 PARAM_NAMES_KEY = "mtds_param_names"   # client_state: this rank's parameter names in optimizer order
@@ -45,6 +52,21 @@ def _optimizer_states(tag_dir: str, meta: CheckpointMeta) -> dict[tuple[int, int
     return out
 
 
+def _deepspeed_keys(cfg: ModelConfig, name: str, split: Split) -> dict:
+    """The keys ds_to_universal writes beside a merged tensor, which tell DeepSpeed's loader how to cut
+    it for a rank (deepspeed.checkpoint.constants; shard() makes the same cut). Without them it cuts
+    every tensor on dim 0: the row-parallel weights come back wrong (1.1e-2 off the uninterrupted run)."""
+    from deepspeed.checkpoint.constants import CAT_DIM, SUB_PARAM_SHAPE, VOCAB_TENSOR
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    if split.dim is None:
+        return {}                   # replicated: the loader copies a tensor of the rank's own shape
+    if split.segments:
+        trailing = (cfg.hidden_size,) if name.endswith(".weight") else ()
+        return {SUB_PARAM_SHAPE: SubparamShape(patterns=[name], shape=(split.segments, *trailing),
+                                               partition_dim=split.dim)}
+    return {CAT_DIM: split.dim, **({VOCAB_TENSOR: True} if split.vocab else {})}
+
+
 def write_universal_from_zero0(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
     if meta.precision != "fp32":
         raise CheckpointFormatError(f"{tag_dir}: resharding a ZeRO-0 {meta.precision} checkpoint is not supported "
@@ -56,17 +78,38 @@ def write_universal_from_zero0(tag_dir: str, out_dir: str, meta: CheckpointMeta)
     for layer, names in layer_names(cfg).items():
         pieces = weights.pieces(layer, names)
         for name in names:
-            folder = os.path.join(zero, ds_name(cfg, layer, name, meta.pipeline))
-            os.makedirs(folder, exist_ok=True)
-            torch.save({"param": unshard(cfg, layer, name, [p.float() for p in pieces[name]])},
-                       os.path.join(folder, "fp32.pt"))
             key = ds_name(cfg, layer, name, meta.pipeline)
+            folder = os.path.join(zero, key)
+            os.makedirs(folder, exist_ok=True)
+            extra = _deepspeed_keys(cfg, name, split_of(cfg, layer, name))
+            torch.save({"param": unshard(cfg, layer, name, [p.float() for p in pieces[name]]), **extra},
+                       os.path.join(folder, "fp32.pt"))
+            # Each TP rank's Adam state of this parameter, found by name (a stage holds only its layers).
             per_rank = [next(s[key] for (stage, r), s in states.items() if r == tp_rank and key in s)
                         for tp_rank in range(meta.tp)]
             for state in STATES:
                 full = unshard(cfg, layer, name, [s[state] for s in per_rank])
-                torch.save({"param": full}, os.path.join(folder, f"{state}.pt"))
+                torch.save({"param": full, **extra}, os.path.join(folder, f"{state}.pt"))
             torch.save(per_rank[0]["step"], os.path.join(folder, "step.pt"))
+    _write_engine_state(tag_dir, out_dir, meta)
+
+
+def _write_engine_state(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
+    """What DeepSpeed's universal loader reads besides the tensors: ``zero/optimizer_state.pt`` (global
+    optimizer state: lr, betas, eps, weight decay of each group) and the engine files (step, LR
+    schedule, client state), as ds_to_universal copies them."""
+    import deepspeed
+    first = load_file(mp_rank_file(tag_dir, 0))
+    torch.save({"ds_version": deepspeed.__version__, "param_groups": first["optimizer"]["param_groups"]},
+               os.path.join(out_dir, "zero", "optimizer_state.pt"))
+    del first
+    for mp in range(meta.tp * meta.pp if meta.pipeline else meta.tp):
+        src = mp_rank_file(tag_dir, mp)
+        dst = os.path.join(out_dir, os.path.basename(src))
+        try:
+            os.link(src, dst)          # read-only from here on: no second copy of a big file
+        except OSError:
+            shutil.copyfile(src, dst)
 
 
 def _torch_optimizer(engine) -> torch.optim.Optimizer:

@@ -243,12 +243,10 @@ def _deepspeed_load(engine, directory: str, tag: str, **kwargs) -> tuple[str, di
 
 
 def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, groups: ParallelGroups):
-    """Another layout: a universal checkpoint (converted once by rank 0), loaded by DeepSpeed into ZeRO-1/2
-    engines and by us into ZeRO-0 ones (DeepSpeed cannot)."""
+    """Another layout: a universal checkpoint (converted once by rank 0; ZeRO-0 checkpoints by
+    mtds.reshard.zero0 in DeepSpeed's format), loaded by DeepSpeed into ZeRO-1/2 engines and by us into
+    ZeRO-0 ones (DeepSpeed cannot)."""
     target_zero = _zero_stage(engine)
-    if meta.zero_stage == 0 and target_zero > 0:
-        raise CheckpointError(f"{directory!r} was saved without ZeRO (tp={meta.tp} pp={meta.pp} dp={meta.dp}): "
-                              f"resume it with ZeRO-0 (any layout), or at its saved layout")
     if target_zero == 0 and _precision(engine) != "fp32":
         raise CheckpointError(f"resharding into a {_precision(engine)} run without ZeRO is not supported: use "
                               f"ZeRO-1 (any layout) or resume at tp={meta.tp} pp={meta.pp}")
