@@ -46,11 +46,10 @@ def test_hardware_flops_full_and_selective_exact():
 
 
 def test_table1_last_row_tflops_consistency():
-    # 1T model, 3072 GPUs, batch 3072, 163 TFLOP/s/GPU => aggregate 502 PFLOP/s (Table 1),
-    # so the iteration time implied by eq. 3 is F / (3072 * 163e12).
+    # 1T model, 3072 GPUs, batch 3072, 163 TFLOP/s/GPU (Table 1): the iteration time eq. 3 implies,
+    # F / (3072 * 163e12), is ~103 s (a wrong constant in the full-recompute count leaves this window)
     f = hardware_flops_per_iteration(3072, 2048, 128, 25600, 51200, "full")
     t = f / (3072 * 163e12)
-    assert 3072 * 163e12 / 1e15 == pytest.approx(502.0, rel=5e-3)  # 163 is rounded
     assert 90.0 < t < 120.0
 
 
@@ -120,6 +119,6 @@ def test_peak_tflops():
     assert peak_tflops("V100", "bf16") is None
     assert peak_tflops("cpu", "fp32") is None
     assert peak_tflops("A100", "int4") is None
-    torch = pytest.importorskip("torch")
+    import torch   # a project dependency: a missing torch must fail here, not skip
     assert peak_tflops("A100", torch.bfloat16) == 312.0
     assert math.isclose(peak_tflops("A100", torch.float32), 19.5)

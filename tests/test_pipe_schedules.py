@@ -61,7 +61,7 @@ def test_unsupported_combinations_fail_with_one_line(name, p, v, m):
 def test_interleaved_relaxed_micro_batch_counts_reach_theory(p, v):
     # m >= p in m // p equal groups (G = m / (m // p) >= p): the same bubble as m % p == 0
     counts = [m for m in range(p, 5 * p + 2) if m % p and m % (m // p) == 0]
-    assert counts  # e.g. p=4: 5, 6, 7, 10, 14, 15, 18
+    assert p + 1 in counts, counts  # one group of p + 1: the smallest count m % p != 0 allows (p=4: 5, 6, 7, 10, ...)
     for m in counts:
         result = simulate_schedule("interleaved", p, v, m)
         assert result.bubble_ratio == [Fraction(p - 1, v * m)] * p, m

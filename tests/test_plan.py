@@ -199,3 +199,47 @@ def test_fp32_grad_accumulation_memory_and_time():
     from mtds.plan.memory import stage_params
     t_acc = grad_accumulation_time(stage_params(model, Layout(1, 1, 1, 1), "first"), 2, 4, cluster)
     assert t_acc > 0 and small - big >= 7 * t_acc * 0.99
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_gelu", "neox", "llama", "llama_tied", "llama_bias"])
+def test_model_spec_matches_real_models_of_every_family(name):
+    """ModelSpec of a GPT-2 / NeoX / Llama (GQA, SwiGLU, untied, RMSNorm, bias-free) config: its parameter
+    count equals the HF model's and mtds's, its per-GPU count at t = 1 equals mtds's model (padded
+    vocabulary), and its FLOPs are the step log's count for that config (one function for both)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mtds import metrics
+    from mtds.hf.registry import model_config_from_hf
+    from mtds.model import GPTModel
+    from mtds.plan.memory import stage_params
+    from tests.test_hf_cases import hf_config
+
+    hf_cfg = hf_config(name)
+    cfg = model_config_from_hf(hf_cfg)
+    spec = ModelSpec.from_config(cfg, seq=32)
+    hf = AutoModelForCausalLM.from_config(hf_cfg)
+    assert spec.params == sum(p.numel() for p in hf.parameters())
+    torch.manual_seed(0)
+    ours = sum(p.numel() for p in GPTModel(cfg).parameters())
+    assert stage_params(spec, Layout(1, 1, 1, 1), "first") == ours
+    assert spec.hardware_flops(8, "selective") == metrics.model_config_flops(cfg, 8, 32, "selective")
+    if name == "gpt2":   # PTD-P's closed form, which leaves out the final layer norm (2h)
+        assert spec.params == metrics.gpt_param_count(2, 64, 250, 32) + 2 * 64
+
+
+def test_grouped_query_attention_and_swiglu_in_planner_flops_and_time():
+    """GQA narrows K and V: per token and layer 2 x 2h(h - h_kv) fewer forward FLOPs (x3 for an
+    iteration); SwiGLU adds a third h x f matrix (2hf per token per pass). Both reach the time model."""
+    mha = ModelSpec(layers=4, hidden=1024, heads=16, vocab=32000, seq=2048, ffn_hidden=2816)
+    gqa = ModelSpec(**{**mha.__dict__, "kv_heads": 4})
+    glu = ModelSpec(**{**mha.__dict__, "gated_mlp": True})
+    tokens, h, layers = 8 * 2048, 1024, 4
+    assert mha.model_flops(8) - gqa.model_flops(8) == pytest.approx(3 * tokens * layers * 4 * h * (h - h / 4))
+    assert glu.model_flops(8) - mha.model_flops(8) == pytest.approx(3 * tokens * layers * 2 * h * 2816)
+    work, cluster, layout = Workload(8), Cluster(A100, 8), Layout(8, 1, 1, 1, recompute="none")
+    step = {m: predict(m, layout, work, cluster).time_breakdown_s["compute"] for m in (mha, gqa, glu)}
+    assert step[gqa] < step[mha] < step[glu]
+    # kv heads must split over t like the query heads
+    assert any("kv_heads" in r for r in predict(ModelSpec(**{**mha.__dict__, "kv_heads": 4}), layout, work,
+                                               cluster).reasons)

@@ -49,3 +49,28 @@ def test_run_traces_the_collectives_deepspeed_caches(runs):
     # run() installs its tracer before DeepSpeed starts, so ZeRO-1's all-gather of the updated
     # partitions (called through a function DeepSpeed looks up once) is counted
     assert runs[-1].comm.get("all_gather/dp", {}).get("calls", 0) >= 1, runs[-1].comm
+
+
+def test_planner_counts_the_tensor_parallel_collectives_the_trainer_runs(runs):
+    """The planner's per-step TP collectives (mtds.plan.tp_comm, which its time model sums) equal, call
+    for call and bus byte for bus byte, what the tracer saw at (2,1,1) with and without SP, ZeRO-0/1/2."""
+    from mtds.plan.candidate import Layout, Workload
+    from mtds.plan.model_spec import ModelSpec
+    from mtds.plan.tp_comm import per_step_collectives
+
+    model = ModelSpec.from_config(TINY, seq=SEQ)
+    b = BATCH["train_micro_batch_size_per_gpu"]
+    work = Workload(BATCH["train_batch_size"], precision="fp32")
+    for index, (zero, sp) in enumerate((z, sp) for z in ZEROS for sp in (False, True)):
+        layout = Layout(2, 1, 1, b, zero_stage=zero, recompute="none", sequence_parallel=sp)
+        predicted = {}
+        for c in per_step_collectives(model, layout, work, "all", layout.microbatches(work.global_batch), 4):
+            calls, bus = predicted.get(c.kind, (0, 0))
+            predicted[c.kind] = (calls + c.calls, bus + c.bus_bytes(2))
+        measured = {key.split("/")[0]: (s["calls"], s["bus_bytes"])
+                    for key, s in runs[index].comm.items() if key.endswith("/tp")}
+        if zero >= 1:   # ZeRO's grad-norm sum: one fp32 scalar over the model-parallel group (= TP at p = 1)
+            calls, bus = predicted["all_reduce"]
+            predicted["all_reduce"] = (calls + 1, bus + 4)
+        predicted = {kind: (round(calls), round(bus)) for kind, (calls, bus) in predicted.items()}
+        assert predicted == measured, (zero, sp, predicted, measured)

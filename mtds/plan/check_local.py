@@ -76,8 +76,7 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
 
     t, p, d = layout
     gpu = get_gpu("local", profile=profile)
-    spec = ModelSpec(layers=model_cfg.num_layers, hidden=model_cfg.hidden_size, heads=model_cfg.num_heads,
-                     vocab=model_cfg.vocab_size, seq=seq)
+    spec = ModelSpec.from_config(model_cfg, seq=seq)
     lay = Layout(t, p, d, micro_batch, recompute="none", zero_stage=0)
     return predict(spec, lay, Workload(global_batch, precision="fp32"), Cluster(gpu, t * p * d, gpus_per_node=2))
 

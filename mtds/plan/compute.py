@@ -54,14 +54,15 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
                    cluster: Cluster) -> PassTimes:
     """Forward time of one layer for one microbatch on one of the t tensor-parallel GPUs.
 
-    GEMMs per layer (Megatron TP split, arXiv 1909.08053 Fig. 3): QKV [bs x h]@[h x 3h/t],
-    scores (b a/t) x [s x h/a]@[h/a x s], context (b a/t) x [s x s]@[s x h/a],
-    projection [bs x h/t]@[h/t x h], FC1 [bs x h]@[h x f/t], FC2 [bs x f/t]@[f/t x h].
+    GEMMs per layer (Megatron TP split, arXiv 1909.08053 Fig. 3): QKV [bs x h]@[h x (h + 2h_kv)/t]
+    (h_kv = h for multi-head attention, smaller for GQA), scores (b a/t) x [s x h/a]@[h/a x s],
+    context (b a/t) x [s x s]@[s x h/a], projection [bs x h/t]@[h/t x h], FC1 [bs x h]@[h x f/t]
+    (2f/t for SwiGLU: gate and up in one GEMM), FC2 [bs x f/t]@[f/t x h].
     Element-wise bytes (16-bit values, reads + writes, fused kernels as in Megatron):
       hidden-size ops: 2 layer norms (4 B/elem each) + 2 dropout-add-residual (7 B/elem each)
         = 22 bytes x s b h, divided by t with sequence parallelism (else replicated);
-      bias + GeLU on the f/t intermediate: 4 bytes x s b f / t;
-      QKV split/transposes and context transpose: 4 bytes x s b 4h / t;
+      bias + GeLU on the f/t intermediate: 4 bytes x s b f / t (SwiGLU reads gate and up: 6 bytes);
+      QKV split/transposes and context transpose: 4 bytes x s b (2h + 2h_kv) / t;
       scale-mask-softmax (4 B) + dropout (5 B) on the b a/t s^2 scores: 9 bytes each.
     """
     s, h, a, f = model.seq, model.hidden, model.heads, model.ffn
@@ -69,16 +70,18 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     tokens = s * b
     hd = h / a
     heads_local = b * a / t
-    linear = (gemm_time(tokens, 3 * h / t, h, cluster, elem_bytes=w)
+    kv = model.kv_width
+    fc1_width = f * (model.mlp_matrices - 1)
+    linear = (gemm_time(tokens, (h + 2 * kv) / t, h, cluster, elem_bytes=w)
               + gemm_time(tokens, h, h / t, cluster, elem_bytes=w)
-              + gemm_time(tokens, f / t, h, cluster, elem_bytes=w)
+              + gemm_time(tokens, fc1_width / t, h, cluster, elem_bytes=w)
               + gemm_time(tokens, h, f / t, cluster, elem_bytes=w))
     attn_gemm = (gemm_time(s, s, hd, cluster, batch=heads_local, elem_bytes=w)
                  + gemm_time(s, hd, s, cluster, batch=heads_local, elem_bytes=w))
     scale = w / 2.0
     hidden_ops = 22.0 * tokens * h / (t if sequence_parallel else 1)
-    ffn_ops = 4.0 * tokens * f / t
-    transposes = 4.0 * tokens * 4 * h / t
+    ffn_ops = (6.0 if model.gated_mlp else 4.0) * tokens * f / t
+    transposes = 4.0 * tokens * (2 * h + 2 * kv) / t
     softmax_ops = 9.0 * heads_local * s * s
     elem = elementwise_time(scale * (hidden_ops + ffn_ops + transposes), cluster)
     attn_elem = elementwise_time(scale * softmax_ops, cluster)

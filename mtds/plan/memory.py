@@ -39,19 +39,19 @@ def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
     """Parameters held by one GPU of the first or last pipeline stage.
 
     Per layer, QKV/projection/MLP weights are split t ways; projection and FC2 biases and the
-    layer norms are replicated (Megatron, arXiv 1909.08053 Section 3). The word embedding
-    (padded vocab, split t ways) lives on the first stage and, tied, on the last one.
+    norms are replicated (Megatron, arXiv 1909.08053 Section 3; ModelSpec.sharded_params_per_layer).
+    The word embedding (padded vocab, split t ways) lives on the first stage; the last stage holds
+    the LM head: a tied copy of it when p > 1, or its own matrix when the head is untied.
     """
-    t, p, h, f = layout.tp, layout.pp, model.hidden, model.ffn
-    sharded = 4 * h * h + 2 * h * f + 3 * h + f
-    replicated = 6 * h
-    per_layer = sharded / t + replicated
+    t, p, h = layout.tp, layout.pp, model.hidden
+    per_layer = model.sharded_params_per_layer() / t + model.replicated_params_per_layer()
     embed = model.padded_vocab(t) * h / t
     n = per_layer * model.layers / p
     if stage == "first":
-        n += embed + model.seq * h
+        n += embed + (0 if model.rotary else model.seq * h)
     if stage == "last" or p == 1:
-        n += 2 * h + (embed if p > 1 else 0.0)  # final norm; tied head copy on a separate stage
+        head = embed if (p > 1 or model.untied_head) else 0.0
+        n += model.norm_params + head  # final norm; the head (tied copy on a separate stage, or untied)
     return n
 
 

@@ -10,8 +10,13 @@ from mtds import metrics
 class ModelSpec:
     """Decoder-only transformer: l layers, hidden h, a heads, vocab V, sequence s, FFN width f.
 
-    The FLOP and activation formulas of the papers assume f = 4h and learned positions (GPT);
-    other f are handled in the per-GEMM timing and in `params_per_layer`.
+    Defaults describe GPT (multi-head attention, 2-matrix GELU MLP of width 4h, learned positions,
+    biases, LayerNorm, tied embeddings). The other fields describe the families mtds trains (NeoX,
+    Llama): ``kv_heads`` < a is grouped-query attention (K and V are h * kv_heads / a wide),
+    ``gated_mlp`` a SwiGLU MLP (three h x f matrices), ``untied_head`` a separate LM-head matrix,
+    ``rotary`` no position table, ``qkv_bias``/``linear_bias`` False: bias-free QKV / other linears, ``rmsnorm`` one vector per norm.
+    FLOPs for all of them come from the same count as the step log (metrics.training_flops_per_iteration);
+    the activation-memory formulas (Korthikanti et al.) stay the GPT ones.
     """
 
     layers: int
@@ -22,10 +27,36 @@ class ModelSpec:
     ffn_hidden: int | None = None
     name: str = ""
     vocab_multiple: int = 128   # Megatron pads V up to a multiple of vocab_multiple * t
+    kv_heads: int | None = None
+    gated_mlp: bool = False
+    untied_head: bool = False
+    rotary: bool = False
+    qkv_bias: bool = True
+    linear_bias: bool = True
+    rmsnorm: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
+        """The planner's view of an ``mtds.config.ModelConfig`` (every architecture field carried over)."""
+        return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, vocab=cfg.vocab_size,
+                   seq=seq or cfg.max_position_embeddings, ffn_hidden=cfg.ffn_size, name=name,
+                   vocab_multiple=cfg.make_vocab_size_divisible_by, kv_heads=cfg.kv_heads,
+                   gated_mlp=cfg.activation == "swiglu", untied_head=not cfg.tie_word_embeddings,
+                   rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
+                   rmsnorm=cfg.normalization == "rmsnorm")
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def kv_width(self) -> float:
+        """Width of K (and of V): h for multi-head attention, h * kv_heads / heads for GQA."""
+        return self.hidden * (self.kv_heads or self.heads) / self.heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron vocabulary padding: ceil(V / (128 t)) * 128 t."""
@@ -34,33 +65,56 @@ class ModelSpec:
 
     @property
     def params(self) -> float:
-        """Total parameters; PTD-P Section 5.1 formula when f = 4h (see metrics.gpt_param_count)."""
-        if self.ffn == 4 * self.hidden:
-            return metrics.gpt_param_count(self.layers, self.hidden, self.vocab, self.seq)
-        return self.layers * self.params_per_layer() + (self.vocab + self.seq) * self.hidden + 2 * self.hidden
+        """Total parameters (unpadded vocabulary), counted exactly. For the GPT shape this is PTD-P
+        Section 5.1's 12lh^2(1 + 13/(12h) + (V+s)/(12lh)) (metrics.gpt_param_count) + the final norm's 2h,
+        which the paper leaves out."""
+        h = self.hidden
+        embeddings = self.vocab * h * (2 if self.untied_head else 1) + (0 if self.rotary else self.seq * h)
+        return self.layers * self.params_per_layer() + embeddings + self.norm_params
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one normalization: weight and bias (LayerNorm) or weight only (RMSNorm)."""
+        return self.hidden * (1 if self.rmsnorm else 2)
+
+    def sharded_params_per_layer(self) -> float:
+        """Parameters of one layer that tensor parallelism splits t ways: the QKV weight h(h + 2 h_kv)
+        and bias, the projection weight h^2, the MLP matrices (2 or 3) x h f and the column-parallel
+        MLP biases (f each for fc1 and, gated, the gate)."""
+        h, f = self.hidden, self.ffn
+        qkv = h + 2 * self.kv_width
+        bias = (qkv if self.qkv_bias else 0.0) + ((self.mlp_matrices - 1) * f if self.linear_bias else 0.0)
+        return h * qkv + h * h + self.mlp_matrices * h * f + bias
+
+    def replicated_params_per_layer(self) -> float:
+        """Parameters of one layer every TP rank holds whole: two norms and the row-parallel biases
+        (projection and fc2, h each)."""
+        return 2 * self.norm_params + (2 * self.hidden if self.linear_bias else 0)
 
     def params_per_layer(self) -> float:
-        """QKV 3h^2+3h, projection h^2+h, MLP 2hf+f+h, two layer norms 4h (= 12h^2+13h at f=4h)."""
-        h, f = self.hidden, self.ffn
-        return 4 * h * h + 2 * h * f + 9 * h + f
+        """Sharded + replicated (= 12h^2 + 13h for the GPT shape: QKV 3h^2+3h, projection h^2+h,
+        MLP 2hf+f+h, two layer norms 4h at f = 4h)."""
+        return self.sharded_params_per_layer() + self.replicated_params_per_layer()
 
     def model_flops(self, batch: int) -> float:
-        """Model FLOPs per iteration: PTD-P eq. 3 without recompute (metrics.model_flops_per_iteration).
-
-        For f != 4h the same derivation with per-token layer matmuls 2(4h^2 + 2hf) + 4sh and
-        logits 2hV: F = 3 B s (l (8h^2 + 4hf + 4sh) + 2hV), which equals 72 B s l h^2 (...) at f = 4h.
-        """
+        """Model FLOPs per iteration: PTD-P eq. 3 without recompute for the GPT shape; for other shapes
+        the same derivation (metrics.training_flops_per_iteration: GQA's narrower K/V, SwiGLU's third
+        matrix, any f)."""
         return self.hardware_flops(batch, "none")
 
     def hardware_flops(self, batch: int, recompute: str) -> float:
         """Executed FLOPs including recomputation: the count the step log uses too
         (metrics.training_flops_per_iteration; equals metrics.hardware_flops_per_iteration at f = 4h)."""
         return metrics.training_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab,
-                                                    ffn_hidden=self.ffn, recompute=recompute)
+                                                    ffn_hidden=self.ffn, num_heads=self.heads,
+                                                    num_kv_heads=self.kv_heads, gated_mlp=self.gated_mlp,
+                                                    recompute=recompute)
 
     def __str__(self) -> str:
         tag = f"{self.name} " if self.name else ""
-        return (f"{tag}l={self.layers} h={self.hidden} a={self.heads} V={self.vocab} s={self.seq} "
+        extra = "".join([f" kv={self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else "",
+                         " swiglu" if self.gated_mlp else ""])
+        return (f"{tag}l={self.layers} h={self.hidden} a={self.heads} V={self.vocab} s={self.seq}{extra} "
                 f"({self.params / 1e9:.1f}B params)")
 
 
@@ -70,14 +124,5 @@ def resolve_model(name_or_path, *, seq: int | None = None, **overrides) -> Model
         from mtds.config import resolve_model_config
     except ImportError as exc:  # the config module is optional for the planner
         raise ValueError(f"model presets need mtds.config ({exc}); pass --layers/--hidden/--heads/--vocab") from exc
-    cfg = resolve_model_config(name_or_path)
-    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    if getattr(cfg, "activation", "") == "swiglu":
-        # SwiGLU has three h x f matrices: same weights and matmul FLOPs as a 2-matrix MLP of
-        # width 1.5 f (approximation: element-wise traffic and GQA's smaller K/V are not modelled)
-        ffn = int(1.5 * ffn)
-    spec = ModelSpec(
-        layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, vocab=cfg.vocab_size,
-        seq=seq or cfg.max_position_embeddings, ffn_hidden=ffn, name=str(name_or_path),
-    )
+    spec = ModelSpec.from_config(resolve_model_config(name_or_path), seq=seq, name=str(name_or_path))
     return ModelSpec(**{**spec.__dict__, **{k: v for k, v in overrides.items() if v is not None}})

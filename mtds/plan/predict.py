@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan import comm, compute, pipeline
+from mtds.plan import comm, compute, pipeline, tp_comm
 from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Layout, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
@@ -90,6 +90,8 @@ def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluste
         out.append(f"t*p*d = {layout.gpus} != {cluster.gpus} GPUs")
     if model.heads % t or model.hidden % t or model.ffn % t:
         out.append(f"t={t} does not divide heads={model.heads} / hidden={model.hidden} / ffn={model.ffn}")
+    if model.kv_heads and model.kv_heads % t:
+        out.append(f"t={t} does not divide kv_heads={model.kv_heads}")
     if model.layers % (p * v):
         out.append(f"layers={model.layers} not divisible by p*v={p * v}")
     if work.global_batch % (b * d):
@@ -120,16 +122,8 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
     layers_per_stage = model.layers / p
 
     t_layer = compute.layer_compute_time(model, layout, work, cluster)
-    n_tp_collectives = 4 + (2 if layout.recompute == "full" else 0)
     t_tp_one = comm.all_reduce(s * b * h * w, t, 1, cluster)
-    t_tp = n_tp_collectives * t_tp_one
     t_out = compute.output_layer_time(model, layout, work, cluster)
-    # vocab-parallel ends of the model (Megatron): the logits' input is copied into the tensor
-    # region (its gradient all-reduced, s b h) and the cross entropy all-reduces max, target
-    # logit and sum of exponentials (s b fp32 values each) - last stage; the embedding output is
-    # all-reduced (s b h) - first stage, on the same GPU only when p = 1
-    t_tp_out = comm.all_reduce(s * b * h * w, t, 1, cluster) + 3 * comm.all_reduce(s * b * 4, t, 1, cluster)
-    t_tp_embed = comm.all_reduce(s * b * h * w, t, 1, cluster) if p == 1 else 0.0
     n_local = max(stage_params(model, layout, "first"), stage_params(model, layout, "last") if p > 1 else 0.0)
     n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
 
@@ -140,8 +134,9 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
                                            cluster)
     compute_s = (m * layers_per_stage * t_layer + m * t_out + m * t_acc
                  + compute.optimizer_time(n_opt, cluster))
-    tp_s = m * (layers_per_stage * t_tp + t_tp_out + t_tp_embed)
-    tp_s += sequence_parallel_grad_time(model, layout, work, cluster, m)
+    # the last stage's GPU (the LM head and loss; with p = 1 also the embedding): mtds.plan.tp_comm
+    grad_bytes_tp = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
+    tp_s = tp_comm.per_step_time(model, layout, work, cluster, "last" if p > 1 else "all", m, grad_bytes_tp)
     bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, v,
                                     *stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc))
     pp_s = 0.0
@@ -201,8 +196,8 @@ def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: 
     backward TP collectives). F + B + W = the stage's whole per-microbatch time."""
     lps = model.layers / layout.pp
     fwd = compute.layer_forward(model, layout, work, cluster)
-    n_tp = 4 + (2 if layout.recompute == "full" else 0)
-    stage = lps * (compute.layer_compute_time(model, layout, work, cluster) + n_tp * t_tp_one) + t_acc
+    layer_tp = tp_comm.layer_time(model, layout, work, cluster)
+    stage = lps * (compute.layer_compute_time(model, layout, work, cluster) + layer_tp) + t_acc
     f = lps * (fwd.forward + 2 * t_tp_one)
     w_pass = lps * fwd.linear + t_acc
     return f, stage - f - w_pass, w_pass
@@ -210,16 +205,9 @@ def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: 
 
 def sequence_parallel_grad_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster,
                                 m: int) -> float:
-    """With sequence parallelism, the parameters replicated over the TP group (2 layer norms' weight and
-    bias, the row-parallel biases: 6 tensors of h per layer, + the final norm) see 1/t of the sequence,
-    so their gradients are all-reduced over the TP group. ZeRO-0/1: once per step, one bucket (as
-    Megatron's allreduce_layernorm_grads); ZeRO-2/3: per tensor per microbatch (DeepSpeed partitions
-    gradients as they are produced, so the sum must be complete by then)."""
-    if not layout.sequence_parallel or layout.tp == 1:
-        return 0.0
-    t, h = layout.tp, model.hidden
-    tensors = 6 * model.layers / layout.pp + 2
+    """With sequence parallelism, the parameters replicated over the TP group see 1/t of the
+    sequence, so their gradients are all-reduced over the TP group: once per step under ZeRO-0/1 (as
+    Megatron's allreduce_layernorm_grads), per tensor per microbatch under ZeRO-2/3
+    (mtds.plan.tp_comm.shared_gradient_collectives)."""
     gb = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
-    if layout.zero_stage <= 1:
-        return comm.all_reduce(tensors * h * gb, t, 1, cluster)
-    return m * tensors * comm.all_reduce(h * gb, t, 1, cluster)
+    return tp_comm.collectives_time(tp_comm.shared_gradient_collectives(model, layout, gb, m), layout.tp, cluster)

@@ -23,15 +23,15 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_gather_single(out, x, group) -> None:
+def _all_gather_single(out, x, group, async_op: bool = False):
     # torch >= 2.13 renamed all_gather_into_tensor; look up at call time so tracing sees it.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
+    return fn(out, x, group=group, async_op=async_op)
 
 
-def _reduce_scatter_single(out, x, group) -> None:
+def _reduce_scatter_single(out, x, group, async_op: bool = False):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, group=group)
+    return fn(out, x, group=group, async_op=async_op)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -52,29 +52,49 @@ def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    world = _world(group)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    # Gather along dim 0 (one contiguous collective), then move the blocks to ``dim``.
-    _all_gather_single(out, x, group)
-    if dim == 0 or dim == -x.dim():
-        return out
-    return torch.cat(out.chunk(world, dim=0), dim=dim).contiguous()
+    return _start_gather(x, group, dim).wait()
 
 
 def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return _start_reduce_scatter(x, group, dim).wait()
+
+
+class _Pending:
+    """A collective in flight: ``wait()`` returns its result. Lets a backward start a collective, run a
+    GEMM that does not need it, then wait (Megatron overlaps sequence-parallel communication this way)."""
+
+    def __init__(self, out: torch.Tensor, work=None, finish=None):
+        self._out, self._work, self._finish = out, work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish(self._out) if self._finish else self._out
+
+
+def _start_gather(x: torch.Tensor, group, dim: int) -> _Pending:
     world = _world(group)
     if world == 1:
-        return x
+        return _Pending(x)
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    # Gather along dim 0 (one contiguous collective), then move the blocks to ``dim``.
+    work = _all_gather_single(out, x, group, async_op=True)
+    if dim == 0 or dim == -x.dim():
+        return _Pending(out, work)
+    return _Pending(out, work, lambda full: torch.cat(full.chunk(world, dim=0), dim=dim).contiguous())
+
+
+def _start_reduce_scatter(x: torch.Tensor, group, dim: int) -> _Pending:
+    world = _world(group)
+    if world == 1:
+        return _Pending(x)
     if x.shape[dim] % world:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
     # Put ``dim`` blocks one after another along dim 0 so one reduce_scatter_tensor does the work.
     stacked = torch.cat(x.chunk(world, dim=dim), dim=0).contiguous()
     out = torch.empty((stacked.shape[0] // world,) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, stacked, group)
-    return out
+    return _Pending(out, _reduce_scatter_single(out, stacked, group, async_op=True))
 
 
 class _CopyToRegion(torch.autograd.Function):

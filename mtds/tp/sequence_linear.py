@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mappings import _gather, _reduce_scatter, _world
+from .mappings import _gather, _start_gather, _start_reduce_scatter, _world
 
 SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
 
@@ -27,13 +27,22 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
+        # The extra all-gather of the trade runs while the input-gradient GEMM computes, and the
+        # input gradient's reduce-scatter while the weight-gradient GEMM computes (as Megatron does).
+        gathering = _start_gather(x, ctx.group, SEQUENCE_DIM) if ctx.needs_input_grad[1] else None
+        scattering = None
         if ctx.needs_input_grad[0]:
-            grad_input = _reduce_scatter(grad.matmul(weight), ctx.group, SEQUENCE_DIM)
+            partial = grad.matmul(weight)
+            full = gathering.wait() if gathering is not None else None
+            scattering = _start_reduce_scatter(partial, ctx.group, SEQUENCE_DIM)
+        elif gathering is not None:
+            full = gathering.wait()
         if ctx.needs_input_grad[1]:
-            full = _gather(x, ctx.group, SEQUENCE_DIM)          # the extra all-gather of the trade
             grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        if scattering is not None:
+            grad_input = scattering.wait()
         return grad_input, grad_weight, grad_bias, None
 
 
