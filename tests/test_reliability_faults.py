@@ -174,3 +174,44 @@ def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout
     assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
     assert "error: rank 1 has not been heard from for" in err, err[-3000:]
     assert elapsed < 60, elapsed
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+class _RaiseOnRank:
+    """on_engine_ready hook: global rank ``rank`` raises as optimizer step ``step`` starts."""
+
+    def __init__(self, step, rank):
+        self.step, self.rank = step, rank
+
+    def __call__(self, engine, groups):
+        if groups.rank == self.rank:
+            def fail(module, args):
+                if engine.global_steps == self.step - 1:
+                    raise _Injected("injected")
+            engine.module.register_forward_pre_hook(fail)
+
+
+def _failing_rank_worker():
+    from mtds.training import run
+    try:
+        run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=30,
+                         on_engine_ready=(_RaiseOnRank(3, 1),)))
+    except _Injected:
+        time.sleep(60)     # a caller that catches the error: the process, and its sockets, live on
+
+
+def test_a_rank_that_fails_is_reported_as_failed_not_done(capfd):
+    """Rank 1 leaves run() with an error but its process stays: rank 0, waiting in a TP all-reduce that rank 1
+    will never join, must stop within the heartbeat's grace (5 s), not after gloo's 300 s or when rank 1 exits."""
+    from mtds.testing import RankFailure
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        spawn(_failing_rank_worker, 2, timeout=120)
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
+    assert "error: rank 1 left training with an error (_Injected" in err, err[-3000:]
+    assert elapsed < 50, elapsed

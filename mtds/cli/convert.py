@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create (for --load)")
     a.add_argument("--dtype", choices=sorted(_DTYPES), help="cast weights (default: keep the HF dtype)")
 
-    b = sub.add_parser("mtds-to-hf", help="mtds checkpoint (any layout, ZeRO-0/1/2) -> HF directory")
+    b = sub.add_parser("mtds-to-hf", help="mtds checkpoint (any layout, ZeRO-0/1/2/3) -> HF directory")
     b.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint root (with 'latest') or a tag folder")
     b.add_argument("--out", required=True, metavar="DIR", help="HF directory to write")
     b.add_argument("--max-shard-size", default="2GB", help="safetensors shard size, e.g. 500MB, 2GB [2GB]")

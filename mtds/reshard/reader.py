@@ -1,4 +1,5 @@
-"""Read an mtds checkpoint (any layout, either file layout) as full logical tensors, one layer at a time.
+"""Read an mtds checkpoint (any layout, either file layout, ZeRO-0/1/2/3) as full logical tensors, one layer
+at a time.
 
 Peak memory is one layer's pieces from every TP rank plus its merged copy: the per-layer files are
 mmapped and only the requested layer is touched.
@@ -18,6 +19,7 @@ from .dsformat import ModuleStateReader, has_layer_files, layer_file, mp_rank_fi
 from .errors import CheckpointFormatError
 from .meta import CheckpointMeta, resolve_tag_dir
 from .spec import unshard
+from .zero3 import Zero3StateReader, expected_zero3_files
 
 
 def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
@@ -37,17 +39,17 @@ class MtdsCheckpoint:
         if self.meta.pipeline != has_layer_files(self.tag_dir):
             raise CheckpointFormatError(f"{self.tag_dir}: per-layer files "
                                         f"{'missing' if self.meta.pipeline else 'unexpected'} (partial checkpoint?)")
-        if self.meta.zero_stage == 3 and not self.meta.weights_only:
-            raise CheckpointFormatError(f"{self.tag_dir}: ZeRO-3 checkpoints keep weights only in optimizer "
-                                        f"partitions, which mtds cannot read yet; resume it at its own layout and "
-                                        f"save with ZeRO-0/1/2")
-        self._reader = ModuleStateReader(self.tag_dir, self.cfg, self.meta.tp, self.meta.pipeline)
+        # ZeRO-3 keeps the weights only in the optimizer's fp32 partitions (consolidated per TP rank).
+        self.zero3 = self.meta.zero_stage == 3 and not self.meta.weights_only
+        self._reader = Zero3StateReader(self.tag_dir, self.cfg, self.meta.tp) if self.zero3 else \
+            ModuleStateReader(self.tag_dir, self.cfg, self.meta.tp, self.meta.pipeline)
         self._check_files()
 
     def _check_files(self) -> None:
         """Every file the layout implies must exist: fail before writing anything, not half-way."""
         t, p = self.meta.tp, self.meta.pp
-        wanted = [mp_rank_file(self.tag_dir, r) for r in range(t * p if self.meta.pipeline else t)]
+        wanted = expected_zero3_files(self.tag_dir, t, self.meta.dp) if self.zero3 else \
+            [mp_rank_file(self.tag_dir, r) for r in range(t * p if self.meta.pipeline else t)]
         if self.meta.pipeline:
             wanted += [layer_file(self.tag_dir, layer, r) for layer in layer_names(self.cfg) for r in range(t)]
         missing = [os.path.basename(f) for f in wanted if not os.path.isfile(f)]

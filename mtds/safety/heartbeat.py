@@ -6,7 +6,10 @@ the peers would wait in their collectives for the full ``--dist-timeout``. Here 
 counter in the rendezvous store (its own client connection, so a main thread busy in the store cannot
 block it) every ``interval_s`` and watches the others' counters; one that has not moved for
 ``timeout_s`` ends this process with one ``error:`` line naming that rank and exit code 1.
-A rank that leaves ``run()`` normally writes "done", which is never mistaken for silence.
+A rank that leaves ``run()`` normally writes "done", which is never mistaken for silence. One that leaves
+it with an error writes "failed:<error type>": its process may live on (a caller that catches the error)
+and keep its sockets open, so the peers would wait in a collective it will never join; they stop
+``FAILED_GRACE_S`` after seeing it (time for their own copy of an error raised on every rank to win).
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ import threading
 import time
 
 import torch.distributed as dist
+
+
+FAILED = "failed:"
+FAILED_GRACE_S = 5.0
 
 
 class Heartbeat:
@@ -60,6 +67,11 @@ class Heartbeat:
                         continue
                     if last.get(r, ("", 0.0))[0] != value:
                         last[r] = (value, now)
+                    elif value.startswith(FAILED):
+                        if now - last[r][1] >= min(FAILED_GRACE_S, self.timeout_s) and not self._done.is_set():
+                            self._fail(f"rank {r} left training with an error ({value[len(FAILED):]}; see its "
+                                       f"output); rank {rank} stops instead of waiting for it in a collective: "
+                                       f"fix that error, then restart from the last complete checkpoint (--load)")
                     elif now - last[r][1] >= self.timeout_s and not self._done.is_set():
                         self._fail(f"rank {r} has not been heard from for {now - last[r][1]:.0f} s (dead or frozen); "
                                    f"rank {rank} stops instead of waiting for --dist-timeout: restart from the "
@@ -75,13 +87,15 @@ class Heartbeat:
         sys.stdout.flush()
         os._exit(1)
 
-    def stop(self) -> None:
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop beating; tell the peers whether this rank finished ("done") or failed with ``error``."""
         if self._thread is None:
             return
         self._done.set()
         self._thread.join(timeout=10)
         self._thread = None
         try:
-            self._store.set(self._prefix + str(dist.get_rank()), "done")
+            self._store.set(self._prefix + str(dist.get_rank()),
+                            "done" if error is None else FAILED + type(error).__name__)
         except Exception:       # the store may already be gone at shutdown
             pass

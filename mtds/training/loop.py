@@ -104,11 +104,15 @@ def run(cfg: TrainConfig) -> RunResult:
     # lock left by a killed build ends start-up with an error instead of a silent hang.
     stop = StopRequest().install()
     heartbeat = Heartbeat(cfg.heartbeat_timeout_s)     # started once the process group exists
+    error = None
     try:
         with BuildLockWatchdog(cfg.build_lock_timeout_s) as watchdog:
             return _run(cfg, stop, watchdog, heartbeat)
+    except BaseException as err:     # the peers must not take a failed rank for a finished one
+        error = err
+        raise
     finally:
-        heartbeat.stop()
+        heartbeat.stop(error)
         stop.uninstall()
 
 
