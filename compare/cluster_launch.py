@@ -25,7 +25,7 @@ def launch_on_cluster(cluster: Cluster, scheme: Scheme, *, model: str, steps: in
     script = entry_args(scheme, config=config, model=model, steps=steps, seq_length=seq_length, out_dir=out_dir,
                         extra=extra)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-           "MTDS_LINK_DEVICE": DEVICE}
+           "MTDS_LINK_DEVICE": DEVICE, "MTDS_RANKS_PER_NODE": str(cluster.spec.ranks_per_node)}
     start = time.monotonic()
     runs = launch_nodes(cluster, script, out_dir=out_dir, module=True, env=env, timeout=timeout, echo=echo, cwd=REPO)
     problem = failure_summary(runs)

@@ -25,7 +25,8 @@ def _link_counter(loop) -> list[dict]:
         before = own_link_stats(device)
         out = train_step(*args, **kwargs)
         after = own_link_stats(device)
-        per_step.append({k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")})
+        per_step.append({**{k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")},
+                         "tx_at_start": before["tx_bytes"], "tx_at_end": after["tx_bytes"]})
         return out
 
     loop.train_step = counted_train_step
@@ -37,15 +38,23 @@ def main() -> None:
     local = [a for a in sys.argv[1:] if a.startswith("--local_rank")]
     rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     probe_dir, train_args = rest[0], rest[1:] + local
+    import dataclasses
+
     from benchmarks.measure import peak_rss_gib
     from benchmarks.probe import LoopProbe
     from mtds.training import cli, loop
 
+    from .state import StateProbe
+
     probe = LoopProbe(warmup=1).install()
+    if os.environ.get("MTDS_RANKS_PER_NODE"):       # on an emulated cluster: split bytes by node
+        probe.tracer.ranks_per_node = int(os.environ["MTDS_RANKS_PER_NODE"])
     link = _link_counter(loop)
+    state = StateProbe()
     run = loop.run
 
     def run_and_record(cfg):
+        cfg = dataclasses.replace(cfg, on_engine_ready=(*cfg.on_engine_ready, lambda engine, groups: state.install(engine)))
         result = run(cfg)          # cli.main imports loop.run at call time, so it gets this wrapper
         import torch.distributed as dist
         rank = dist.get_rank()
@@ -54,7 +63,8 @@ def main() -> None:
             json.dump({"rank": rank, "world": dist.get_world_size(), "layout": result.layout,
                        "step_times_s": probe.step_times, "comm_per_step": probe.comm_per_step,
                        "parameters": probe.parameters, "peak_rss_gib": peak_rss_gib(),
-                       "losses": result.losses, "link_per_step": link}, f)
+                       "losses": result.losses, "link_per_step": link,
+                       "model_state": state.peak}, f)
         return result
 
     loop.run = run_and_record

@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     args = _args(sys.argv[1:] if argv is None else argv)
     from mtds.comm_trace import CommTracer
     tracer = CommTracer().install()                # before accelerate/DeepSpeed cache the collectives
+    if os.environ.get("MTDS_RANKS_PER_NODE"):       # on an emulated cluster: split bytes by node
+        tracer.ranks_per_node = int(os.environ["MTDS_RANKS_PER_NODE"])
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator, DeepSpeedPlugin
@@ -86,6 +88,8 @@ def main(argv=None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, base_lr=opt["lr"], min_lr=0.0, warmup=0, total=args.steps, decay="constant"))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    from .state import StateProbe
+    state = StateProbe().install(model)            # accelerate's prepared model is the DeepSpeed engine
     tokenizer = load_tokenizer(None)
     with accelerator.main_process_first():        # rank 0 fills the tokenization cache
         dataset = build_packed_dataset(None, tokenizer, args.seq_length, show_progress=False)
@@ -121,7 +125,8 @@ def main(argv=None) -> None:
         comm.append(tracer.summary())
         if link_device:
             after = own_link_stats(link_device)
-            link.append({k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")})
+            link.append({**{k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")},
+                         "tx_at_start": before["tx_bytes"], "tx_at_end": after["tx_bytes"]})
         dist.all_reduce(total)                     # logging only (after the step's counters)
         losses.append(total.item() / world)
         step_times.append(elapsed)
@@ -135,7 +140,8 @@ def main(argv=None) -> None:
     with open(os.path.join(args.probe_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "layout": f"hf t{tp} d{dp}", "step_times_s": step_times,
                    "comm_per_step": comm, "parameters": sum(p.numel() for p in model.parameters()),
-                   "peak_rss_gib": peak_rss_gib(), "losses": losses, "link_per_step": link}, f)
+                   "peak_rss_gib": peak_rss_gib(), "losses": losses, "link_per_step": link,
+                   "model_state": state.peak}, f)
     if log:
         log.close()
     dist.barrier()

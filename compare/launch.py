@@ -31,7 +31,8 @@ def effective_config(scheme: Scheme, out_dir: str, global_batch: int | None, mic
 def entry_args(scheme: Scheme, *, config: str, model: str, steps: int, seq_length: int, out_dir: str,
                extra: list[str] = ()) -> list[str]:
     """``compare.entry`` and its arguments (probe directory, then train.py's), same for every launcher;
-    HF baselines: ``compare.hf_entry`` and its arguments."""
+    HF baselines: ``compare.hf_entry`` and its arguments. A scheme with its own model trains that."""
+    model = scheme.model_path(model)
     if scheme.hf:
         return ["compare.hf_entry", os.path.join(out_dir, "probe"), "--deepspeed_config", config, "--model", model,
                 "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", os.path.join(out_dir, "log.jsonl"),
@@ -42,7 +43,9 @@ def entry_args(scheme: Scheme, *, config: str, model: str, steps: int, seq_lengt
             "--no-progress", "--eval-split", "0", "--lr-decay", "constant",
             *(["--sequence-parallel"] if scheme.sp else []),
             *(["--pipeline-schedule", scheme.schedule, "--virtual-stages", str(scheme.v)]
-              if scheme.schedule != "1f1b" else []), *extra]
+              if scheme.schedule != "1f1b" else []),
+            # pipelines: the measured bubble (idle / step time per stage) in every step's log
+            *(["--timeline", os.path.join(out_dir, "timeline.json")] if scheme.pp > 1 else []), *extra]
 
 
 def launch(scheme: Scheme, *, nproc: int, model: str, steps: int, seq_length: int, out_dir: str,

@@ -9,6 +9,10 @@
     hf-zero3                  HF transformers model under accelerate + DeepSpeed ZeRO-3 (compare.hf_entry)
     autotp:tp=2               HF model under accelerate + DeepSpeed AutoTP (tensor_parallel.autotp_size)
     ptdp:tp=2,config=my.json  any scheme can name its own DeepSpeed config
+    autotp:tp=2,model=llama-tiny
+                              any scheme can train another model than --model (a preset, a HF config.json,
+                              or llama-tiny: compare/llama_tiny.json, gpt2-tiny's shape as a Llama); the
+                              row is then compared with that model's own single-host run, not the others
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ DEFAULT_CONFIGS = {"ptdp": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
                    "hf-zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json"),
                    "autotp": os.path.join(REPO, "ds_configs", "cpu_fp32.json")}
 DATA_PARALLEL_ONLY = ("zero3", "zero1", "hf-zero3")     # tp = pp = 1
+MODEL_ALIASES = {"llama-tiny": os.path.join(REPO, "compare", "llama_tiny.json")}
 
 
 @dataclass(frozen=True)
@@ -33,9 +38,22 @@ class Scheme:
     sp: int = 0         # 1: sequence parallelism over the TP group
     schedule: str = "1f1b"   # train.py --pipeline-schedule (ptdp with pp > 1)
     v: int = 1               # train.py --virtual-stages (interleaved)
+    model: str = ""          # another model than the run's --model (an alias of MODEL_ALIASES, preset or file)
 
     @property
     def name(self) -> str:
+        return self._base_name + (f"-{self.model_label}" if self.model else "")
+
+    @property
+    def model_label(self) -> str:
+        return os.path.splitext(os.path.basename(self.model.rstrip("/")))[0] if self.model else ""
+
+    def model_path(self, default: str) -> str:
+        """The model this scheme trains: its own (an alias resolved to the shipped file) or `default`."""
+        return MODEL_ALIASES.get(self.model, self.model) if self.model else default
+
+    @property
+    def _base_name(self) -> str:
         if self.kind in DATA_PARALLEL_ONLY:
             return self.kind
         if self.kind == "autotp":
@@ -65,10 +83,10 @@ def parse_scheme(text: str) -> Scheme:
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("tp", "pp", "sp", "config", "schedule", "v"):
-            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, schedule=NAME, v=V "
-                             f"or config=FILE")
-        fields[key] = value if key in ("config", "schedule") else int(value)
+        if not eq or key not in ("tp", "pp", "sp", "config", "schedule", "v", "model"):
+            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, schedule=NAME, v=V, "
+                             f"config=FILE or model=NAME|FILE")
+        fields[key] = value if key in ("config", "schedule", "model") else int(value)
     if kind != "ptdp" and ("schedule" in fields or "v" in fields):
         raise ValueError(f"{text!r}: schedule= and v= are pipeline options of ptdp schemes")
     if "schedule" in fields or "v" in fields:

@@ -19,7 +19,7 @@ from mtds.cluster.shaping import rate_bits
 
 from .cluster_launch import launch_on_cluster
 from .predict import calibrate, predict_cell
-from .schemes import Scheme, parse_scheme
+from .schemes import MODEL_ALIASES, Scheme, parse_scheme
 from .table import summarise
 
 
@@ -96,6 +96,14 @@ def run_sweep(args) -> tuple[list[dict], dict]:
         with held(args.lock):
             profile = calibrate(os.path.join(args.out, "device_profile.json"))
     batch = dict(global_batch=args.global_batch, micro_batch=args.micro_batch)
+    references = {}
+    for model in dict.fromkeys(s.model for s in schemes if s.model):
+        # A scheme training its own model has no partner row: its losses are checked against mtds on one
+        # rank on one host (same model, data, seed, batch).
+        print(f"[compare] reference for {model}: mtds, 1 rank on this host", flush=True)
+        with held(args.lock):
+            references[model] = host_reference(MODEL_ALIASES.get(model, model), args,
+                                               os.path.join(args.out, "reference", os.path.basename(model)))
     rows, total = [], len(speeds) * len(schemes)
     for speed in speeds:
         spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, inter_node=speed,
@@ -105,7 +113,8 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                 out_dir = os.path.join(args.out, speed, s.name)
                 print(f"[compare] {len(rows) + 1}/{total} {speed} {s.name}: {args.nodes} nodes x {args.ranks_per_node} "
                       f"ranks", flush=True)
-                row = {"scheme": s.name, "kind": s.kind, "tp": s.tp, "pp": s.pp, "dp": s.data_parallel(world)}
+                row = {"scheme": s.name, "kind": s.kind, "tp": s.tp, "pp": s.pp, "dp": s.data_parallel(world),
+                       "model": s.model or args.model}
                 try:
                     launched = launch_on_cluster(cluster, s, model=args.model, steps=args.steps,
                                                  seq_length=args.seq_length, out_dir=out_dir, timeout=args.timeout,
@@ -116,11 +125,11 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                     row.update(status="error", error=_first_error_line(out_dir, str(err)))
                 row.update(link=speed, link_bits_per_s=rate_bits(speed), nodes=args.nodes,
                            ranks_per_node=args.ranks_per_node,
-                           link_formula_bytes=link_formula(s, args.model, args.seq_length, args.global_batch,
+                           link_formula_bytes=link_formula(s, s.model_path(args.model), args.seq_length, args.global_batch,
                                                            args.micro_batch, spec, row))
                 if profile:
                     try:
-                        row["predicted"] = predict_cell(s, model=args.model, seq=args.seq_length,
+                        row["predicted"] = predict_cell(s, model=s.model_path(args.model), seq=args.seq_length,
                                                         global_batch=args.global_batch, micro_batch=args.micro_batch,
                                                         world=world, ranks_per_node=args.ranks_per_node,
                                                         link_bytes_per_s=spec.link_bytes_per_s, profile=profile)
@@ -130,8 +139,23 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                 print(_progress(row), flush=True)
     meta = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "links": speeds, "latency": args.latency,
             "model": args.model, "steps": args.steps, "warmup": args.warmup, "seq_length": args.seq_length,
-            "global_batch": args.global_batch, "micro_batch": args.micro_batch, "profile": profile}
+            "global_batch": args.global_batch, "micro_batch": args.micro_batch, "profile": profile,
+            "references": references}
     return rows, meta
+
+
+def host_reference(model: str, args, out_dir: str) -> list[float] | str:
+    """Losses of mtds at (1,1,1) on this host for `model` with the sweep's batch and steps; the error
+    line where it fails."""
+    from .launch import launch
+    from .table import read_jsonl
+    try:
+        launched = launch(parse_scheme("ptdp:tp=1"), nproc=1, model=model, steps=args.steps,
+                          seq_length=args.seq_length, out_dir=out_dir, global_batch=args.global_batch,
+                          micro_batch=args.micro_batch, timeout=args.timeout)
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+    return [r["loss"] for r in read_jsonl(launched["log"]) if r.get("kind") == "train"]
 
 
 def _progress(row: dict) -> str:

@@ -60,6 +60,7 @@ def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None
     last_comm = [_comm_total(r["comm_per_step"][-1]) if r["comm_per_step"] else 0 for r in ranks]
     families = [comm_by_family(r["comm_per_step"][-1]) if r["comm_per_step"] else {} for r in ranks]
     link = _link_per_step(ranks, warmup, ranks_per_node)
+    bubbles = [s["bubble"] for s in timed if s.get("bubble") is not None]
     return {
         "scheme": scheme.name, "tp": scheme.tp, "pp": scheme.pp, "dp": ranks[0]["world"] // (scheme.tp * scheme.pp),
         "layout": ranks[0]["layout"], "ranks": len(ranks), "config": os.path.basename(scheme.config),
@@ -74,20 +75,78 @@ def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None
         "comm_by_family_max_rank": {f: max(fam.get(f, 0) for fam in families) for f in FAMILIES.values()},
         "comm_by_kind_rank0": ranks[0]["comm_per_step"][-1] if ranks[0]["comm_per_step"] else {},
         "link_bytes_per_step_per_node": link,
+        **_traced_by_node(ranks, warmup, ranks_per_node),
+        **_model_state(ranks, scheme, launched.get("config")),
+        "bubble": median(bubbles) if bubbles else None,
+        "bubble_per_stage": timed[-1].get("bubble_per_stage") if bubbles else None,
         "steps": [s["step"] for s in steps], "losses": [s["loss"] for s in steps],
         "final_loss": steps[-1]["loss"] if steps else None, "wall_s": launched["wall_s"],
     }
 
 
 def _link_per_step(ranks: list[dict], warmup: int, ranks_per_node: int | None) -> float | None:
-    """Mean bytes a node's link sent per timed step; each node's first rank reports (all ranks of a
-    node read the same counters)."""
+    """Mean bytes a node's link sent per timed step. All ranks of a node read the same counters, each
+    around its own steps; ranks whose steps are not aligned (no collective ends them together) see only
+    part of the node's traffic in their own window, so the node's window runs from the earliest start of
+    its first timed step to the latest end of its last (absolute counters), else its first rank's."""
     per_node = {}
     for r in ranks:
         steps = (r.get("link_per_step") or [])[warmup:]
-        if steps and ranks_per_node and r["rank"] % ranks_per_node == 0:
-            per_node[r["rank"]] = sum(s["tx_bytes"] for s in steps) / len(steps)
-    return sum(per_node.values()) / len(per_node) if per_node else None
+        if not (steps and ranks_per_node):
+            continue
+        node = r["rank"] // ranks_per_node
+        if "tx_at_start" in steps[0]:
+            start, end = per_node.get(node, (None, None, 0))[:2]
+            start = min(steps[0]["tx_at_start"], start if start is not None else steps[0]["tx_at_start"])
+            end = max(steps[-1]["tx_at_end"], end if end is not None else steps[-1]["tx_at_end"])
+            per_node[node] = (start, end, len(steps))
+        elif r["rank"] % ranks_per_node == 0:
+            per_node[node] = (0, sum(s["tx_bytes"] for s in steps), len(steps))
+    values = [(end - start) / n for start, end, n in per_node.values()]
+    return sum(values) / len(values) if values else None
+
+
+def _traced_by_node(ranks: list[dict], warmup: int, ranks_per_node: int | None) -> dict:
+    """Traced bytes a node's ranks send per timed step to peers on other nodes (what its link must carry)
+    and to each other (loopback), from the tracer's placement split; averaged over nodes and steps.
+    {} when the tracer did not split (no ranks_per_node)."""
+    if not ranks_per_node:
+        return {}
+    inter, intra, by_kind = {}, {}, {}
+    for r in ranks:
+        steps = r["comm_per_step"][warmup:] or r["comm_per_step"]
+        if not steps or not any("inter_bytes" in v for v in steps[0].values()):
+            return {}
+        node = r["rank"] // ranks_per_node
+        for step in steps:
+            for key, v in step.items():
+                inter[node] = inter.get(node, 0) + v.get("inter_bytes", 0) / len(steps)
+                intra[node] = intra.get(node, 0) + v.get("intra_bytes", 0) / len(steps)
+                if v.get("inter_bytes"):
+                    by_kind[key] = by_kind.get(key, 0) + v["inter_bytes"] / len(steps)
+    nodes = len(inter)
+    return {"traced_inter_bytes_per_step_per_node": sum(inter.values()) / nodes,
+            "traced_intra_bytes_per_step_per_node": sum(intra.values()) / nodes,
+            "traced_inter_by_kind_per_node": {k: v / nodes for k, v in sorted(by_kind.items())}}
+
+
+def _model_state(ranks: list[dict], scheme, config_path: str | None) -> dict:
+    """The rank holding the most model state (measured, compare.state) beside the ZeRO formula for the
+    scheme's ZeRO stage and precision, its Ψ and its data-parallel size."""
+    measured = [r for r in ranks if r.get("model_state")]
+    if not measured or not config_path:
+        return {}
+    from mtds.training.ds_config import precision, zero_stage
+
+    from .state import BUCKETS, formula
+    with open(config_path) as f:
+        config = json.load(f)
+    top = max(measured, key=lambda r: sum(r["model_state"][b] for b in BUCKETS))
+    state = {**top["model_state"], "rank": top["rank"]}
+    state["total"] = sum(state[b] for b in BUCKETS)
+    dp = top["world"] // (scheme.tp * scheme.pp)
+    return {"model_state": state, "model_state_formula": formula(precision(config), zero_stage(config),
+                                                                  state["psi"], dp, state.get("psi_persistent", 0))}
 
 
 def fmt_bytes(n) -> str:

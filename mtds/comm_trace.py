@@ -20,6 +20,14 @@ collectives (one call, the summed tensors) and the object collectives (``all_gat
 A traced call made from inside another traced call (torch's object collectives, ``_all_gather_base``
 forwarding to ``all_gather_into_tensor``, ``batch_isend_irecv`` calling ``isend``) is not counted
 again: its bytes belong to the outer call.
+
+Placement (``CommTracer(ranks_per_node=R)``, global ranks numbered node by node): each entry also gets
+``intra_bytes`` / ``inter_bytes``, what this rank *sends* to a peer on its own / another node. Ring
+collectives send their per-rank ring bytes to the next rank of the group (gloo: reduce-scatter runs as
+an all-reduce, so all-reduce bytes); sends go to their destination; a broadcast is sent by its source
+to every other member (gloo's one-to-all), likewise a scatter; a gather's
+members send to its root; all-to-all sends payload/n to each member; receives send
+nothing. Summed over a node's ranks, ``inter_bytes`` is what the node's link must carry.
 """
 from __future__ import annotations
 
@@ -66,6 +74,9 @@ _TRACED: dict[str, tuple[str, int, int | None]] = {
     "scatter_object_list": ("scatter_object_list", 3, None),
     "batch_isend_irecv": ("p2p_batch", 0, None),      # special-cased: one record per P2POp
 }
+# kind -> position of the peer (send/recv) or root (broadcast, gather, scatter) argument
+_PEER_POSITION = {"send": 1, "recv": 1, "broadcast": 1, "broadcast_object_list": 1, "gather": 2, "gather_object": 2,
+                  "scatter": 2, "scatter_object_list": 2}
 _KWARG_NAMES = ("tensor", "tensors", "input_tensor", "input_tensor_list", "input_list", "input")
 
 
@@ -111,6 +122,8 @@ class CollectiveStats:
     bytes: int = 0           # payload bytes (see module docstring)
     bus_bytes: int = 0       # ring bytes on each rank's link
     group_size: int = 0
+    intra_bytes: int = 0     # sent to peers on this rank's node (only with ranks_per_node)
+    inter_bytes: int = 0     # sent to peers on other nodes
 
 
 @dataclass
@@ -119,6 +132,8 @@ class CommTracer:
 
     group_names: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: defaultdict(CollectiveStats))
+    ranks_per_node: int | None = None      # set: split sent bytes into intra-/inter-node (module docstring)
+    _placement: dict = field(default_factory=dict, repr=False)   # group -> (global ranks, backend)
 
     def name_group(self, group, name: str) -> None:
         """Label a process group (e.g. "tp", "dp", "pp") so stats are reported per role."""
@@ -152,7 +167,8 @@ class CommTracer:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def record(self, kind: str, group, nbytes: int, bus: int | None = None, group_size: int | None = None) -> None:
+    def record(self, kind: str, group, nbytes: int, bus: int | None = None, group_size: int | None = None,
+               peer: int | None = None) -> None:
         n = _group_size(group) if group_size is None else group_size
         if n <= 1:
             return   # a group of one moves nothing
@@ -164,6 +180,39 @@ class CommTracer:
         entry.bytes += nbytes
         entry.bus_bytes += bus_bytes(kind, nbytes, n) if bus is None else bus
         entry.group_size = n
+        if self.ranks_per_node:
+            intra, inter = self._split(kind, group, nbytes, bus, peer)
+            entry.intra_bytes += intra
+            entry.inter_bytes += inter
+
+    def _split(self, kind: str, group, nbytes: int, bus: int | None, peer: int | None) -> tuple[int, int]:
+        """(intra-node, inter-node) bytes this rank sends for one call (see the module docstring)."""
+        if group not in self._placement:
+            g = None if group is dist.GroupMember.WORLD else group
+            self._placement[group] = (dist.get_process_group_ranks(g) if g is not None
+                                      else list(range(dist.get_world_size())), dist.get_backend(g))
+        ranks, backend = self._placement[group]
+        me, n, rpn = dist.get_rank(), len(ranks), self.ranks_per_node
+
+        def to(peer_rank: int, sent: float) -> tuple[int, int]:
+            return (0, round(sent)) if peer_rank // rpn != me // rpn else (round(sent), 0)
+
+        if kind in ("recv", "barrier"):
+            return 0, 0
+        if kind == "send":
+            return to(peer, nbytes) if peer is not None else (0, 0)
+        if kind in ("gather", "gather_object"):
+            return to(peer, nbytes if bus is None else bus) if peer is not None and peer != me else (0, 0)
+        if kind in ("broadcast", "broadcast_object_list", "scatter", "scatter_object_list"):
+            if peer != me:
+                return 0, 0
+            pairs = [to(r, nbytes if bus is None else bus) for r in ranks if r != me]
+        elif kind == "all_to_all":
+            pairs = [to(r, nbytes / n) for r in ranks if r != me]
+        else:
+            ring = "all_reduce" if (kind == "reduce_scatter" and backend == "gloo") else kind
+            pairs = [to(ranks[(ranks.index(me) + 1) % n], bus_bytes(ring, nbytes, n) if bus is None else bus)]
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
     def reset(self) -> None:
         self.stats.clear()
@@ -171,8 +220,9 @@ class CommTracer:
     def summary(self) -> dict[str, dict[str, int]]:
         """``{"all_reduce/tp": {"calls": n, "bytes": payload, "bus_bytes": b, "group_size": g}, ...}``
         sorted by key."""
+        placed = ("intra_bytes", "inter_bytes") if self.ranks_per_node else ()
         return {f"{kind}/{group}": {"calls": s.calls, "bytes": s.bytes, "bus_bytes": s.bus_bytes,
-                                    "group_size": s.group_size}
+                                    "group_size": s.group_size, **{k: getattr(s, k) for k in placed}}
                 for (kind, group), s in sorted(self.stats.items())}
 
     def total_bytes(self, group: str | None = None) -> int:
@@ -200,6 +250,13 @@ def label_deepspeed_groups(tracer: CommTracer, engine) -> None:
 
 
 _local = threading.local()   # depth of traced calls on this thread, and the outer call's inner bytes
+
+
+def _peer(group, peer, group_peer):
+    """The global rank of a p2p peer or broadcast source given as a global or a group rank."""
+    if peer is None and group_peer is not None:
+        return dist.get_global_rank(group, group_peer) if group is not None else group_peer
+    return peer
 
 
 def _installed_wrapper(name: str, spec):
@@ -245,15 +302,19 @@ def _wrap(kind: str, group_pos: int, payload_pos: int | None, original):
             for op in ops:
                 op_kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
                 for tracer in tracers:
-                    tracer.record(op_kind, op.group, _nbytes(op.tensor))
+                    tracer.record(op_kind, op.group, _nbytes(op.tensor), peer=_peer(op.group, op.peer, op.group_peer))
             return result
         group = _argument(args, kwargs, group_pos, ("group",))
         if payload_pos is None:
             nbytes, bus = inner            # object collectives (and barrier: nothing inside)
         else:
             nbytes, bus = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES)), None
+        peer = None
+        if kind in _PEER_POSITION:     # dst / src: a global rank (or group_dst / group_src)
+            peer = _peer(group, _argument(args, kwargs, _PEER_POSITION[kind], ("dst", "src")),
+                         kwargs.get("group_dst", kwargs.get("group_src")))
         for tracer in tracers:
-            tracer.record(kind, group, nbytes, bus)
+            tracer.record(kind, group, nbytes, bus, peer=peer)
         return result
 
     traced._mtds_tracers = tracers

@@ -153,7 +153,36 @@ def test_launcher_trains_across_nodes_with_single_host_losses_and_formula_link_b
                 steps = ranks[node]["link_per_step"][1:]     # step 1 of ZeRO-3 records its fetch order
                 per_step = sum(s["tx_bytes"] for s in steps) / len(steps)
                 assert formula * 0.99 <= per_step <= formula * (1 + STEP_OVERHEAD), (name, node, per_step, formula)
+                # The tracer's placement split: what the node's ranks send to the other node equals the
+                # counters (less the protocol overhead) and the formula.
+                traced = sum(v["inter_bytes"] for r in ranks[node:node + 2] for step in r["comm_per_step"][1:]
+                             for v in step.values()) / len(steps)
+                assert traced * 0.99 <= per_step <= traced * (1 + STEP_OVERHEAD), (name, node, per_step, traced)
+                assert formula * 0.99 <= traced <= formula * (1 + STEP_OVERHEAD), (name, node, traced, formula)
+            _check_split_and_state(name, ranks, out)
     assert _leftovers() == []
+
+
+def _check_split_and_state(name, ranks, out):
+    """Per-collective placement and model-state bytes of the 2 x 2 launches (fp32 AdamW)."""
+    from compare.state import formula
+    last = ranks[0]["comm_per_step"][-1]
+    if name.startswith("ptdp"):
+        # t = 2 inside a node: TP all-reduces stay on loopback; the pipeline sends cross; ZeRO-1 at d = 1
+        assert last["all_reduce/tp"]["inter_bytes"] == 0 and last["all_reduce/tp"]["intra_bytes"] > 0, last
+        assert last["send/world"]["intra_bytes"] == 0 and last["send/world"]["inter_bytes"] > 0, last
+        bubble = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][-1]
+        assert 0 < bubble["bubble"] < 1 and len(bubble["bubble_per_stage"]) == 2, bubble
+        zero, d = 1, 1
+    else:
+        # ring over world (0 1 2 3): rank 0 sends to rank 1 (same node), rank 1 to rank 2 (across)
+        assert last["all_gather/dp"]["inter_bytes"] == 0 and ranks[1]["comm_per_step"][-1]["all_gather/dp"]["intra_bytes"] == 0
+        zero, d = 3, 4
+    for r in ranks:
+        state = r["model_state"]
+        want = formula("fp32", zero, state["psi"], d, state["psi_persistent"])
+        for key in ("params", "grads", "optimizer"):      # padded partitions, small buffers: 2%
+            assert want[key] <= state[key] <= want[key] * 1.02 + 64, (name, r["rank"], key, state, want)
 
 
 def _rank_pids(namespace):
