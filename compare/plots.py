@@ -75,16 +75,18 @@ def crossover(rows: list[dict], links: list[str], path: str) -> str:
 
 
 def link_bytes(rows: list[dict], path: str) -> str:
-    """Bytes each node's link sends per step, per scheme (measured at the first link speed) beside the
-    formula."""
+    """Bytes each node's link sends per step, per scheme (measured at the first link speed), beside what
+    the tracer says the node's ranks sent to other nodes, and the formula."""
     plt = _pyplot()
     first = rows[0]["link"] if rows else ""
     mine = [r for r in rows if r["link"] == first and r["status"] == "ok"]
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(mine))
-    ax.bar([i - 0.2 for i in x], [(r.get("link_bytes_per_step_per_node") or 0) / 1e6 for r in mine], 0.4,
+    ax.bar([i - 0.27 for i in x], [(r.get("link_bytes_per_step_per_node") or 0) / 1e6 for r in mine], 0.27,
            label="measured (veth counters)")
-    ax.bar([i + 0.2 for i in x], [(r.get("link_formula_bytes") or 0) / 1e6 for r in mine], 0.4, label="formula")
+    ax.bar(list(x), [(r.get("traced_inter_bytes_per_step_per_node") or 0) / 1e6 for r in mine], 0.27,
+           label="traced, to other nodes")
+    ax.bar([i + 0.27 for i in x], [(r.get("link_formula_bytes") or 0) / 1e6 for r in mine], 0.27, label="formula")
     ax.set_xticks(list(x), [r["scheme"] for r in mine], rotation=20)
     ax.set(ylabel="MB per step per node", title=f"bytes crossing the inter-node link ({first})")
     ax.legend()

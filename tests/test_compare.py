@@ -77,6 +77,20 @@ def test_comm_families_are_never_summed_across_kinds():
                                     "broadcast": 0}
 
 
+def test_zero_formulas():
+    """The ZeRO paper's model-state bytes per rank (mixed precision: 2 + 2 + 12 per parameter), and fp32 as
+    DeepSpeed runs it (4 + 4 + 8 without ZeRO, + a 4-byte master partition with ZeRO >= 1)."""
+    from compare.state import formula
+    psi, d = 1000, 4
+    assert formula("bf16", 0, psi, d)["total"] == 16 * psi and formula("bf16", 0, psi, d)["label"] == "ZeRO-0 bf16: 16Ψ"
+    assert formula("fp16", 1, psi, d)["total"] == 4 * psi + 12 * psi / d
+    assert formula("bf16", 2, psi, d)["total"] == 2 * psi + 14 * psi / d
+    assert formula("bf16", 3, psi, d)["label"] == "ZeRO-3 bf16: 16Ψ/d" and formula("bf16", 3, psi, d)["total"] == 16 * psi / d
+    assert formula("fp32", 0, psi, d)["total"] == 16 * psi and formula("fp32", 1, psi, d)["label"] == "ZeRO-1 fp32: 8Ψ + 12Ψ/d"
+    z3 = formula("fp32", 3, psi, d, persistent=100)
+    assert z3["params"] == 4 * psi / d + 400 and z3["label"] == "ZeRO-3 fp32: 20Ψ/d + 4Ψp"
+
+
 def test_planner_cell_follows_the_link(tmp_path):
     """The prediction beside a cell uses the shaped link as the inter-node bandwidth: a slower link slows
     ZeRO-3 (all of its traffic crosses nodes) far more than PTD-P (only stage boundaries cross)."""
@@ -105,7 +119,7 @@ def test_compare_run_on_emulated_nodes(tmp_path):
     model.write_text(json.dumps(TINY_GPT2))
     out = tmp_path / "sweep"
     code = main(["run", "--nodes", "2", "--ranks-per-node", "1", "--inter-node", "1gbit", "--schemes", "ptdp:pp=2",
-                 "hf-zero3", "autotp:tp=2", "--model", str(model), "--steps", "2", "--seq-length", "32",
+                 "hf-zero3", "autotp:tp=2", "autotp:tp=2,model=llama-tiny", "--model", str(model), "--steps", "2", "--seq-length", "32",
                  "--global-batch", "8", "--micro-batch", "2", "--no-predict", "--out", str(out), "--timeout", "300",
                  "--prefix", f"mtds-c{os.getpid()}-"])
     assert code == 0
@@ -113,8 +127,14 @@ def test_compare_run_on_emulated_nodes(tmp_path):
         assert (out / name).stat().st_size > 0, name
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [(r["scheme"], r["status"]) for r in rows] == [("ptdp-t1p2", "ok"), ("hf-zero3", "ok"),
-                                                          ("autotp-t2", "error")]
+                                                          ("autotp-t2", "error"), ("autotp-t2-llama-tiny", "ok")]
     assert "AutoTP not supported" in rows[2]["error"]
+    # DeepSpeed's AutoTP trains a Llama: same losses as mtds on one rank on one host (same model and data)
+    llama = rows[3]
+    assert len(json.loads((out / "results.json").read_text())["meta"]["references"]["llama-tiny"]) == 2
+    assert llama["loss_max_rel_diff"] <= 1e-5 and llama["model_state"]["psi"] < 2_901_120, llama   # TP-sharded
+    for r in (rows[0], rows[1], llama):    # one rank per node: every byte a rank sends crosses the link
+        assert r["traced_intra_bytes_per_step_per_node"] == 0 and r["traced_inter_bytes_per_step_per_node"] > 0, r
     ptdp, hf = rows[0], rows[1]
     for a, b in zip(ptdp["losses"], hf["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (ptdp["losses"], hf["losses"])
