@@ -118,9 +118,7 @@ def run(cfg: TrainConfig) -> RunResult:
 
 def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heartbeat: Heartbeat) -> RunResult:
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
-    # DeepSpeed's DualPipeV batches its p2p as torch P2POps, which refuse the tracer's wrapped isend/irecv:
-    # no tracer there (in a process where none was installed before).
-    tracer = CommTracer().install() if cfg.trace_comm and cfg.pipeline_schedule != "dualpipev" else None
+    tracer = CommTracer().install() if cfg.trace_comm else None
     try:
         device, backend = init_distributed(cfg.dist_timeout_s)
     except RuntimeError as err:     # torch's DistStoreError and timeouts while the ranks gather
@@ -260,8 +258,14 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
             timeline.begin()
         skipped_before, lr = engine.skipped_steps, engine.get_lr()[0]
         start = time.perf_counter()
+        consumed = stream.consumed_samples
         loss = train_step(engine, stream, groups, batch.accumulation, device)
         elapsed = time.perf_counter() - start
+        if stream.consumed_samples == consumed:
+            # This rank read no data (a middle 1f1b stage; DualPipeV's last rank, which DeepSpeed never
+            # loads on): move its position anyway, so every rank saves where the data stream is -- a
+            # resume under another schedule or layout may make this rank read labels.
+            stream.consumed_samples += batch.global_batch
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         skipped = engine.skipped_steps > skipped_before
