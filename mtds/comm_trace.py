@@ -302,7 +302,7 @@ def _wrap(kind: str, group_pos: int, payload_pos: int | None, original):
             for op in ops:
                 op_kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
                 for tracer in tracers:
-                    tracer.record(op_kind, op.group, _nbytes(op.tensor), peer=_peer(op.group, op.peer, op.group_peer))
+                    tracer.record(op_kind, op.group, _nbytes(op.tensor), peer=_peer(op.group, op.peer, getattr(op, "group_peer", None)))
             return result
         group = _argument(args, kwargs, group_pos, ("group",))
         if payload_pos is None:
