@@ -74,15 +74,16 @@ def ensure_universal(root: str, tag: str | None = None) -> str:
     """Convert ``root/tag`` (default: latest) to ``root/tag_universal`` once; return that folder.
 
     Call on one rank only. The conversion is DeepSpeed's ds_to_universal (ZeRO-1/2 partitions merged
-    and TP slices joined per parameter), or ours for ZeRO-0 (zero0.py, same output layout, so DeepSpeed loads it into ZeRO-1/2 too);
-    afterwards every parameter folder gets an alias under the other naming, so a pipeline checkpoint resumes without a pipeline (p = 1) and vice versa.
+    and TP slices joined per parameter), or ours for ZeRO-0 (zero0.py, same output layout, so DeepSpeed
+    loads it into ZeRO-1/2 too); afterwards every parameter folder gets an alias under the other naming,
+    so a pipeline checkpoint resumes without a pipeline (p = 1) and vice versa.
     """
     tag_dir = resolve_tag_dir(os.path.join(root, tag) if tag else root)
     root, tag = os.path.split(os.path.normpath(tag_dir))
     meta = CheckpointMeta.load(tag_dir)
     out = universal_dir(root, tag)
     # zero/optimizer_state.pt: ZeRO-0 conversions of earlier mtds versions lack it (ZeRO-0 engines only)
-    if os.path.isfile(os.path.join(out, DONE_MARKER)) and os.path.isfile(os.path.join(out, "zero", "optimizer_state.pt")):
+    if all(os.path.isfile(os.path.join(out, *f)) for f in ((DONE_MARKER,), ("zero", "optimizer_state.pt"))):
         return out
     if meta.weights_only:
         raise CheckpointFormatError(f"{tag_dir} holds weights only (no optimizer state): nothing to reshard")

@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every N steps verify TP-replicated and tied weights are identical [off]")
     g.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a collective gives up [600]")
     g.add_argument("--on-nan", choices=("stop", "skip"), default="stop",
-                   help="a NaN/inf loss or grad norm (bf16/fp32): stop with one line naming step and rank, saving "
-                        "nothing, or skip steps the optimizer did not apply (ZeRO-1/2) [stop]")
+                   help="a NaN/inf loss or grad norm (bf16/fp32): stop with one line naming the step and the ranks "
+                        "whose own gradients were non-finite, saving nothing, or skip steps the optimizer did not "
+                        "apply (ZeRO-1/2) [stop]")
     g.add_argument("--no-save-on-signal", dest="save_on_signal", action="store_false",
                    help="on SIGTERM/SIGINT stop after the current step without saving (default: save with --save)")
     g.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",

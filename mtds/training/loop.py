@@ -24,7 +24,7 @@ from mtds.layout import ParallelGroups, ParallelLayout
 from mtds.metrics import model_config_flops, peak_tflops
 from mtds.pipe import build_model
 from mtds.safety.heartbeat import Heartbeat
-from mtds.safety.numerics import check_finite
+from mtds.safety.numerics import LocalNonFinite, check_finite
 from mtds.safety.signals import StopRequest
 from mtds.safety.startup import BuildLockWatchdog, rendezvous_error
 from mtds.tp import seed_parallel_streams
@@ -213,6 +213,8 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         label_deepspeed_groups(tracer, engine)   # the pipeline engine's own grid groups, tied weights
     for callback in cfg.on_engine_ready:
         callback(engine, groups)
+    # After the callbacks: their gradient hooks (tests inject NaNs so) run before this rank's record.
+    nonfinite = LocalNonFinite(engine.module) if precision(ds_config) != "fp16" else None
 
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, heads "
@@ -288,10 +290,11 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         result.final_step = step
         if tracer is not None:
             result.comm = tracer.summary()
+        local_bad = nonfinite.take() if nonfinite is not None else False     # this step's record, every step
         if precision(ds_config) != "fp16" and not (cfg.on_nan == "skip" and skipped):
             # fp16: the loss scaler skips overflowing steps itself. "skip" accepts a step only where
             # the engine did not apply it (ZeRO-1/2 check the norm); an applied NaN update always stops.
-            check_finite(step, loss, grad_norm, device)
+            check_finite(step, loss, grad_norm, device, local_bad=local_bad)
         if cfg.check_replicas_interval and step % cfg.check_replicas_interval == 0:
             from .consistency import check_replicas
             check_replicas(engine.module, groups)
