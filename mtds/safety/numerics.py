@@ -32,7 +32,9 @@ class LocalNonFinite:
         self._bad: torch.Tensor | None = None
         self._handles = [p.register_hook(self._check) for p in module.parameters() if p.requires_grad]
 
-    def _check(self, grad: torch.Tensor) -> None:
+    def _check(self, grad: torch.Tensor | None) -> None:
+        if grad is None:        # a gradient deferred elsewhere (ZB-H1's W pass)
+            return
         bad = ~torch.isfinite(grad).all()
         self._bad = bad if self._bad is None else self._bad | bad
 
