@@ -6,7 +6,7 @@ spawned launch per world size:
   blocks); zb-h1 at (1,2,1) ZeRO-0/1, (1,4,1) ZeRO-0/1 and (2,2,1) ZeRO-0.
 - interleaved fp16 (DeepSpeed's loss scaler on mtds's engine) against 1f1b fp16 at the same layout.
 - Checkpoints written under one schedule resumed under another (dualpipev <-> 1f1b, zb-h1 -> 1f1b,
-  dualpipev -> dualpipev) exactly, and interleaved v=2 at (2,2,1) resumed at another t and another p.
+  dualpipev -> dualpipev, interleaved v=2 -> v=3) exactly, and interleaved v=2 at (2,2,1) resumed at another t and another p.
 - DualPipeV's batched p2p counted by the collective tracer against the formula.
 
 DualPipeV needs m >= 2p micro-batches: its cells run micro-batch 1 (m = 8 at (1,4,1), 4 at (2,2,2)), the
@@ -80,7 +80,7 @@ def consumed_samples(path):
 @functools.lru_cache(maxsize=1)
 def two_rank_runs():
     out = tempfile.mkdtemp(prefix="mtds-matrix2-")
-    ck = {name: os.path.join(out, name) for name in ("dualpipev", "1f1b", "zb-h1")}
+    ck = {name: os.path.join(out, name) for name in ("dualpipev", "1f1b", "zb-h1", "v2")}
     step = os.path.join("{}", f"global_step{CKPT_AT}")
     configs = [
         # parity cells (zb-h1 ZeRO-1 is the checkpoint run below)
@@ -96,6 +96,9 @@ def two_rank_runs():
         run("dualpipev", 1, 2, load=step.format(ck["1f1b"])),
         run("dualpipev", 1, 2, load=step.format(ck["dualpipev"]), log_jsonl=os.path.join(out, "dpv-resumed.jsonl")),
         run("1f1b", 1, 2, load=step.format(ck["zb-h1"])),
+        # another v: interleaved v=2 -> v=3 (six blocks); the v=3 parity run above is the uninterrupted one
+        run("interleaved", 1, 2, virtual_stages=2, model=TINY6, save=ck["v2"], save_interval=CKPT_AT),
+        run("interleaved", 1, 2, virtual_stages=3, model=TINY6, load=step.format(ck["v2"])),
     ]
     return run_layouts(2, configs, force_fp16=True), out
 
@@ -125,10 +128,12 @@ def test_interleaved_fp16_against_1f1b_fp16():
 
 def test_checkpoints_across_schedules_two_ranks():
     per_rank, out = two_rank_runs()
-    dpv, f1b, zb, dpv_to_1f1b, f1b_to_dpv, dpv_to_dpv, zb_to_1f1b = per_rank[-1][4:]
+    dpv, f1b, zb, dpv_to_1f1b, f1b_to_dpv, dpv_to_dpv, zb_to_1f1b, _, v2_to_v3 = per_rank[-1][4:]
+    v3 = per_rank[-1][1]
     k = CKPT_AT
     for what, resumed, straight in (("dualpipev -> 1f1b", dpv_to_1f1b, f1b), ("1f1b -> dualpipev", f1b_to_dpv, dpv),
-                                    ("dualpipev -> dualpipev", dpv_to_dpv, dpv), ("zb-h1 -> 1f1b", zb_to_1f1b, f1b)):
+                                    ("dualpipev -> dualpipev", dpv_to_dpv, dpv), ("zb-h1 -> 1f1b", zb_to_1f1b, f1b),
+                                    ("interleaved v=2 -> v=3", v2_to_v3, v3)):
         assert resumed.losses == straight.losses[k:], (what, resumed.losses, straight.losses)
         # Bit-equal too except 1f1b -> dualpipev, whose first resumed norm is 1 ulp off (9.1e-8 measured;
         # losses bit-equal): after the universal load the norm's sum is not bit-stable;
