@@ -143,22 +143,42 @@ def test_four_ranks_interleaved_and_dualpipev():
         assert comm["all_gather/tp"]["calls"] == comm["recv/pp"]["calls"], (rank, comm)
 
 
-def zb_h1(tp, pp, zero=1, **kwargs):
-    return train_config(tp=tp, pp=pp, pipeline_schedule="zb-h1", deepspeed_config=ds_config(zero=zero), **kwargs)
+def zb_h1(tp, pp, zero=1, precision="fp32", **kwargs):
+    ds = ds_config(zero=zero, precision=precision, **kwargs.pop("ds_extra", {}))
+    return train_config(tp=tp, pp=pp, pipeline_schedule="zb-h1", deepspeed_config=ds, **kwargs)
+
+
+# Mixed precision under zb-h1, each DeepSpeed path against the same config under DeepSpeed's 1F1B:
+# BF16_Optimizer with fp32 accumulation (ZeRO-1 + grad_accum_dtype fp32, the shipped bf16 configs) and
+# with bf16 accumulation (ZeRO-0), and fp16's loss-scaling FP16 optimizer (ZeRO-0).
+ZB_PRECISIONS = (("bf16 BF16_Optimizer fp32 accumulation", dict(zero=1, precision="bf16",
+                                                                 ds_extra={"data_types": {"grad_accum_dtype": "fp32"}})),
+                 ("bf16 BF16_Optimizer bf16 accumulation", dict(zero=0, precision="bf16")),
+                 ("fp16 loss scaling", dict(zero=0, precision="fp16")))
+ZB_STEPS = 3    # exact equality: a dropped or doubled W shows from the first step's norm
 
 
 def test_zb_h1_four_ranks():
     """ZB-H1 (B: input grads, W: the TP linears' deferred weight grads) vs HF, at (1,2,2) ZeRO-0/1 and
-    (2,2,1) ZeRO-1; full recompute with dropout bit-identical to storing the activations (the queued W
-    holds the recomputed forward's tensors), and both bit-identical to DeepSpeed's 1F1B (same forward
-    order per rank, so the same dropout masks)."""
+    (2,2,1) ZeRO-1, also with sequence parallelism (its linears deferred too: W re-gathers the input);
+    full recompute with dropout bit-identical to storing the activations (the queued W holds the
+    recomputed forward's tensors), and both bit-identical to DeepSpeed's 1F1B (same forward order per
+    rank, so the same dropout masks). bf16 and fp16 at (2,2,1): bit-identical to 1F1B in the same
+    precision -- W's gradients reach the optimizer's fp32 (or bf16) accumulation exactly once per
+    micro-batch, in 1F1B's order -- and the fp16 loss scale is carried by the queued output gradients."""
     dropout = dict(model=DROPOUT, steps=SHORT)
+    mixed = []
+    for _, kw in ZB_PRECISIONS:
+        ds = ds_config(zero=kw["zero"], precision=kw["precision"], **kw.get("ds_extra", {}))
+        mixed += [zb_h1(2, 2, steps=ZB_STEPS, **kw), train_config(tp=2, pp=2, steps=ZB_STEPS, deepspeed_config=ds)]
     per_rank = run_layouts(4, [zb_h1(1, 2, zero=0), zb_h1(1, 2, zero=1), zb_h1(2, 2, zero=1),
+                               zb_h1(2, 2, zero=1, sequence_parallel=True),
                                zb_h1(2, 2, recompute="full", **dropout), zb_h1(2, 2, recompute="none", **dropout),
-                               train_config(tp=2, pp=2, **dropout)])
-    dp0, dp1, tp1, recompute, no_recompute, base = per_rank[-1]     # last stage reports
+                               train_config(tp=2, pp=2, **dropout)] + mixed, force_fp16=True)
+    dp0, dp1, tp1, sp, recompute, no_recompute, base, *mixed = per_rank[-1]     # last stage reports
     ref = reference()
-    for result, what in ((dp0, "(1,2,2) ZeRO-0"), (dp1, "(1,2,2) ZeRO-1"), (tp1, "(2,2,1) ZeRO-1")):
+    for result, what in ((dp0, "(1,2,2) ZeRO-0"), (dp1, "(1,2,2) ZeRO-1"), (tp1, "(2,2,1) ZeRO-1"),
+                         (sp, "(2,2,1) ZeRO-1 sequence parallel")):
         diff = max_rel_diff(result.losses, ref.losses)
         assert diff < REL_TOL, f"zb-h1 {what}: losses max rel diff {diff:.2e}\n{result.losses}\n{ref.losses}"
         diff = max_rel_diff(result.grad_norms, ref.grad_norms)
@@ -167,6 +187,12 @@ def test_zb_h1_four_ranks():
     assert recompute.grad_norms == no_recompute.grad_norms
     assert (no_recompute.losses, no_recompute.grad_norms) == (base.losses, base.grad_norms)
     assert max_rel_diff(recompute.losses, ref.losses[:SHORT]) > 1e-4    # dropout was on
+    for k, (what, _) in enumerate(ZB_PRECISIONS):
+        zb, one_f_one_b = mixed[2 * k], mixed[2 * k + 1]
+        diffs = (max_rel_diff(zb.losses, one_f_one_b.losses), max_rel_diff(zb.grad_norms, one_f_one_b.grad_norms))
+        assert (zb.losses, zb.grad_norms) == (one_f_one_b.losses, one_f_one_b.grad_norms), \
+            f"zb-h1 (2,2,1) {what} vs 1f1b: losses / grad norms max rel diff {diffs[0]:.2e} / {diffs[1]:.2e}"
+        assert max_rel_diff(zb.losses, ref.losses[:ZB_STEPS]) > 1e-4, what    # it really ran in 16 bits
 
 
 def test_interleaved_eight_ranks():
@@ -177,15 +203,20 @@ def test_interleaved_eight_ranks():
 
 
 def test_schedule_choice_is_checked_before_any_process_starts():
-    from mtds.pipe.select import check_precision, check_schedule, deepspeed_version_problem
+    from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
     with pytest.raises(ValueError, match="needs a pipeline"):
         train_config(pp=1, pipeline_schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match="--virtual-stages 2 needs --pipeline-schedule interleaved"):
         train_config(pp=2, virtual_stages=2)
     with pytest.raises(ValueError, match="zb-h1 runs one chunk per rank"):
         train_config(pp=2, pipeline_schedule="zb-h1", virtual_stages=2)
-    with pytest.raises(ValueError, match="fp32 only, not bf16"):
-        check_precision("zb-h1", "bf16")
+    for precision in ("bf16", "fp16"):      # zb-h1 runs in every precision, but not with these hooks
+        check_schedule_config("zb-h1", {precision: {"enabled": True}, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ValueError, match="immediate_grad_update"):
+        check_schedule_config("zb-h1", {"bf16": {"enabled": True, "immediate_grad_update": True}})
+    with pytest.raises(ValueError, match="overlap_comm"):
+        check_schedule_config("zb-h1", {"zero_optimization": {"stage": 1, "overlap_comm": True}})
+    check_schedule_config("1f1b", {"zero_optimization": {"stage": 1, "overlap_comm": True}})
     with pytest.raises(ValueError, match="unknown --pipeline-schedule"):
         train_config(pp=2, pipeline_schedule="gpipe")
     with pytest.raises(ValueError, match="micro-batches"):

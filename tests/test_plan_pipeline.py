@@ -104,6 +104,9 @@ def test_planner_recommends_only_what_train_py_runs(monkeypatch):
     assert res.feasible and all(not pr.not_runnable for pr in res.feasible)
     assert all(runnable.TRAIN_PY_RUNS["pipeline_schedule"][pr.layout.pipeline_schedule] for pr in res.feasible)
     assert res.best.layout.pipeline_schedule == "interleaved"
+    assert any(pr.layout.pipeline_schedule == "zb-h1" for pr in res.feasible)    # bf16 zb-h1 runs now
+    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "zb-h1", False)
+    res = plan(GPT3, work, cluster)
     everything = plan(GPT3, work, cluster, runnable_only=False)
     flagged = [pr for pr in everything.feasible if pr.not_runnable]
     assert flagged and len(everything.feasible) > len(res.feasible)
@@ -116,19 +119,32 @@ def test_planner_recommends_only_what_train_py_runs(monkeypatch):
 
 
 def test_runnable_schedules_are_the_ones_train_py_accepts():
-    from mtds.pipe.select import PIPELINE_SCHEDULES
+    from mtds.pipe.select import PIPELINE_SCHEDULES, check_schedule_config
     flags = runnable.TRAIN_PY_RUNS["pipeline_schedule"]
     assert {name for name, runs in flags.items() if runs} == set(PIPELINE_SCHEDULES)
+    # precision: the planner flags a schedule for a precision exactly when train.py's check refuses it
+    configs = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
+    for name in PIPELINE_SCHEDULES:
+        for precision, ds in configs.items():
+            try:
+                check_schedule_config(name, {**ds, "zero_optimization": {"stage": 1}})
+                refused = False
+            except ValueError:
+                refused = True
+            planner = bool(runnable.not_runnable(Layout(1, 2, 1, 1, pipeline_schedule=name), precision))
+            assert planner == refused, (name, precision)
 
 
-def test_evaluating_an_unrunnable_layout_flags_it():
-    pr = evaluate(GPT3, Workload(1536), Cluster(A100, 1536), tp=8, pp=12, microbatch=1, recompute="full",
-                  pipeline_schedule="zb-h1")
+def test_evaluating_an_unrunnable_layout_flags_it(monkeypatch):
+    def zb_h1(precision):
+        return evaluate(GPT3, Workload(1536, precision=precision), Cluster(A100, 1536), tp=8, pp=12,
+                        microbatch=1, recompute="full", pipeline_schedule="zb-h1")
+    for precision in ("bf16", "fp32"):        # zb-h1 runs in every precision
+        assert zb_h1(precision).not_runnable == () and zb_h1(precision).as_dict()["runnable"] is True
+    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "zb-h1", False)
+    pr = zb_h1("bf16")
     assert pr.layout.pipeline_schedule == "zb-h1" and pr.feasible
-    assert pr.not_runnable == ("train.py runs --pipeline-schedule zb-h1 in fp32 only, not bf16",)
-    fp32 = evaluate(GPT3, Workload(1536, precision="fp32"), Cluster(A100, 1536), tp=8, pp=12, microbatch=1,
-                    recompute="full", pipeline_schedule="zb-h1")
-    assert fp32.not_runnable == () and fp32.as_dict()["runnable"] is True
+    assert pr.not_runnable == ("train.py cannot run --pipeline-schedule zb-h1 yet",)
     assert pr.as_dict()["runnable"] is False
 
 
@@ -152,7 +168,8 @@ def _cli(capsys, *argv):
     return rc, capsys.readouterr().out
 
 
-def test_cli_pipeline_schedule_and_runnable_flags(capsys):
+def test_cli_pipeline_schedule_and_runnable_flags(capsys, monkeypatch):
+    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "zb-h1", False)
     gpt3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--gpus", "1536", "--global-batch", "1536"]
     rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--recompute", "full",
                    "--pipeline-schedule", "interleaved", "--json")
@@ -167,4 +184,4 @@ def test_cli_pipeline_schedule_and_runnable_flags(capsys):
     rc, out = _cli(capsys, *gpt3, "--json", "--top", "0", "--include-unrunnable")
     assert any(not lay["runnable"] for lay in json.loads(out)["layouts"])
     rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--pipeline-schedule", "zb-h1")
-    assert "not runnable: train.py runs --pipeline-schedule zb-h1 in fp32 only, not bf16" in out
+    assert "not runnable: train.py cannot run --pipeline-schedule zb-h1 yet" in out

@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .p2p import StageP2P
 from ..tp.weight_grad_store import WeightGradStore
-from .select import check_precision
+from .select import check_weight_pass_support
 from .schedules import Action, check_microbatches, has_weight_pass, schedule_actions
 
 
@@ -56,7 +56,9 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.timeline = None       # a mtds.pipe.timeline.TimelineRecorder, when the user asked for one
         self.weight_grads = None   # ZB-H1: the TP linears' deferred weight gradients, run by W actions
         if has_weight_pass(schedule):
-            check_precision(schedule, {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp16"))
+            check_weight_pass_support(bf16_immediate=self.using_bf16_optimizer and
+                                      self._config.bfloat16_config.immediate_grad_update,
+                                      overlap_comm=self.zero_optimization() and self.zero_overlap_comm())
             self.weight_grads = WeightGradStore()
             for module in self.module.modules():
                 if hasattr(module, "weight_grad_store"):
@@ -231,9 +233,21 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def _weight(self, chunk: int, micro: int) -> None:
         """ZB-H1's W: the weight/bias GEMMs the TP linears queued during this micro-batch's B, in order,
-        accumulated into ``param.grad`` (fp32 only, see ``__init__``)."""
+        accumulated into ``param.grad``, then handed to the optimizer's gradient accumulation as a
+        backward's would be (the loss scale, fp16, is already in the queued output gradients)."""
         with self._span("W", chunk, micro):
+            bf16 = self.using_bf16_optimizer
+            if bf16:
+                # Every low-precision grad here was folded into fp32 by the backward that produced it:
+                # zero them so the fold below adds only this W's gradients (once).
+                self.optimizer.clear_lp_grads()
             self.weight_grads.run((chunk, micro))
+            if bf16:
+                self.optimizer.update_hp_grads(clear_lp_grads=False)
+            elif getattr(self.optimizer, "use_grad_accum_attribute", False):
+                # ZeRO-1/2 accumulating 16-bit grads in fp32: moves param.grad into param.grad_accum
+                # (and clears it), what its backward epilogue does.
+                self.optimizer.fill_grad_accum_attribute()
 
 
 def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,

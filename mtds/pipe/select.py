@@ -1,7 +1,7 @@
 """Which pipeline schedule runs a step, checked up front.
 
 ``1f1b`` is DeepSpeed's own ``PipelineEngine``, untouched; ``dualpipev`` DeepSpeed's own
-``DualPipeVEngine`` (0.19.8+) on mtds's model. ``interleaved`` and ``zb-h1`` (fp32)
+``DualPipeVEngine`` (0.19.8+) on mtds's model. ``interleaved`` and ``zb-h1``
 run on mtds's ``ScheduledPipelineEngine`` (``mtds.pipe.engine``), which builds on private internals of
 DeepSpeed's pipeline engine. Both non-1f1b paths are supported for ``DEEPSPEED_RANGE`` only.
 """
@@ -40,12 +40,26 @@ def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: in
         check_microbatches(name, pp, virtual_stages, micro_batches)
 
 
-def check_precision(name: str, precision: str) -> None:
-    """ZB-H1's deferred weight gradients go straight into ``param.grad``; the BF16 optimizer and the fp16
-    loss scaler fold low-precision grads into fp32 after each backward, which W does not do yet."""
-    if name == "zb-h1" and precision != "fp32":
-        raise ValueError(f"--pipeline-schedule zb-h1 runs in fp32 only, not {precision}: use an fp32 DeepSpeed "
-                         f"config (e.g. ds_configs/cpu_fp32.json) or --pipeline-schedule 1f1b/interleaved")
+def check_weight_pass_support(*, bf16_immediate: bool, overlap_comm: bool) -> None:
+    """ZB-H1's W writes weight gradients into ``param.grad`` after autograd is done with them, so the
+    per-parameter gradient hooks of these two DeepSpeed modes would never see them."""
+    if bf16_immediate:
+        raise ValueError("--pipeline-schedule zb-h1 cannot use bf16.immediate_grad_update (its per-parameter "
+                         "hooks never see the deferred weight gradients): set it to false")
+    if overlap_comm:
+        raise ValueError("--pipeline-schedule zb-h1 cannot use zero_optimization.overlap_comm (its per-parameter "
+                         "hooks never see the deferred weight gradients): set it to false")
+
+
+def check_schedule_config(name: str, ds_config: dict) -> None:
+    """:func:`check_weight_pass_support` on a DeepSpeed config dict, before any engine exists (the engine
+    checks its own state again)."""
+    if name != "zb-h1":
+        return
+    bf16 = ds_config.get("bf16", ds_config.get("bfloat16", {})) or {}
+    zero = ds_config.get("zero_optimization", {}) or {}
+    check_weight_pass_support(bf16_immediate=bool(bf16.get("enabled") and bf16.get("immediate_grad_update")),
+                              overlap_comm=bool(zero.get("overlap_comm", int(zero.get("stage", 0)) == 3)))
 
 
 def deepspeed_version_problem(version: str) -> str | None:

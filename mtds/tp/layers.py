@@ -110,8 +110,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight_grad_store = None   # a WeightGradStore while a zero-bubble schedule defers W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:   # weight gradients not deferred (computed in B)
-            y = linear_with_sequence_parallel_input(x, self.weight, self.bias, self.group)
+        if self.sequence_parallel:
+            y = linear_with_sequence_parallel_input(x, self.weight, self.bias, self.group, self.weight_grad_store)
         else:
             y = linear_with_deferred_weight_grad(copy_to_tensor_parallel_region(x, self.group), self.weight,
                                                  self.bias, self.weight_grad_store)
@@ -158,7 +158,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, SEQUENCE_DIM)
+            y = linear_with_deferred_weight_grad(x, self.weight, None, self.weight_grad_store)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group, SEQUENCE_DIM)
             return y if self.bias is None else y + shared_by_sequence_shards(self.bias, self.group)
         y = linear_with_deferred_weight_grad(x, self.weight, None, self.weight_grad_store)
         y = reduce_from_tensor_parallel_region(y, self.group)

@@ -29,6 +29,7 @@ class WeightGradStore:
             raise RuntimeError("a deferred weight gradient was produced outside a B pass")
         self._queues[self.key].append(closure)
 
+    @torch.no_grad()    # as inside autograd's backward: W builds no graph
     def run(self, key) -> None:
         queue = self._queues.pop(key, deque())
         while queue:
@@ -38,7 +39,7 @@ class WeightGradStore:
         return sum(len(q) for q in self._queues.values())
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
@@ -64,9 +65,9 @@ class _LinearWithDeferredWeightGrad(torch.autograd.Function):
 
         def weight_pass():
             g = grad.reshape(-1, grad.shape[-1])
-            _accumulate(param, g.t().matmul(x.reshape(-1, x.shape[-1])))
+            accumulate_grad(param, g.t().matmul(x.reshape(-1, x.shape[-1])))
             if bias is not None:
-                _accumulate(bias, g.sum(0))
+                accumulate_grad(bias, g.sum(0))
 
         ctx.store.put(weight_pass)
         return grad_input, None, None, None

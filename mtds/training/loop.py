@@ -151,10 +151,10 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
     if own_schedule or dualpipev:
-        from mtds.pipe.select import check_precision, check_schedule, deepspeed_version_problem
+        from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
         check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
                        micro_batches=batch.accumulation)
-        check_precision(cfg.pipeline_schedule, precision(ds_config))
+        check_schedule_config(cfg.pipeline_schedule, ds_config)
         import deepspeed
         if problem := deepspeed_version_problem(deepspeed.__version__):
             raise ValueError(problem)
