@@ -25,6 +25,11 @@ def reference(cfg=TINY):
     return hf_reference(cfg)
 
 
+@functools.lru_cache(maxsize=1)
+def short_reference():
+    return hf_reference(TINY, steps=SHORT)
+
+
 def interleaved(tp, pp, zero=1, v=2, **kwargs):
     return train_config(tp=tp, pp=pp, pipeline_schedule="interleaved", virtual_stages=v,
                         deepspeed_config=kwargs.pop("deepspeed_config", ds_config(zero=zero)), **kwargs)
@@ -195,11 +200,18 @@ def test_zb_h1_four_ranks():
         assert max_rel_diff(zb.losses, ref.losses[:ZB_STEPS]) > 1e-4, what    # it really ran in 16 bits
 
 
-def test_interleaved_eight_ranks():
-    per_rank = run_layouts(8, [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2)])
-    *results, base = per_rank[-1]
+def test_interleaved_and_zb_h1_eight_ranks():
+    """(2,2,2): interleaved v=2 and zb-h1 (fewer steps: 8 ranks on 2 cores), ZeRO-0 and ZeRO-1, vs HF."""
+    per_rank = run_layouts(8, [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
+                               zb_h1(2, 2, zero=0, steps=SHORT), zb_h1(2, 2, zero=1, steps=SHORT)])
+    *results, base, zb0, zb1 = per_rank[-1]
     for zero, result in enumerate(results):
         check_parity(result, f"(2,2,2) v=2 ZeRO-{zero}", base)
+    ref = short_reference()      # the LR schedule depends on the number of steps
+    for zero, result in enumerate((zb0, zb1)):
+        for what, got, want in (("losses", result.losses, ref.losses), ("grad norms", result.grad_norms, ref.grad_norms)):
+            diff = max_rel_diff(got, want)
+            assert diff < REL_TOL, f"zb-h1 (2,2,2) ZeRO-{zero}: {what} max rel diff {diff:.2e}\n{got}\n{want}"
 
 
 def test_schedule_choice_is_checked_before_any_process_starts():
