@@ -46,3 +46,26 @@ def test_store_refuses_grads_outside_b():
         assert "outside a B pass" in str(err)
     else:
         raise AssertionError("no error")
+
+
+def _sequence_parallel_worker():
+    import torch.distributed as dist
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    out = []
+    for layer, x in ((ColumnParallelLinear(8, 6, group=group, sequence_parallel=True), torch.randn(2, 3, 8)),
+                     (RowParallelLinear(8, 6, group=group, sequence_parallel=True), torch.randn(2, 4, 4))):
+        ref_input, _, ref = _grads(layer, x)
+        for recompute in (False, True):
+            grad_input, in_backward, grads = _grads(layer, x, WeightGradStore(), recompute)
+            out.append((torch.equal(grad_input, ref_input), in_backward[0] is None,
+                        all(torch.equal(g, r) for g, r in zip(grads, ref))))
+    return out
+
+
+def test_sequence_parallel_linears_defer_exactly():
+    """Under sequence parallelism (2 ranks) too: B leaves the weight grad out, W (which all-gathers the
+    column-parallel input slice again) adds it, bit-identical to autograd, with and without recompute."""
+    from tests.dist import spawn
+    for rank_results in spawn(_sequence_parallel_worker, 2, timeout=120):
+        assert rank_results == [(True, True, True)] * 4, rank_results

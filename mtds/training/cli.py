@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline schedule: 1f1b (DeepSpeed's engine), interleaved (PTD-P interleaved 1F1B on "
                         "mtds's engine: bubble (p-1)/(v m); needs --virtual-stages >= 2 and micro-batches >= "
                         "--pp), zb-h1 (zero-bubble H1 on mtds's engine: weight gradients of the TP linears deferred to fill "
-                        "the bubble; fp32 only; micro-batches >= --pp) or dualpipev (DeepSpeed's DualPipeVEngine; "
+                        "the bubble; micro-batches >= --pp) or dualpipev (DeepSpeed's DualPipeVEngine; "
                         "micro-batches >= 2 pp) [1f1b]")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="model chunks per pipeline rank for --pipeline-schedule interleaved [1]")
