@@ -197,7 +197,10 @@ def test_zb_h1_four_ranks():
         diffs = (max_rel_diff(zb.losses, one_f_one_b.losses), max_rel_diff(zb.grad_norms, one_f_one_b.grad_norms))
         assert (zb.losses, zb.grad_norms) == (one_f_one_b.losses, one_f_one_b.grad_norms), \
             f"zb-h1 (2,2,1) {what} vs 1f1b: losses / grad norms max rel diff {diffs[0]:.2e} / {diffs[1]:.2e}"
-        assert max_rel_diff(zb.losses, ref.losses[:ZB_STEPS]) > 1e-4, what    # it really ran in 16 bits
+        # it really ran in 16 bits: off the fp32 run of the same layout by more than fp32 parity allows
+        sixteen_bits = max(max_rel_diff(zb.losses, tp1.losses[:ZB_STEPS]),
+                           max_rel_diff(zb.grad_norms, tp1.grad_norms[:ZB_STEPS]))
+        assert sixteen_bits > 3 * REL_TOL, (what, sixteen_bits)     # measured >= 1e-4
 
 
 def test_interleaved_and_zb_h1_eight_ranks():
