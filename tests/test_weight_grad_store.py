@@ -52,9 +52,12 @@ def _sequence_parallel_worker():
     import torch.distributed as dist
     group = dist.new_group([0, 1])
     torch.manual_seed(0)
+    inputs = torch.Generator().manual_seed(dist.get_rank())   # each rank its own slice: W must gather them
     out = []
-    for layer, x in ((ColumnParallelLinear(8, 6, group=group, sequence_parallel=True), torch.randn(2, 3, 8)),
-                     (RowParallelLinear(8, 6, group=group, sequence_parallel=True), torch.randn(2, 4, 4))):
+    for layer, x in ((ColumnParallelLinear(8, 6, group=group, sequence_parallel=True),
+                      torch.randn(2, 3, 8, generator=inputs)),
+                     (RowParallelLinear(8, 6, group=group, sequence_parallel=True),
+                      torch.randn(2, 4, 4, generator=inputs))):
         ref_input, _, ref = _grads(layer, x)
         for recompute in (False, True):
             grad_input, in_backward, grads = _grads(layer, x, WeightGradStore(), recompute)
