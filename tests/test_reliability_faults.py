@@ -146,23 +146,27 @@ def test_stale_build_lock_is_reported_with_the_fix(tmp_path):
     assert str(lock) in errors[0] and f"rm {lock}" in errors[0]
 
 
-class _FreezeRank:
-    """on_engine_ready hook: global rank ``rank`` stops itself (SIGSTOP) as optimizer step ``step`` starts."""
+class _OnRankAtStep:
+    """on_engine_ready hook: global rank ``rank`` calls ``act()`` as optimizer step ``step`` starts."""
 
-    def __init__(self, step, rank):
-        self.step, self.rank = step, rank
+    def __init__(self, step, rank, act):
+        self.step, self.rank, self.act = step, rank, act
 
     def __call__(self, engine, groups):
         if groups.rank == self.rank:
-            def freeze(module, args):
+            def at_step(module, args):
                 if engine.global_steps == self.step - 1:
-                    os.kill(os.getpid(), signal.SIGSTOP)
-            engine.module.register_forward_pre_hook(freeze)
+                    self.act()
+            engine.module.register_forward_pre_hook(at_step)
+
+
+def _stop_self():
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _freeze_worker():
     from mtds.training import run
-    run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=5, on_engine_ready=(_FreezeRank(3, 1),)))
+    run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=5, on_engine_ready=(_OnRankAtStep(3, 1, _stop_self),)))
 
 
 def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout(capfd):
@@ -181,25 +185,15 @@ class _Injected(RuntimeError):
     pass
 
 
-class _RaiseOnRank:
-    """on_engine_ready hook: global rank ``rank`` raises as optimizer step ``step`` starts."""
-
-    def __init__(self, step, rank):
-        self.step, self.rank = step, rank
-
-    def __call__(self, engine, groups):
-        if groups.rank == self.rank:
-            def fail(module, args):
-                if engine.global_steps == self.step - 1:
-                    raise _Injected("injected")
-            engine.module.register_forward_pre_hook(fail)
+def _raise_injected():
+    raise _Injected("injected")
 
 
 def _failing_rank_worker():
     from mtds.training import run
     try:
         run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=30,
-                         on_engine_ready=(_RaiseOnRank(3, 1),)))
+                         on_engine_ready=(_OnRankAtStep(3, 1, _raise_injected),)))
     except _Injected:
         time.sleep(60)     # a caller that catches the error: the process, and its sockets, live on
 

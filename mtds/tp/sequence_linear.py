@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mappings import _gather, _start_gather, _start_reduce_scatter, _world
+from .mappings import _gather, _reduce_scatter, _start_gather, _start_reduce_scatter, _world
 from .weight_grad_store import accumulate_grad, linear_with_deferred_weight_grad
 
 SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
@@ -39,13 +39,10 @@ class _LinearWithSequenceParallelInput(torch.autograd.Function):
         # The extra all-gather of the trade runs while the input-gradient GEMM computes, and the
         # input gradient's reduce-scatter while the weight-gradient GEMM computes (as Megatron does).
         gathering = _start_gather(x, ctx.group, SEQUENCE_DIM) if ctx.needs_input_grad[1] else None
-        scattering = None
-        if ctx.needs_input_grad[0]:
-            partial = grad.matmul(weight)
-            full = gathering.wait() if gathering is not None else None
-            scattering = _start_reduce_scatter(partial, ctx.group, SEQUENCE_DIM)
-        elif gathering is not None:
-            full = gathering.wait()
+        partial = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        # one collective in flight per group: the gather completes before the reduce-scatter starts
+        full = gathering.wait() if gathering is not None else None
+        scattering = _start_reduce_scatter(partial, ctx.group, SEQUENCE_DIM) if partial is not None else None
         if ctx.needs_input_grad[1]:
             grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -59,7 +56,7 @@ def _backward_deferring_weight_grad(ctx, x, weight, grad):
     """B: the input gradient only; W (queued): re-gather the slice, weight and bias GEMMs."""
     grad_input = None
     if ctx.needs_input_grad[0]:
-        grad_input = _start_reduce_scatter(grad.matmul(weight), ctx.group, SEQUENCE_DIM).wait()
+        grad_input = _reduce_scatter(grad.matmul(weight), ctx.group, SEQUENCE_DIM)
     param, bias, group = ctx.param, ctx.bias, ctx.group
 
     def weight_pass():
