@@ -203,13 +203,21 @@ def test_zb_h1_four_ranks():
         assert sixteen_bits > 3 * REL_TOL, (what, sixteen_bits)     # measured >= 1e-4
 
 
-def test_interleaved_and_zb_h1_eight_ranks():
-    """(2,2,2): interleaved v=2 and zb-h1 (fewer steps: 8 ranks on 2 cores), ZeRO-0 and ZeRO-1, vs HF."""
-    per_rank = run_layouts(8, [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
-                               zb_h1(2, 2, zero=0, steps=SHORT), zb_h1(2, 2, zero=1, steps=SHORT)])
-    *results, base, zb0, zb1 = per_rank[-1]
+def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
+    """(2,2,2), one 8-rank launch: interleaved v=2, zb-h1 (fewer steps: 8 ranks on 2 cores) and dualpipev,
+    ZeRO-0 and ZeRO-1, vs HF; DualPipeV's p2p counted by the tracer. DualPipeV needs m >= 2p = 4: micro
+    batch 1 (m = 4 at d = 2), the same samples and mean loss as the reference's micro batch 2."""
+    from tests.test_pipe_matrix import assert_dualpipev_p2p
+    dpv = [train_config(tp=2, pp=2, pipeline_schedule="dualpipev",
+                        deepspeed_config=ds_config(zero=zero, train_micro_batch_size_per_gpu=1)) for zero in (0, 1)]
+    per_rank = run_layouts(8, dpv + [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
+                                     zb_h1(2, 2, zero=0, steps=SHORT), zb_h1(2, 2, zero=1, steps=SHORT)])
+    dpv0, dpv1, *results, base, zb0, zb1 = per_rank[-1]
     for zero, result in enumerate(results):
         check_parity(result, f"(2,2,2) v=2 ZeRO-{zero}", base)
+    for zero, result in enumerate((dpv0, dpv1)):
+        check_parity(result, f"(2,2,2) dualpipev ZeRO-{zero}", base)
+    assert_dualpipev_p2p(per_rank, 0, p=2, m=4, micro=1, tp=2, dp=2, what="(2,2,2)")
     ref = short_reference()      # the LR schedule depends on the number of steps
     for zero, result in enumerate((zb0, zb1)):
         for what, got, want in (("losses", result.losses, ref.losses), ("grad norms", result.grad_norms, ref.grad_norms)):
