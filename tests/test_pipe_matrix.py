@@ -7,7 +7,8 @@ spawned launch per world size:
   ZeRO-0/1 and (2,2,1) ZeRO-0.
 - interleaved fp16 (DeepSpeed's loss scaler on mtds's engine) against 1f1b fp16 at the same layout.
 - Checkpoints written under one schedule resumed under another (dualpipev <-> 1f1b, zb-h1 -> 1f1b,
-  dualpipev -> dualpipev, interleaved v=2 -> v=3) exactly, and interleaved v=2 at (2,2,1) resumed at another t and another p.
+  dualpipev -> dualpipev, interleaved v=2 -> v=3; zb-h1 bf16 -> 1f1b bf16, zb-h1 fp16 -> zb-h1 fp16) exactly,
+  and interleaved v=2 at (2,2,1) resumed at another t and another p.
 - DualPipeV's batched p2p counted by the collective tracer against the formula.
 
 DualPipeV needs m >= 2p micro-batches: its (1,4,1) cells run micro-batch 1 (m = 8), the
@@ -29,6 +30,7 @@ LAYOUT_CKPT_AT = 5                       # at another t/p: save at step 5, resum
 FP16_STEPS = 5
 B, S, H = 2, 32, 64                      # micro batch, sequence, hidden of the p2p messages
 FP16_TOL = 2e-5                          # interleaved fp16 vs 1f1b fp16 losses (measured: see the test)
+ZB16_STEPS, ZB16_AT = 5, 3               # zb-h1 bf16/fp16 checkpoints: save at step 3 of 5, resume for 4-5
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +103,24 @@ def two_rank_runs():
         run("interleaved", 1, 2, virtual_stages=2, model=TINY6, save=ck["v2"], save_interval=CKPT_AT),
         run("interleaved", 1, 2, virtual_stages=3, model=TINY6, load=step.format(ck["v2"])),
     ]
+    # zb-h1 16-bit checkpoints (ZeRO-1, 5 steps, saved at step 3): bf16 through the shipped path
+    # (BF16_Optimizer, fp32 accumulation) resumed under 1f1b bf16; fp16 (ZeRO-1's loss scaler, its scale
+    # doubling every 2 steps) resumed under zb-h1 fp16.
+    for precision, extra in (("bf16", {"data_types": {"grad_accum_dtype": "fp32"}}),
+                             ("fp16", {"fp16": {**ds_config(precision="fp16")["fp16"], "loss_scale_window": 2}})):
+        ds = ds_config(zero=1, precision=precision, **extra)
+        ck[precision] = os.path.join(out, f"zb-{precision}")
+        sixteen = dict(deepspeed_config=ds, steps=ZB16_STEPS)
+        configs += [train_config(tp=1, pp=2, pipeline_schedule="zb-h1", save=ck[precision], save_interval=ZB16_AT,
+                                 log_jsonl=os.path.join(out, f"zb-{precision}.jsonl"), **sixteen),
+                    train_config(tp=1, pp=2, pipeline_schedule="1f1b" if precision == "bf16" else "zb-h1",
+                                 load=os.path.join(ck[precision], f"global_step{ZB16_AT}"),
+                                 log_jsonl=os.path.join(out, f"zb-{precision}-resumed.jsonl"), **sixteen)]
     return run_layouts(2, configs, force_fp16=True), out
+
+
+def loss_scales(path):
+    return [r["loss_scale"] for r in map(json.loads, open(path)) if r.get("kind") == "train"]
 
 
 def test_two_ranks_parity():
@@ -129,7 +148,7 @@ def test_interleaved_fp16_against_1f1b_fp16():
 
 def test_checkpoints_across_schedules_two_ranks():
     per_rank, out = two_rank_runs()
-    dpv, f1b, zb, dpv_to_1f1b, f1b_to_dpv, dpv_to_dpv, zb_to_1f1b, _, v2_to_v3 = per_rank[-1][4:]
+    dpv, f1b, zb, dpv_to_1f1b, f1b_to_dpv, dpv_to_dpv, zb_to_1f1b, _, v2_to_v3 = per_rank[-1][4:13]
     v3 = per_rank[-1][1]
     k = CKPT_AT
     for what, resumed, straight in (("dualpipev -> 1f1b", dpv_to_1f1b, f1b), ("1f1b -> dualpipev", f1b_to_dpv, dpv),
@@ -183,3 +202,22 @@ def test_four_ranks_parity_and_checkpoints_at_other_layouts():
         k = LAYOUT_CKPT_AT
         assert_hf_parity(resumed, what, ref=replace(ref, losses=ref.losses[k:], grad_norms=ref.grad_norms[k:]))
 
+
+
+def test_zb_h1_16_bit_checkpoints():
+    """zb-h1 bf16 (BF16_Optimizer: fp32 master weights, Adam moments and gradient accumulation) saved at
+    step 3 and resumed under 1f1b bf16, and fp16 ZeRO-1 saved and resumed under zb-h1: the resumed steps
+    4-5 equal the uninterrupted zb-h1 run bit for bit (zb-h1 and 1f1b are bit-identical in bf16), and the
+    fp16 loss scaler (scale and growth counter) carries over: the same scales step for step."""
+    per_rank, out = two_rank_runs()
+    bf16, bf16_resumed, fp16, fp16_resumed = per_rank[-1][13:17]
+    for what, straight, resumed in (("zb-h1 bf16 -> 1f1b bf16", bf16, bf16_resumed),
+                                    ("zb-h1 fp16 -> zb-h1 fp16", fp16, fp16_resumed)):
+        assert len(resumed.losses) == ZB16_STEPS - ZB16_AT, (what, resumed.losses)
+        diffs = (max_rel_diff(resumed.losses, straight.losses[ZB16_AT:]),
+                 max_rel_diff(resumed.grad_norms, straight.grad_norms[ZB16_AT:]))
+        assert (resumed.losses, resumed.grad_norms) == (straight.losses[ZB16_AT:], straight.grad_norms[ZB16_AT:]), \
+            f"{what}: losses / grad norms max rel diff {diffs[0]:.2e} / {diffs[1]:.2e}"
+    scales = loss_scales(os.path.join(out, "zb-fp16.jsonl"))
+    assert scales[ZB16_AT - 1] > scales[0], scales       # the scale moved before the save
+    assert loss_scales(os.path.join(out, "zb-fp16-resumed.jsonl")) == scales[ZB16_AT:], scales
