@@ -1,6 +1,8 @@
 """RNG streams on real ranks at (t, p) = (2, 2): replicated-region dropout identical across the TP ranks
 of a stage and different between stages, sharded-region dropout distinct on every rank, state
-save/restore reproduces masks, and recomputation replays them."""
+save/restore reproduces masks, and recomputation replays them. Keyed per layer (what training uses):
+a layer's masks are the same on whichever stage it runs, differ per layer, micro-batch, step and TP
+rank (sharded), and a recomputed block of layers replays its own micro-batch's masks."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -67,12 +69,67 @@ def _rng_worker():
         restore_reproduces=torch.equal(first, second),
         recompute_same_output=torch.equal(grads[0][0], grads[1][0]),
         recompute_same_grad=torch.equal(grads[0][1], grads[1][1]),
+        **_keyed_checks(groups, tracker, ones, w),
+    )
+
+
+def _keyed_checks(groups, tracker, ones, w):
+    """Layer-keyed streams: every rank draws "layer 5" itself, as if the layer lived on its stage."""
+    def draw(layer):
+        with tracker.layer(layer):
+            replicated = F.dropout(ones, 0.5)
+            with tracker.fork():
+                sharded = F.dropout(ones, 0.5)
+        return replicated, sharded
+
+    tracker.begin_step(3)
+    outside_before = torch.get_rng_state()
+    rep, sh = draw(5)
+    outside_untouched = torch.equal(torch.get_rng_state(), outside_before)
+    rep_mb1, sh_mb1 = draw(5)                    # the layer's second forward this step: micro-batch 1
+    rep_other, _ = draw(6)
+    tracker.begin_step(3)
+    rep_again, sh_again = draw(5)                # the same step again (a resumed run) replays
+    tracker.begin_step(4)
+    rep_next, _ = draw(5)
+    rep_tp, sh_tp = (_gather(m, groups.tp_group) for m in (rep, sh))
+    rep_pp, sh_pp = (_gather(m, groups.pp_group) for m in (rep, sh))
+
+    # Two micro-batches through a checkpointed block of two keyed layers, backward in reverse order
+    # (as a pipeline does): recomputation must redraw each micro-batch's masks, not the current count's.
+    def block(x):
+        for layer in (7, 8):
+            with tracker.layer(layer):
+                with tracker.fork():
+                    x = F.dropout(x @ w, 0.4)
+                x = F.dropout(torch.tanh(x), 0.4)
+        return x
+
+    runs = []
+    for use_checkpoint in (False, True):
+        tracker.begin_step(9)
+        xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(mb)).requires_grad_() for mb in (0, 1)]
+        ys = [checkpoint(block, tracker, x) if use_checkpoint else block(x) for x in xs]
+        for y in reversed(ys):
+            y.sum().backward()
+        runs.append([(y.detach(), x.grad) for x, y in zip(xs, ys)])
+    same = all(torch.equal(a, b) for (ya, ga), (yb, gb) in zip(*runs) for a, b in ((ya, yb), (ga, gb)))
+    return dict(
+        keyed_replicated_same_across_tp=torch.equal(rep_tp[0], rep_tp[1]),
+        keyed_sharded_differ_across_tp=not torch.equal(sh_tp[0], sh_tp[1]),
+        keyed_same_on_every_stage=torch.equal(rep_pp[0], rep_pp[1]) and torch.equal(sh_pp[0], sh_pp[1]),
+        keyed_micro_batches_differ=not torch.equal(rep, rep_mb1) and not torch.equal(sh, sh_mb1),
+        keyed_layers_differ=not torch.equal(rep, rep_other),
+        keyed_steps_differ=not torch.equal(rep, rep_next),
+        keyed_step_replays=torch.equal(rep, rep_again) and torch.equal(sh, sh_again),
+        keyed_default_generator_put_back=outside_untouched,
+        keyed_recompute_replays_each_micro_batch=same,
     )
 
 
 def test_dropout_streams_and_recomputation_replay():
     for rank, result in enumerate(spawn(_rng_worker, 4, timeout=120)):
-        assert all(result.values()), (rank, result)
+        assert all(result.values()), (rank, [name for name, ok in result.items() if not ok])
 
 
 def test_fork_requires_added_state():

@@ -27,6 +27,7 @@ class GPTEmbedding(nn.Module):
         # with sequence parallelism the output is this rank's slice of the sequence
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.rng_tracker = rng_tracker if self.sequence_parallel and cfg.hidden_dropout > 0 else None
+        self.streams = rng_tracker     # keys this layer's dropout streams per forward (mtds.tp.random)
         with seeded(seed, EMBEDDING_LAYER):
             self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=tp_group,
                                                           init_method=normal_init(cfg.init_std),
@@ -52,8 +53,9 @@ class GPTEmbedding(nn.Module):
                 # whole table), so every rank updates the table with every position's gradient
                 positions = scatter_to_sequence_parallel_region(positions, self.tp_group, dim=0)
             hidden = hidden + positions
+        keyed = self.streams.layer(EMBEDDING_LAYER) if self.streams is not None else contextlib.nullcontext()
         rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
-        with rng:   # sequence slices differ across TP ranks, so must their dropout masks
+        with keyed, rng:   # sequence slices differ across TP ranks, so must their dropout masks
             return self.dropout(hidden)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,11 +40,18 @@ class TransformerLayer(nn.Module):
         self.attention_dropout = nn.Dropout(cfg.hidden_dropout)
         self.mlp_dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng_tracker = rng_tracker if sequence_parallel and cfg.hidden_dropout > 0 else None
+        self.streams = rng_tracker     # keys this layer's dropout streams per forward (mtds.tp.random)
 
     def _dropout_rng(self):
         return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.streams is None:
+            return self._forward(hidden)
+        with self.streams.layer(self.layer_number):
+            return self._forward(hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         attn = self.attention(self.input_norm(hidden))
         with self._dropout_rng():
             attn = self.attention_dropout(attn)

@@ -1,18 +1,29 @@
 """Random-number streams for tensor parallelism, and recomputation that replays them.
 
 Dropout on a *replicated* activation (after a row-parallel all-reduce) must drop the same elements
-on every TP rank, so it uses the default generator, seeded identically on all TP ranks of a pipeline
-stage. Dropout on a *sharded* activation (attention probabilities of this rank's heads, sequence
-slices) must differ between ranks, so it runs inside ``tracker.fork()``, which swaps in a generator
-seeded with ``seed + 100 * pp_rank + 2718 + tp_rank``. Each pipeline stage has its own seed
-(``seed + 100 * pp_rank``), so stages never replay one another's masks.
+on every TP rank, so it uses the default generator, seeded identically on all TP ranks. Dropout on a
+*sharded* activation (attention probabilities of this rank's heads, sequence slices) must differ
+between ranks, so it runs inside ``tracker.fork()``, which swaps in the tracker's model-parallel stream.
+
+Where the streams start. Training keys them per layer forward (:meth:`RNGTracker.key_dropout`): on
+entering ``tracker.layer(i)`` both streams are set from a hash of (seed, step, data-parallel rank,
+micro-batch, global layer i), the sharded one also of the TP rank. A layer's masks then depend on what it
+computes, not on where or when it runs: every pipeline schedule (1F1B, interleaved, ZB-H1, DualPipeV)
+and every pipeline depth draws the same masks, a resumed run draws the uninterrupted run's masks, and no
+two layers or stages share one. The micro-batch is this layer's forward count within the step: every
+schedule runs a chunk's forwards in micro-batch order. Unkeyed (a tracker built by hand),
+``layer()`` does nothing and the streams run on from their seeds: Megatron's scheme (stage seed
+``seed + 100 * pp_rank``, model-parallel stream ``+ 2718 + tp_rank``), which ties masks to execution order.
 
 The tracker is an object handed to the model, not a module global; :func:`checkpoint` captures its
-states at forward time and restores them for the recomputation, so replayed dropout masks match.
+states (and the forward counts) at forward time and restores them for the recomputation, so replayed
+dropout masks match.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import struct
 from typing import Any, Callable
 
 import torch
@@ -23,6 +34,20 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 TP_SEED_OFFSET = 2718
 # Megatron's offset between pipeline stages' seeds.
 PP_SEED_OFFSET = 100
+# The replicated stream's place in the key where the sharded stream puts its TP rank.
+REPLICATED_STREAM = -1
+
+
+def stream_seed(*key: int) -> int:
+    """A 63-bit seed from integers: any change in any of them gives an unrelated stream."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(key)}q", *key), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seeded_state(seed: int, device_type: str) -> torch.Tensor:
+    """A generator state for ``seed`` on the device, without touching any global generator."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu"
+    return torch.Generator(device=device).manual_seed(seed).get_state()
 
 
 def _device_type(device: torch.device | str | None) -> str:
@@ -46,6 +71,50 @@ class RNGTracker:
     def __init__(self, device: torch.device | str | None = None):
         self.device_type = _device_type(device)
         self._states: dict[str, torch.Tensor] = {}
+        self._key: tuple[int, int, int] | None = None     # (seed, tp rank, dp rank) once keyed
+        self._step = 0
+        self._forwards: dict[int, int] = {}                # global layer -> forwards so far this step
+
+    def key_dropout(self, seed: int, *, tp_rank: int, dp_rank: int) -> None:
+        """From now on :meth:`layer` sets both streams from (seed, step, ``dp_rank``, micro-batch,
+        layer[, ``tp_rank``]). Needs the model-parallel stream added (it is overwritten per layer)."""
+        if MODEL_PARALLEL_RNG not in self._states:
+            raise KeyError(f"RNG state {MODEL_PARALLEL_RNG!r} was never added (call model_parallel_seed first)")
+        self._key = (seed, tp_rank, dp_rank)
+
+    def begin_step(self, step: int) -> None:
+        """Call before each training step's first forward: micro-batches count from 0 again."""
+        self._step = step
+        self._forwards = {}
+
+    @contextlib.contextmanager
+    def layer(self, index: int):
+        """Run global layer ``index``'s forward for the next micro-batch on its own keyed streams (a
+        no-op when unkeyed). The default generator is put back afterwards, so code outside layers never
+        sees the reseeding."""
+        if self._key is None:
+            yield
+            return
+        seed, tp_rank, dp_rank = self._key
+        micro_batch = self._forwards.get(index, 0)
+        self._forwards[index] = micro_batch + 1
+        key = (seed, self._step, dp_rank, micro_batch, index)
+        outside = get_rng_state(self.device_type)
+        set_rng_state(seeded_state(stream_seed(*key, REPLICATED_STREAM), self.device_type), self.device_type)
+        self._states[MODEL_PARALLEL_RNG] = seeded_state(stream_seed(*key, tp_rank), self.device_type)
+        try:
+            yield
+        finally:
+            set_rng_state(outside, self.device_type)
+
+    def snapshot(self) -> tuple:
+        """Everything a recomputation must see as the forward saw it: the states and forward counts."""
+        return self.get_states(), dict(self._forwards), self._step
+
+    def restore(self, snapshot: tuple) -> None:
+        states, forwards, self._step = snapshot
+        self.set_states(states)
+        self._forwards = dict(forwards)
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
@@ -96,29 +165,33 @@ def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | No
 
 
 def seed_parallel_streams(seed: int, groups, device: torch.device | str | None = None) -> RNGTracker:
-    """:func:`model_parallel_seed` for this rank's place in ``groups`` (a ``ParallelGroups``)."""
-    return model_parallel_seed(seed, groups.tp_rank, device, pp_rank=groups.pp_rank)
+    """:func:`model_parallel_seed` for this rank's place in ``groups`` (a ``ParallelGroups``), with
+    dropout keyed per layer forward (:meth:`RNGTracker.key_dropout`): what training uses."""
+    tracker = model_parallel_seed(seed, groups.tp_rank, device, pp_rank=groups.pp_rank)
+    tracker.key_dropout(seed, tp_rank=groups.tp_rank, dp_rank=groups.dp_rank)
+    return tracker
 
 
 def checkpoint(function: Callable[..., Any], tracker: RNGTracker | None, *args: Any) -> Any:
     """Activation recomputation (non-reentrant) that replays default *and* tracker RNG streams.
 
-    torch saves and restores the default generator itself; ``context_fn`` adds the tracker states.
+    torch saves and restores the default generator itself; ``context_fn`` adds the tracker's states
+    and forward counts (a keyed layer inside the recomputed block must see its own micro-batch again).
     """
     if tracker is None:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
     def context_fn():
-        saved = tracker.get_states()
+        saved = tracker.snapshot()
 
         @contextlib.contextmanager
         def replay():
-            current = tracker.get_states()
-            tracker.set_states(saved)
+            current = tracker.snapshot()
+            tracker.restore(saved)
             try:
                 yield
             finally:
-                tracker.set_states(current)
+                tracker.restore(current)
 
         return contextlib.nullcontext(), replay()
 

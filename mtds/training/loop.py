@@ -162,7 +162,7 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
     if tracer is not None:
         for name in ("tp", "dp", "pp", "mp"):
             tracer.name_group(getattr(groups, f"{name}_group"), name)
-    tracker = seed_parallel_streams(cfg.seed, groups, device)   # per stage, per TP rank (sharded regions)
+    tracker = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
@@ -261,6 +261,7 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         skipped_before, lr = engine.skipped_steps, engine.get_lr()[0]
         start = time.perf_counter()
         consumed = stream.consumed_samples
+        tracker.begin_step(step)     # dropout masks keyed by (step, micro-batch, layer): schedule-independent
         loss = train_step(engine, stream, groups, batch.accumulation, device)
         elapsed = time.perf_counter() - start
         if stream.consumed_samples == consumed:
