@@ -146,17 +146,19 @@ def test_timeline_of_every_schedule():
 def test_four_ranks_interleaved_and_dualpipev():
     configs = [dualpipev(2, 2), interleaved(1, 4, zero=1, model=TINY8), train_config(pp=4, model=TINY8),
                interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
-               interleaved(2, 2, zero=1, sequence_parallel=True)]
+               interleaved(2, 2, zero=1, sequence_parallel=True),
+               train_config(pp=4, model=TINY8, deepspeed_config=ds_config(zero=0))]
     everything = run_layouts(4, configs)
     dpv = everything[-1][0]
     per_rank = [results[1:] for results in everything]
-    deep, deep_base, tp0, tp1, tp_base, sp = per_rank[-1]
+    deep, deep_base, tp0, tp1, tp_base, sp, deep_base0 = per_rank[-1]
     check_parity(deep, "(1,4,1) v=2 8 layers ZeRO-1", deep_base, TINY8)
     # DeepSpeed's 1F1B at (1,4,1) against HF too (losses as well as grad norms), 8 blocks
-    for what, got, want in (("losses", deep_base.losses, reference(TINY8).losses),
-                            ("grad norms", deep_base.grad_norms, reference(TINY8).grad_norms)):
-        diff = max_rel_diff(got, want)
-        assert diff < REL_TOL, f"1f1b (1,4,1) 8 layers ZeRO-1: {what} max rel diff {diff:.2e}\n{got}\n{want}"
+    for zero, base in ((1, deep_base), (0, deep_base0)):
+        for what, got, want in (("losses", base.losses, reference(TINY8).losses),
+                                ("grad norms", base.grad_norms, reference(TINY8).grad_norms)):
+            diff = max_rel_diff(got, want)
+            assert diff < REL_TOL, f"1f1b (1,4,1) 8 layers ZeRO-{zero}: {what} max rel diff {diff:.2e}\n{got}\n{want}"
     check_parity(tp0, "(2,2,1) v=2 ZeRO-0", tp_base)
     check_parity(tp1, "(2,2,1) v=2 ZeRO-1", tp_base)
     check_parity(sp, "(2,2,1) v=2 ZeRO-1 sequence parallel", tp_base)
