@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .mappings import _gather, _reduce_scatter, _start_gather, _start_reduce_scatter, _world
-from .weight_grad_store import accumulate_grad, linear_with_deferred_weight_grad
+from .weight_grad_store import accumulate_linear_grads, linear_with_deferred_weight_grad
 
 SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
 
@@ -59,14 +59,7 @@ def _backward_deferring_weight_grad(ctx, x, weight, grad):
         grad_input = _reduce_scatter(grad.matmul(weight), ctx.group, SEQUENCE_DIM)
     param, bias, group = ctx.param, ctx.bias, ctx.group
 
-    def weight_pass():
-        full = _gather(x, group, SEQUENCE_DIM)
-        g = grad.reshape(-1, grad.shape[-1])
-        accumulate_grad(param, g.t().matmul(full.reshape(-1, full.shape[-1])))
-        if bias is not None:
-            accumulate_grad(bias, g.sum(0))
-
-    ctx.store.put(weight_pass)
+    ctx.store.put(lambda: accumulate_linear_grads(param, bias, grad, _gather(x, group, SEQUENCE_DIM)))
     return grad_input, None, None, None, None
 
 

@@ -39,12 +39,21 @@ class WeightGradStore:
         return sum(len(q) for q in self._queues.values())
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def accumulate_linear_grads(weight: torch.Tensor, bias: torch.Tensor | None, grad: torch.Tensor,
+                            x: torch.Tensor) -> None:
+    """W of ``y = x Wᵀ + b``: add ``gradᵀ x`` to ``weight.grad`` and ``Σ grad`` to ``bias.grad``."""
+    g = grad.reshape(-1, grad.shape[-1])
+    _accumulate(weight, g.t().matmul(x.reshape(-1, x.shape[-1])))
+    if bias is not None:
+        _accumulate(bias, g.sum(0))
 
 
 class _LinearWithDeferredWeightGrad(torch.autograd.Function):
@@ -63,13 +72,7 @@ class _LinearWithDeferredWeightGrad(torch.autograd.Function):
         param, bias = ctx.param, ctx.bias
         grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
 
-        def weight_pass():
-            g = grad.reshape(-1, grad.shape[-1])
-            accumulate_grad(param, g.t().matmul(x.reshape(-1, x.shape[-1])))
-            if bias is not None:
-                accumulate_grad(bias, g.sum(0))
-
-        ctx.store.put(weight_pass)
+        ctx.store.put(lambda: accumulate_linear_grads(param, bias, grad, x))
         return grad_input, None, None, None
 
 
