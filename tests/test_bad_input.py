@@ -41,6 +41,8 @@ def make_inputs(tmp: str) -> dict:
     p["stage"] = _ds(tmp, "stage.json", _base_ds(zero_optimization={"stage": 4}))
     p["nomicro"] = _ds(tmp, "nomicro.json", {"train_batch_size": 16})
     p["zero2"] = _ds(tmp, "zero2.json", _base_ds(zero_optimization={"stage": 2}))
+    p["zero3"] = _ds(tmp, "zero3.json", _base_ds(zero_optimization={"stage": 3}))
+    p["notjson"] = _ds(tmp, "notjson.json", "{ not json")
     p["bert"] = _ds(tmp, "bert.json", {"model_type": "bert", "hidden_size": 64})
     p["notype"] = _ds(tmp, "notype.json", {"n_embd": 64, "n_layer": 2})
     p["badcfg"] = _ds(tmp, "badcfg.json", "{ nope")
@@ -96,6 +98,7 @@ RUN_CASES = [
     ("flag-negative-lr", ["--deepspeed_config", CPU, "--lr", "-0.1"], "learning rate must be a positive number"),
     ("ds-zero-stage-4", ["--deepspeed_config", "{stage}"], "zero_optimization.stage must be 0-3"),
     ("ds-no-micro-batch", ["--deepspeed_config", "{nomicro}"], "needs train_micro_batch_size_per_gpu"),
+    ("ds-not-json", ["--deepspeed_config", "{notjson}"], "is not valid JSON"),
     # CLI values the parser accepts but the run cannot
     ("flag-steps-negative", ["--deepspeed_config", CPU, "--steps", "-1"], "--steps must be >= 0"),
     ("flag-seq-length-zero", ["--deepspeed_config", CPU, "--seq-length", "0"], "--seq-length must be >= 1"),
@@ -104,6 +107,8 @@ RUN_CASES = [
     ("flag-dropout-above-1", ["--deepspeed_config", CPU, "--dropout", "1.5"], "must be in [0, 1)"),
     ("flag-recompute-negative", ["--deepspeed_config", CPU, "--activation-checkpointing", "-1"],
      "--activation-checkpointing"),
+    ("flag-recompute-conflict", ["--deepspeed_config", CPU, "--recompute", "selective", "--activation-checkpointing", "2"],
+     "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
     # layouts (world 1 here; t must divide the heads etc. is checked on 2 ranks below)
     ("layout-tp-pp-world", ["--deepspeed_config", CPU, "--tp", "2", "--pp", "2"], "not divisible by tp*pp"),
     ("layout-sp-without-tp", ["--deepspeed_config", CPU, "--sequence-parallel"], "needs tensor parallelism"),
@@ -149,6 +154,7 @@ DIST_CASES = [
     ("layout-sp-tp-not-dividing-seq", ["--deepspeed_config", CPU, "--tp", "2", "--sequence-parallel",
                                        "--seq-length", "33"], "divisible by --tp 2"),
     ("ds-zero2-with-pipeline", ["--deepspeed_config", "{zero2}", "--pp", "2"], "ZeRO stage 2 cannot be combined"),
+    ("ds-zero3-with-pipeline", ["--deepspeed_config", "{zero3}", "--pp", "2"], "ZeRO stage 3 cannot be combined"),
 ]
 
 PARSER_CASES = [

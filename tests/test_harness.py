@@ -58,7 +58,7 @@ def test_killed_rank_is_noticed_quickly():
 def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
     import socket
 
-    import mtds.testing as testing
+    import mtds.testing.ranks as testing
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -66,10 +66,10 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
     try:
         ports = iter([busy, testing.free_port()])
         monkeypatch.setattr(testing, "free_port", lambda: next(ports))
-        assert spawn(_rank_and_world, 2) == [(0, 2), (1, 2)]
+        assert spawn(_rank_and_world, 2, fresh=True) == [(0, 2), (1, 2)]
         # a port that stays taken is a failure, named, after the last attempt
         monkeypatch.setattr(testing, "free_port", lambda: busy)
         with pytest.raises(RankFailure, match="EADDRINUSE"):
-            spawn(_rank_and_world, 2, timeout=60)
+            spawn(_rank_and_world, 2, timeout=60, fresh=True)
     finally:
         taken.close()

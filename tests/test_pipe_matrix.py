@@ -20,7 +20,8 @@ import os
 import tempfile
 from dataclasses import replace
 
-from tests.training_helpers import STEPS, TINY, ds_config, hf_reference, max_rel_diff, run_layouts, train_config
+from tests.training_helpers import (STEPS, TINY, assert_same_up_to_norm_order, ds_config, hf_reference, max_rel_diff,
+                                    run_layouts, train_config)
 
 REL_TOL = 1e-5
 TINY6 = replace(TINY, num_layers=6)      # p·v = 6 virtual stages at (1,2,1) v=3
@@ -148,18 +149,24 @@ def test_interleaved_fp16_against_1f1b_fp16():
 
 def test_checkpoints_across_schedules_two_ranks():
     per_rank, out = two_rank_runs()
-    dpv, f1b, zb, dpv_to_1f1b, f1b_to_dpv, dpv_to_dpv, zb_to_1f1b, _, v2_to_v3 = per_rank[-1][4:13]
+    dpv, f1b, zb, dpv_to_1f1b, f1b_to_dpv, dpv_to_dpv, zb_to_1f1b, v2, v2_to_v3 = per_rank[-1][4:13]
     v3 = per_rank[-1][1]
     k = CKPT_AT
-    for what, resumed, straight in (("dualpipev -> 1f1b", dpv_to_1f1b, f1b), ("1f1b -> dualpipev", f1b_to_dpv, dpv),
-                                    ("dualpipev -> dualpipev", dpv_to_dpv, dpv), ("zb-h1 -> 1f1b", zb_to_1f1b, f1b),
-                                    ("interleaved v=2 -> v=3", v2_to_v3, v3)):
-        assert resumed.losses == straight.losses[k:], (what, resumed.losses, straight.losses)
-        # Bit-equal too except 1f1b -> dualpipev, whose first resumed norm is 1 ulp off (9.1e-8 measured;
-        # losses bit-equal): after the universal load the norm's sum is not bit-stable;
-        # dualpipev -> dualpipev (DeepSpeed's own load) is bit-equal.
-        diff = max_rel_diff(resumed.grad_norms, straight.grad_norms[k:])
-        assert diff < 1e-6, (what, diff, resumed.grad_norms, straight.grad_norms)
+    for what, saved, resumed, straight in (("dualpipev -> 1f1b", dpv, dpv_to_1f1b, f1b),
+                                           ("1f1b -> dualpipev", f1b, f1b_to_dpv, dpv),
+                                           ("dualpipev -> dualpipev", dpv, dpv_to_dpv, dpv),
+                                           ("zb-h1 -> 1f1b", zb, zb_to_1f1b, f1b),
+                                           ("interleaved v=2 -> v=3", v2, v2_to_v3, v3)):
+        # The resumed steps equal the uninterrupted run of the loading schedule. Where the saving and
+        # loading schedules place layers differently their global norms sum in another order (an ulp,
+        # and after a clipped step the weights too), and the universal load's norm is not bit-stable
+        # (1f1b -> dualpipev: first resumed norm 1 ulp off, 9.1e-8); losses stay bit-equal until the
+        # norms differ, everything within 1e-6.
+        history_equal = (saved.losses[:k], saved.grad_norms[:k]) == (straight.losses[:k], straight.grad_norms[:k])
+        assert_same_up_to_norm_order(resumed, replace(straight, losses=straight.losses[k:],
+                                                                 grad_norms=straight.grad_norms[k:]),
+                                     what, history_equal=history_equal)
+    assert (dpv_to_dpv.losses, dpv_to_dpv.grad_norms) == (dpv.losses[k:], dpv.grad_norms[k:])  # DeepSpeed's own load
     # DualPipeV's last rank (the reporting one) reads no data; its stream position still moves with the
     # step, so what it logs and saves is where the data is.
     assert consumed_samples(os.path.join(out, "dpv.jsonl")) == [8 * s for s in range(1, STEPS + 1)]

@@ -173,7 +173,8 @@ def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout
     from mtds.testing import RankFailure
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
-        spawn(_freeze_worker, 2, timeout=120)       # gloo alone would wait for the 300 s collective timeout
+        # its own processes (one is stopped); gloo alone would wait for the 300 s collective timeout
+        spawn(_freeze_worker, 2, timeout=120, fresh=True)
     elapsed = time.monotonic() - start
     err = capfd.readouterr().err
     assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
@@ -204,7 +205,7 @@ def test_a_rank_that_fails_is_reported_as_failed_not_done(capfd):
     from mtds.testing import RankFailure
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
-        spawn(_failing_rank_worker, 2, timeout=120)
+        spawn(_failing_rank_worker, 2, timeout=120, fresh=True)     # its own processes: one exits, one lingers
     elapsed = time.monotonic() - start
     err = capfd.readouterr().err
     assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value

@@ -1,0 +1,9 @@
+"""Multi-rank test running: :func:`spawn` a body on N ranks, on fresh processes or on a live pool.
+
+- :mod:`mtds.testing.ranks` -- the entry point, fresh processes, the pool switch.
+- :mod:`mtds.testing.pool` -- one live pool of ranks per world size.
+- :mod:`mtds.testing.reset` -- what a pooled rank puts back between bodies.
+"""
+from mtds.testing.ranks import RankFailure, close_pools, device, free_port, pool_stats, spawn, use_pools
+
+__all__ = ["spawn", "RankFailure", "free_port", "use_pools", "close_pools", "pool_stats", "device"]
