@@ -6,8 +6,17 @@ world size exceeds the GPUs present are skipped with that reason).
 ``MTDS_TEST_POOL=0``: start fresh processes for every multi-rank body instead of the live pools.
 """
 import os
+import subprocess
 
 from mtds import testing
+
+_launches = {"subprocess": 0}
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_popen_init(self, *args, **kwargs):
+    _launches["subprocess"] += 1
+    _popen_init(self, *args, **kwargs)
 
 
 def pytest_configure(config):
@@ -19,14 +28,21 @@ def pytest_configure(config):
     os.environ["MTDS_TEST_DEVICE"] = device
     if os.environ.get("MTDS_TEST_POOL", "1") != "0":
         testing.use_pools(device)
+    subprocess.Popen.__init__ = _counting_popen_init     # counted for the summary line only
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from mtds.testing import ranks
     stats = testing.pool_stats()
     if stats:
         text = ", ".join(f"world {w}: {bodies} bodies / {starts} starts" for w, (bodies, starts) in stats.items())
         terminalreporter.write_line(f"rank pools: {text}")
+    pooled = sum(w * starts for w, (_, starts) in stats.items())
+    terminalreporter.write_line(
+        f"processes started by the suite: {pooled} pooled ranks, {ranks.fresh_ranks_started} fresh ranks, "
+        f"{_launches['subprocess']} subprocesses (launchers and CLIs; the ranks they start are not counted)")
 
 
 def pytest_unconfigure(config):
+    subprocess.Popen.__init__ = _popen_init
     testing.close_pools()

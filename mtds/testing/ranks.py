@@ -49,6 +49,7 @@ def rank_environment(rank: int, world: int, port: int, device: str) -> dict[str,
 
 
 DEVICES = ("cpu", "cuda")
+fresh_ranks_started = 0               # ranks started by fresh spawns in this process (for the suite's summary)
 _pools: dict[int, Any] = {}
 _pool_device: str | None = None       # None: pools off
 
@@ -183,8 +184,10 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout: float, env:
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, fn, args, results, timeout, dict(env or {}), dev,
                                (_CallersFd(1), _CallersFd(2)))) for r in range(world_size)]
+    global fresh_ranks_started
     for p in procs:
         p.start()
+    fresh_ranks_started += len(procs)
 
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
