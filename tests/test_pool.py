@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._device
 
 from mtds import testing
 from tests.training_helpers import TINY, ds_config, train_config
@@ -33,6 +34,7 @@ def _fingerprint():
         "default_dtype": str(torch.get_default_dtype()),
         "torch_rng": hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest(),
         "grad_enabled": torch.is_grad_enabled(),
+        "default_device": str(torch.utils._device.CURRENT_DEVICE),    # None: no device mode around every op
         "threads": torch.get_num_threads(),
         "env_probe": os.environ.get(PROBE_ENV),
         "cwd": os.getcwd(),
@@ -59,6 +61,7 @@ def _dirty_everything():
 
     from mtds.comm_trace import CommTracer
     torch.set_default_dtype(torch.float64)
+    torch.set_default_device("cpu")
     torch.manual_seed(1234 + dist.get_rank())
     torch.set_num_threads(2)
     os.environ[PROBE_ENV] = "left behind"

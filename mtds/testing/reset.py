@@ -119,7 +119,7 @@ class ProcessState:
         self.seen_modules: set[str] = set()
         self._record_new_modules()
         self.default_dtype = torch.get_default_dtype()
-        self.default_device = torch.get_default_device()
+        self.default_device = _default_device()
         self.grad_enabled = torch.is_grad_enabled()
         self.threads = torch.get_num_threads()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
@@ -179,7 +179,9 @@ class ProcessState:
                 d = vars(target)
                 ns.restore(d, d.__setitem__, d.__delitem__, problems)
         torch.set_default_dtype(self.default_dtype)
-        torch.set_default_device(self.default_device)
+        if _default_device() != self.default_device:
+            # Only when it changed: setting one (even "cpu") puts a Python mode around every torch op.
+            torch.set_default_device(self.default_device)
         torch.set_grad_enabled(self.grad_enabled)
         torch.set_num_threads(self.threads)
         torch.use_deterministic_algorithms(self.deterministic)
@@ -232,6 +234,12 @@ class ProcessState:
             print(f"[pool] group counter {c10d._world.group_count} -> {int(count.item())} (the body created "
                   f"groups on some ranks only)", flush=True)
         c10d._world.group_count = int(count.item())
+
+
+def _default_device():
+    """The default device a body set, or None (torch's own default, with no mode installed)."""
+    import torch.utils._device
+    return torch.utils._device.CURRENT_DEVICE
 
 
 def _functions(namespace) -> dict:
