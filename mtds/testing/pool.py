@@ -3,7 +3,8 @@
 Starting a rank costs far more than most test bodies: it imports torch, DeepSpeed and transformers
 and joins a process group (seconds each, times the world size, on two cores). A :class:`RankPool`
 pays that once per world size for the whole session, like DeepSpeed's ``reuse_dist_env`` test
-environment: its ranks start from a forkserver that has those imports done, join one process group,
+environment: its ranks start from a forkserver that has those imports done (``spawn`` on CUDA, see
+:func:`mtds.testing.ranks.start_context`), join one process group,
 then loop -- take a body, run it, meet at a barrier, put the process back as a fresh one was
 (:class:`mtds.testing.reset.ProcessState`), report.
 
@@ -30,15 +31,18 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from mtds.testing.ranks import PORT_IN_USE, RankFailure, free_port, rank_environment
+from mtds.testing.ranks import PORT_IN_USE, RankFailure, free_port, rank_environment, start_context
 
-# Imported once in the forkserver, so every rank it forks starts with them (ranks import the rest
-# of mtds themselves before the state they are reset to is taken).
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers",
-           "mtds.training"]
 GROUP_TIMEOUT_S = 1800     # gloo's own limit; the caller's timeout (much shorter) kills a hung body first
 START_TIMEOUT_S = 300
 STACK_GRACE_S = 3.0        # after a failure: time for the other ranks to report before stacks are dumped
+
+
+# DeepSpeed modules that its engine or ZeRO import only when first used (seen in the pool's logs,
+# DeepSpeed 0.19.8): imported up front so that the reset state records them fresh.
+DEEPSPEED_LAZY = ("deepspeed.ops.op_builder.all_ops", "deepspeed.comm.mori", "deepspeed.module_inject.auto_ep_presets",
+                  "deepspeed.runtime.superoffload.superoffload_stage3", "deepspeed.runtime.zero.muon.muon_optimizer",
+                  "deepspeed.checkpoint.autoep_universal")
 
 
 def _import_everything() -> None:
@@ -51,6 +55,11 @@ def _import_everything() -> None:
         if info.name.startswith(("mtds.testing", "mtds.cluster.__main__", "mtds.faults.__main__")):
             continue
         importlib.import_module(info.name)
+    for name in DEEPSPEED_LAZY:
+        try:
+            importlib.import_module(name)
+        except ImportError:       # another DeepSpeed version: recorded after its first body instead
+            pass
 
 
 def _rank_main(rank: int, world: int, port: int, device: str, log_path: str, tasks, results) -> None:
@@ -134,13 +143,12 @@ class RankPool:
             try:
                 return self._start_once(free_port())
             except RankFailure as failure:
-                self.close()
+                self.close(kill=True)
                 if PORT_IN_USE not in str(failure) or attempt == 2:
                     raise
 
     def _start_once(self, port: int) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = start_context(self.device)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
@@ -198,7 +206,7 @@ class RankPool:
             return values
         missing = [r for r in range(self.world) if r not in values and r not in failures]
         stacks = self._stacks(missing)
-        self.close()
+        self.close(kill=True)
         if failures:
             first = next(iter(failures))
             detail = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
@@ -219,12 +227,12 @@ class RankPool:
                 parts.append(f"--- rank {r} output{' and stack (did not report)' if r in ranks else ''} ---\n{tail}")
         return ("\n" + "\n".join(parts)) if parts else ""
 
-    def close(self) -> None:
-        """Stop the ranks (politely when idle, else killed)."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks: asked to leave when idle, killed after a failure (they may be stuck)."""
         procs, self.procs = self.procs, []
         if not procs:
             return
-        if all(p.is_alive() for p in procs):
+        if not kill and all(p.is_alive() for p in procs):
             for q in self.tasks:
                 q.put(None)
             deadline = time.monotonic() + 10

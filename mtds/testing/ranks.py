@@ -82,6 +82,23 @@ def device() -> str:
     return _pool_device or os.environ.get("MTDS_TEST_DEVICE", "cpu")
 
 
+# Imported once in the forkserver, so every rank it forks starts with them (pooled ranks import the
+# rest of mtds themselves before the state they are reset to is taken).
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers",
+           "mtds.training"]
+
+
+def start_context(dev: str):
+    """How ranks start. CPU: forked from a forkserver with :data:`PRELOAD` imported (a new rank costs a
+    fork, not seconds of imports). CUDA: ``spawn`` -- importing DeepSpeed asks torch for the device count,
+    which initialises the CUDA driver, and a CUDA-initialised process must not fork."""
+    if dev == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 PORT_ATTEMPTS = 3              # rendezvous ports tried before a port clash counts as a failure
 PORT_IN_USE = "EADDRINUSE"
 
@@ -174,10 +191,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict[str, str] | None,
                 port: int, dev: str) -> list[Any]:
-    # A forkserver with torch, DeepSpeed and transformers imported: a new rank costs a fork, not the imports.
-    from mtds.testing.pool import PRELOAD
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = start_context(dev)
     results = ctx.Queue()
     sys.stdout.flush()
     sys.stderr.flush()

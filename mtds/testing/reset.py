@@ -14,7 +14,7 @@ global of every tracked module (``mtds.*``, ``deepspeed.*``, ``torch.distributed
 for mutable containers and for instances of tracked classes one level of contents (a tracker's
 ``states_`` dict, a registry dict); likewise the attributes of the classes those modules define. A
 restore rebinds what was rebound, refills what was filled, deletes what was added. Modules first
-imported by a body are recorded after it (their state from that body persists; :data:`PRELOAD` keeps
+imported by a body are recorded after it (their state from that body persists; the pool imports every mtds module first, which keeps
 that set small and the pool reports it).
 """
 from __future__ import annotations
