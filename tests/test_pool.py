@@ -34,6 +34,7 @@ def _fingerprint():
         "default_dtype": str(torch.get_default_dtype()),
         "torch_rng": hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest(),
         "grad_enabled": torch.is_grad_enabled(),
+        "global_module_hooks": len(torch.nn.modules.module._global_forward_hooks),
         "default_device": str(torch.utils._device.CURRENT_DEVICE),    # None: no device mode around every op
         "threads": torch.get_num_threads(),
         "env_probe": os.environ.get(PROBE_ENV),
@@ -83,6 +84,7 @@ def _dirty_everything():
     def new(cls, *args, **kwargs):          # what zero.Init puts there while it is open
         return original_new(cls, *args, **kwargs)
     torch.Tensor.__new__ = new
+    torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
     torch.set_grad_enabled(False)
     return _fingerprint()
 

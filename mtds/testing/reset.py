@@ -19,6 +19,7 @@ that set small and the pool reports it).
 """
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import os
@@ -51,7 +52,12 @@ def _tracked(name: str) -> bool:
 
 
 def _copy(value):
-    return type(value)(value) if type(value) in _CONTAINERS else _MISSING
+    if not isinstance(value, _CONTAINERS):
+        return _MISSING
+    try:
+        return copy.copy(value)        # dict subclasses too (OrderedDict, defaultdict)
+    except Exception:                  # a container type that cannot be copied: its binding still is
+        return _MISSING
 
 
 def _put_back(current, saved) -> None:
@@ -146,6 +152,10 @@ class ProcessState:
                 self.namespaces.append(_Namespace(sys.modules[name], _functions(vars(sys.modules[name])),
                                                   contents=False, only_these=True))
         if not any(ns.target is PATCHABLE_CLASSES[0] for ns in self.namespaces):
+            import torch.nn.modules.module as module_mod      # hooks on every module, e.g. profilers'
+            self.namespaces.append(_Namespace(module_mod, {k: v for k, v in vars(module_mod).items()
+                                                           if k.startswith("_global") and isinstance(v, dict)},
+                                              only_these=True))
             for cls in PATCHABLE_CLASSES:     # all of their own attributes: what is added goes again
                 self.namespaces.append(_Namespace(cls, {k: v for k, v in vars(cls).items()
                                                         if k not in ("__dict__", "__weakref__")}, contents=False))
