@@ -27,7 +27,7 @@ train: setup
 		--plot runs/main/curves.png
 
 test: setup-test
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs

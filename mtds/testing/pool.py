@@ -17,21 +17,17 @@ Each rank's stdout/stderr go to a log file of its own (the pool outlives any one
 """
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import os
 import pickle
 import queue
 import signal
-import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
-
-from mtds.testing.ranks import PORT_IN_USE, RankFailure, free_port, rank_environment, start_context
+from mtds.testing.ranks import PORT_IN_USE, RankFailure, free_port, join_group, leave, start_context
 
 GROUP_TIMEOUT_S = 1800     # gloo's own limit; the caller's timeout (much shorter) kills a hung body first
 START_TIMEOUT_S = 300
@@ -70,15 +66,8 @@ def _rank_main(rank: int, world: int, port: int, device: str, log_path: str, tas
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     code = 0
     try:
-        os.environ.update(rank_environment(rank, world, port, device))
-        import torch
+        join_group(rank, world, port, device, GROUP_TIMEOUT_S)
         import torch.distributed as dist
-        torch.set_num_threads(1)
-        backend = "nccl" if device == "cuda" else "gloo"
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         _import_everything()
         from mtds.testing.reset import ProcessState
         state = ProcessState()
@@ -112,11 +101,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, log_path: str, tas
         results.put((rank, -1, False, traceback.format_exc()))
         code = 1
     finally:
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave(results, code)
 
 
 class RankPool:

@@ -156,6 +156,29 @@ def _detach(dup) -> int:
     return dup.detach()
 
 
+def join_group(rank: int, world: int, port: int, dev: str, timeout_s: float, env: dict[str, str] | None = None):
+    """This process becomes rank ``rank``: its environment, one BLAS thread, its GPU, the default group."""
+    os.environ.update(rank_environment(rank, world, port, dev))
+    os.environ.update(env or {})
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if dev == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def leave(results, code: int) -> None:
+    """Exit a rank: the queue's feeder thread must deliver before ``os._exit`` or the parent never hears
+    from us; ``os._exit`` itself avoids gloo's random abort at interpreter exit."""
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
             env: dict[str, str], dev: str, out_fds: tuple[int, int] | None = None) -> None:
     code = 0
@@ -163,15 +186,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         os.dup2(out_fds[0], 1)
         os.dup2(out_fds[1], 2)
     try:
-        os.environ.update(rank_environment(rank, world_size, port, dev))
-        os.environ.update(env)
-        import torch
+        join_group(rank, world_size, port, dev, timeout_s, env)
         import torch.distributed as dist
-        torch.set_num_threads(1)
-        if dev == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
         # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
         value = pickle.dumps(fn(*args))
         results.put((rank, True, value))
@@ -181,12 +197,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         results.put((rank, False, traceback.format_exc()))
         code = 1
     finally:
-        # The queue's feeder thread must deliver before os._exit, or the parent never hears from us.
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave(results, code)
 
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict[str, str] | None,
