@@ -13,7 +13,8 @@ from mtds.plan.check_local import LAYOUTS, check_local, main
 
 
 def test_local_calibration_prediction_and_measurement_run_end_to_end():
-    rows = check_local(steps=3, calibrate_each=False)   # one calibration keeps the test short
+    # one calibration and a small model keep the test short (it checks the plumbing, not the accuracy)
+    rows = check_local(steps=3, calibrate_each=False, hidden=128, seq=64)
     assert [r["layout"] for r in rows] == ["t{} p{} d{}".format(*lay) for lay in LAYOUTS]
     by_layout = {r["layout"]: r for r in rows}
     for r in rows:

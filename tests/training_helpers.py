@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,12 @@ def _hf_reference(cfg, steps: int, clip: float, optimizer: str) -> Reference:
     ours = GPTModel(cfg, seed=SEED)
     hf = GPT2LMHeadModel(hf_config_from_model_config(cfg))
     hf.load_state_dict(model_to_hf_state(ours), strict=False)
-    return train_hf(hf, steps, clip, optimizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))      # the ranks wait meanwhile: use every core
+    try:
+        return train_hf(hf, steps, clip, optimizer)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> list[float]:

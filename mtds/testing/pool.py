@@ -58,6 +58,12 @@ def _import_everything() -> None:
             pass
 
 
+def threads_per_rank(world: int) -> int:
+    """The machine's cores shared out: a world of one gets them all (it would leave a core idle with one
+    thread), a world larger than the cores one thread per rank."""
+    return max(1, len(os.sched_getaffinity(0)) // world)
+
+
 def _rank_main(rank: int, world: int, port: int, device: str, log_path: str, tasks, results) -> None:
     """Body of one pooled rank: start, then run bodies until told to stop (``None``)."""
     log = open(log_path, "a", buffering=1)
@@ -66,7 +72,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, log_path: str, tas
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     code = 0
     try:
-        join_group(rank, world, port, device, GROUP_TIMEOUT_S)
+        join_group(rank, world, port, device, GROUP_TIMEOUT_S, threads=threads_per_rank(world))
         import torch.distributed as dist
         _import_everything()
         from mtds.testing.reset import ProcessState

@@ -156,13 +156,17 @@ def _detach(dup) -> int:
     return dup.detach()
 
 
-def join_group(rank: int, world: int, port: int, dev: str, timeout_s: float, env: dict[str, str] | None = None):
-    """This process becomes rank ``rank``: its environment, one BLAS thread, its GPU, the default group."""
+def join_group(rank: int, world: int, port: int, dev: str, timeout_s: float, env: dict[str, str] | None = None,
+               threads: int | None = None):
+    """This process becomes rank ``rank``: its environment, its BLAS threads (``threads``, else
+    OMP_NUM_THREADS or 1), its GPU, the default group."""
     os.environ.update(rank_environment(rank, world, port, dev))
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)     # mtds.training reads it when it sets up gloo
     os.environ.update(env or {})
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if dev == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if dev == "cuda" else "gloo", rank=rank, world_size=world,
