@@ -31,6 +31,11 @@ from mtds.testing.ranks import PORT_IN_USE, RankFailure, free_port, join_group, 
 
 GROUP_TIMEOUT_S = 1800     # gloo's own limit; the caller's timeout (much shorter) kills a hung body first
 START_TIMEOUT_S = 300
+# A DeepSpeed engine registers gradient hooks on its parameters that refer back to the engine: a cycle
+# through C++ that Python's gc cannot see, so every engine a body builds outlives the body, with its
+# process groups (gloo: three threads each) and tensors -- about 20 threads per training run. The pool
+# starts anew once a rank holds more threads than this (~2 s; a fresh process would have had ~6).
+RECYCLE_THREADS = 150
 STACK_GRACE_S = 3.0        # after a failure: time for the other ranks to report before stacks are dumped
 
 
@@ -100,7 +105,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, log_path: str, tas
                 results.put((rank, seq, False, traceback.format_exc()))
                 code = 1
                 break
-            results.put((rank, seq, True, value))
+            results.put((rank, seq, True, (value, len(os.listdir("/proc/self/task")))))
         if code == 0:
             dist.destroy_process_group()
     except BaseException:
@@ -119,6 +124,7 @@ class RankPool:
         self.procs: list = []
         self.bodies = 0
         self.starts = 0
+        self.recycles = 0
         self._seq = 0
         self._logdir = tempfile.mkdtemp(prefix=f"mtds-pool{world}-")
 
@@ -163,7 +169,10 @@ class RankPool:
             q.put((self._seq, payload))
         values = self._collect(self._seq, timeout, "body")
         self.bodies += 1
-        return [pickle.loads(values[r]) for r in range(self.world)]
+        if max(threads for _, threads in values.values()) > RECYCLE_THREADS:
+            self.close()          # a new pool for the next body: see RECYCLE_THREADS
+            self.recycles += 1
+        return [pickle.loads(values[r][0]) for r in range(self.world)]
 
     def _collect(self, seq: int, timeout: float, what: str) -> dict[int, Any]:
         deadline = time.monotonic() + timeout

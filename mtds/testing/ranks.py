@@ -75,6 +75,7 @@ def close_pools() -> dict[int, tuple[int, int]]:
 
 
 def pool_stats() -> dict[int, tuple[int, int]]:
+    """{world size: (bodies run, starts)}; starts count the first, restarts after a failure and recycles."""
     return {world: (pool.bodies, pool.starts) for world, pool in sorted(_pools.items())}
 
 
