@@ -21,6 +21,7 @@ import faulthandler
 import os
 import pickle
 import queue
+import shutil
 import signal
 import tempfile
 import time
@@ -131,6 +132,9 @@ class RankPool:
     @property
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def remove_logs(self) -> None:
+        shutil.rmtree(self._logdir, ignore_errors=True)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self._logdir, f"rank{rank}.log")

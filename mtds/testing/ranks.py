@@ -69,6 +69,7 @@ def close_pools() -> dict[int, tuple[int, int]]:
     for world, pool in sorted(_pools.items()):
         stats[world] = (pool.bodies, pool.starts)
         pool.close()
+        pool.remove_logs()     # a failure already carried their tails
     _pools.clear()
     _pool_device = None
     return stats
