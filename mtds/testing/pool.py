@@ -125,7 +125,6 @@ class RankPool:
         self.procs: list = []
         self.bodies = 0
         self.starts = 0
-        self.recycles = 0
         self._seq = 0
         self._logdir = tempfile.mkdtemp(prefix=f"mtds-pool{world}-")
 
@@ -175,7 +174,6 @@ class RankPool:
         self.bodies += 1
         if max(threads for _, threads in values.values()) > RECYCLE_THREADS:
             self.close()          # a new pool for the next body: see RECYCLE_THREADS
-            self.recycles += 1
         return [pickle.loads(values[r][0]) for r in range(self.world)]
 
     def _collect(self, seq: int, timeout: float, what: str) -> dict[int, Any]:

@@ -62,17 +62,14 @@ def use_pools(device: str = "cpu") -> None:
     _pool_device = device
 
 
-def close_pools() -> dict[int, tuple[int, int]]:
-    """Stop every pool; returns {world size: (bodies run, starts)}."""
+def close_pools() -> None:
+    """Stop every pool (:func:`pool_stats` tells what they did)."""
     global _pool_device
-    stats = {}
-    for world, pool in sorted(_pools.items()):
-        stats[world] = (pool.bodies, pool.starts)
+    for pool in _pools.values():
         pool.close()
         pool.remove_logs()     # a failure already carried their tails
     _pools.clear()
     _pool_device = None
-    return stats
 
 
 def pool_stats() -> dict[int, tuple[int, int]]:

@@ -43,7 +43,7 @@ TRACKED_PREFIXES = ("mtds", "deepspeed")
 BINDINGS_ONLY = ("torch.distributed", "torch.distributed.distributed_c10d", "torch", "torch.nn.functional")
 PATCHABLE_CLASSES = (torch.Tensor, torch.nn.Module, torch.nn.Parameter)
 _CONTAINERS = (dict, list, set)
-_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGALRM))
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGALRM)
 _MISSING = object()
 
 
@@ -123,6 +123,7 @@ class ProcessState:
     def __init__(self):
         self.namespaces: list[_Namespace] = []
         self.seen_modules: set[str] = set()
+        self._record_torch()
         self._record_new_modules()
         self.default_dtype = torch.get_default_dtype()
         self.default_device = _default_device()
@@ -146,28 +147,29 @@ class ProcessState:
         for name in new:
             self.seen_modules.add(name)
             self._record_module(sys.modules[name])
-        for name in BINDINGS_ONLY:
-            if name not in self.seen_modules and name in sys.modules:
-                self.seen_modules.add(name)
-                self.namespaces.append(_Namespace(sys.modules[name], _functions(vars(sys.modules[name])),
-                                                  contents=False, only_these=True))
-        if not any(ns.target is PATCHABLE_CLASSES[0] for ns in self.namespaces):
-            import torch.nn.modules.module as module_mod      # hooks on every module, e.g. profilers'
-            self.namespaces.append(_Namespace(module_mod, {k: v for k, v in vars(module_mod).items()
-                                                           if k.startswith("_global") and isinstance(v, dict)},
-                                              only_these=True))
-            for cls in PATCHABLE_CLASSES:     # all of their own attributes: what is added goes again
-                self.namespaces.append(_Namespace(cls, {k: v for k, v in vars(cls).items()
-                                                        if k not in ("__dict__", "__weakref__")}, contents=False))
         return new
+
+    def _record_torch(self) -> None:
+        """What of torch a body may patch (see BINDINGS_ONLY); torch is imported before any snapshot."""
+        import importlib
+
+        import torch.nn.modules.module as module_mod
+        for name in BINDINGS_ONLY:
+            module = importlib.import_module(name)
+            self.namespaces.append(_Namespace(module, _functions(vars(module)), contents=False, only_these=True))
+        # hooks on every module (profilers register them)
+        self.namespaces.append(_Namespace(module_mod, {k: v for k, v in vars(module_mod).items()
+                                                       if k.startswith("_global") and isinstance(v, dict)},
+                                          only_these=True))
+        for cls in PATCHABLE_CLASSES:     # all of their own attributes: what is added goes again
+            self.namespaces.append(_Namespace(cls, _class_attributes(cls), contents=False))
 
     def _record_module(self, module: ModuleType) -> None:
         items = dict(vars(module))
         self.namespaces.append(_Namespace(module, items))
         for value in items.values():
             if isinstance(value, type) and value.__module__ == module.__name__:
-                self.namespaces.append(_Namespace(value, {k: v for k, v in vars(value).items()
-                                                          if k not in ("__dict__", "__weakref__")}))
+                self.namespaces.append(_Namespace(value, _class_attributes(value)))
             elif _is_tracked_instance(value):
                 self.namespaces.append(_Namespace(value, vars(value)))
 
@@ -182,8 +184,7 @@ class ProcessState:
                 ns.restore(vars(target), lambda k, v, t=target: setattr(t, k, v),
                            lambda k, t=target: delattr(t, k), problems)
             elif isinstance(target, type):
-                current = {k: v for k, v in vars(target).items() if k not in ("__dict__", "__weakref__")}
-                ns.restore(current, lambda k, v, t=target: setattr(t, k, v), lambda k, t=target: delattr(t, k),
+                ns.restore(_class_attributes(target), lambda k, v, t=target: setattr(t, k, v), lambda k, t=target: delattr(t, k),
                            problems)
             else:
                 d = vars(target)
@@ -250,6 +251,11 @@ def _default_device():
     """The default device a body set, or None (torch's own default, with no mode installed)."""
     import torch.utils._device
     return torch.utils._device.CURRENT_DEVICE
+
+
+def _class_attributes(cls: type) -> dict:
+    """A class's own attributes, less the descriptors every class has for its instances' dicts."""
+    return {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
 
 
 def _functions(namespace) -> dict:
