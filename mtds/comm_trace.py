@@ -236,17 +236,10 @@ class CommTracer:
 
 def label_deepspeed_groups(tracer: CommTracer, engine) -> None:
     """Name the process groups DeepSpeed made itself, by axis: a pipeline engine's grid (its own
-    data, pipe, tensor-slice and model groups) and the pipeline module's tied-weight groups."""
-    grid = getattr(engine, "grid", None)
-    if grid is not None:
-        for attr, name in (("dp_proc_group", "dp"), ("pp_proc_group", "pp"), ("slice_proc_group", "tp"),
-                           ("ds_model_proc_group", "mp")):
-            tracer.name_group(getattr(grid, attr, None), name)
-        from deepspeed.runtime.pipe import p2p
-        for group in getattr(p2p, "_groups", None) or ():   # only when send/recv go by broadcast
-            tracer.name_group(group, "pp")
-    for comm in getattr(engine.module, "tied_comms", {}).values():
-        tracer.name_group(comm.get("group"), "tied")
+    data, pipe, tensor-slice and model groups), its p2p groups and the tied-weight groups."""
+    from mtds.deepspeed_compat.pipeline import engine_groups
+    for group, axis in engine_groups(engine):
+        tracer.name_group(group, axis)
 
 
 _local = threading.local()   # depth of traced calls on this thread, and the outer call's inner bytes

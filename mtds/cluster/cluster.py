@@ -89,13 +89,13 @@ class Cluster:
         atexit.register(self.down)
         self._install_signal_handlers()
         try:
-            self._build()
+            self._build_network()
         except BaseException:
             self.down()
             raise
         return self
 
-    def _build(self) -> None:
+    def _build_network(self) -> None:
         s = self.spec
         names = [s.bridge_ns] + [s.node_ns(i) for i in range(s.nodes)]
         for name in names:

@@ -2,7 +2,7 @@
 
 DeepSpeed's engine runs only its plain 1F1B instruction stream. This subclass replaces ``train_batch``
 and ``eval_batch`` by a walk over the per-rank compute order of ``mtds.pipe.schedules`` (interleaved 1F1B
-over the chunks of a :class:`~mtds.pipe.chunked.ChunkedPipelineModule`, or ZB-H1), with the p2p of
+over the chunks of a :class:`~mtds.deepspeed_compat.chunked_module.ChunkedPipelineModule`, or ZB-H1), with the p2p of
 ``mtds.pipe.p2p`` (sends never block, receives block only when needed). Everything else stays
 DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss scaling, accumulation
 scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
@@ -11,6 +11,9 @@ gradient reduction (ZeRO-1 / BF16 optimizer / data parallel), clipping and optim
 
 "Stage" in DeepSpeed's sense (``is_first_stage``/``is_last_stage``, gradient-accumulation scaling) is
 the *virtual* stage of the chunk being run: rank p−1 runs the loss only in its last chunk.
+
+Only public methods of ``PipelineEngine`` are overridden (``DEEPSPEED_OVERRIDES``); every use of its
+private state goes through ``mtds.deepspeed_compat.pipeline``.
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from mtds.deepspeed_compat import pipeline as ds
 from .p2p import StageP2P
 from ..tp.weight_grad_store import WeightGradStore
 from .select import check_weight_pass_support
@@ -32,6 +35,8 @@ class ScheduledPipelineEngine(PipelineEngine):
     ``schedule`` (a name in ``mtds.pipe.schedules.SCHEDULES``), ``groups`` (mtds ``ParallelGroups``),
     ``boundary_shape`` (activation shape between stages for one micro-batch)."""
 
+    DEEPSPEED_OVERRIDES = ("train_batch", "eval_batch", "is_first_stage", "is_last_stage")
+
     def __init__(self, *args, schedule: str, groups, boundary_shape, **kwargs):
         self._active_chunk = None   # None: DeepSpeed's own (rank) sense of first/last stage, used in __init__
         super().__init__(*args, **kwargs)
@@ -41,8 +46,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         check_microbatches(schedule, self.num_stages, self.chunks, self.micro_batches)
         # One flush per step; the engine scatters/gathers itself (DeepSpeed's PartitionedTensor path is
         # tied to its own buffers), so its flags only tell us whether to.
-        scatter = self.is_pipe_partitioned
-        self.is_pipe_partitioned = self.is_grad_partitioned = False
+        scatter = ds.take_over_scatter_gather(self)
         grad_group = None
         for ranks in groups.layout.pp_groups():   # collective: every rank creates every group
             group = dist.new_group(ranks)
@@ -56,8 +60,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.timeline = None       # a mtds.pipe.timeline.TimelineRecorder, when the user asked for one
         self.weight_grads = None   # ZB-H1: the TP linears' deferred weight gradients, run by W actions
         if has_weight_pass(schedule):
-            check_weight_pass_support(bf16_immediate=self.using_bf16_optimizer and
-                                      self._config.bfloat16_config.immediate_grad_update,
+            check_weight_pass_support(bf16_immediate=ds.bf16_immediate_grad_update(self),
                                       overlap_comm=self.zero_optimization() and self.zero_overlap_comm())
             self.weight_grads = WeightGradStore()
             for module in self.module.modules():
@@ -104,17 +107,14 @@ class ScheduledPipelineEngine(PipelineEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        self.total_loss = None
-        self.total_additional_losses = None
-        self._compute_loss = True
+        ds.begin_batch(self, training=True)
         self._run(schedule_actions(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
         with self._span("reduce"):
-            self._exec_reduce_tied_grads()
-            self._exec_reduce_grads()
+            ds.reduce_gradients(self)
         with self._span("step"):
-            self._exec_optimizer_step()
+            ds.optimizer_step(self)
         with torch.no_grad():
-            self.agg_train_loss = self._aggregate_total_loss()
+            self.agg_train_loss = ds.aggregate_loss(self)
         return self.agg_train_loss
 
     @torch.no_grad()
@@ -126,18 +126,13 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.module.eval()
         train_iterator = self.data_iterator
         self.set_dataiterator(data_iter)
-        self._compute_loss = True
+        ds.begin_batch(self, training=False)
         try:
             self._run(self._forward_order(micro_batches))
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
-        output = None
-        if self.is_last_stage():
-            output = self._reduce_outputs(self.fwd_outputs, reduce=reduce_output, micro_batches=micro_batches)
-        if bcast_loss:
-            output = self._bcast_pipe_scalar(output)
-        return output
+        return ds.eval_output(self, reduce=reduce_output, micro_batches=micro_batches, broadcast=bcast_loss)
 
     def _forward_order(self, micro_batches: int) -> list[Action]:
         """Forward-only order: the training schedule's forwards (the same (chunk, micro) sequence on every
@@ -150,10 +145,9 @@ class ScheduledPipelineEngine(PipelineEngine):
         return [a for a in actions if a.kind == "F"]
 
     def _run(self, actions) -> None:
-        self.fwd_outputs = []
         self._inputs, self._outputs, self._losses, self._labels = {}, {}, {}, {}
         for action in actions:
-            handler = {"F": self._forward, "B": self._backward, "W": self._weight}[action.kind]
+            handler = {"F": self._forward_step, "B": self._backward_step, "W": self._weight_step}[action.kind]
             handler(action.chunk, action.micro)
         with self._span("send"):
             self.p2p.wait_sends()
@@ -162,11 +156,11 @@ class ScheduledPipelineEngine(PipelineEngine):
             raise RuntimeError(f"{self.weight_grads.pending()} deferred weight gradients left after the schedule")
 
     # -- the three compute instructions ------------------------------------------------------------------
-    def _forward(self, chunk: int, micro: int) -> None:
+    def _forward_step(self, chunk: int, micro: int) -> None:
         with self._chunk(chunk):
             first, last = self.is_first_stage(), self.is_last_stage()
             if first:
-                batch = self._next_batch()
+                batch = ds.next_batch(self)
                 inputs = batch[0].to(self.device)
             else:
                 with self._span("recv", chunk, micro):
@@ -174,14 +168,12 @@ class ScheduledPipelineEngine(PipelineEngine):
                 if not torch.is_grad_enabled():
                     inputs = inputs.detach()
             if last:
-                self._labels[micro] = self._next_batch()[1].to(self.device)
+                self._labels[micro] = ds.next_batch(self)[1].to(self.device)
             with self._span("F", chunk, micro):
-                outputs = DeepSpeedEngine.forward(self, inputs)
+                outputs = ds.forward(self, inputs)
                 if last:
                     loss = self.module.loss_fn(outputs, self._labels.pop(micro))
-                    self.fwd_outputs.append(loss.detach())
-                    self.total_loss = loss.detach().clone() if self.total_loss is None \
-                        else self.total_loss + loss.detach()
+                    ds.record_loss(self, loss)
             if torch.is_grad_enabled() and not first:
                 self._inputs[chunk, micro] = inputs      # its .grad is what backward sends upstream
             if last:
@@ -193,7 +185,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             if torch.is_grad_enabled():
                 self._outputs[chunk, micro] = outputs
 
-    def _backward(self, chunk: int, micro: int) -> None:
+    def _backward_step(self, chunk: int, micro: int) -> None:
         if self.weight_grads is not None:
             self.weight_grads.key = (chunk, micro)
         try:
@@ -207,66 +199,28 @@ class ScheduledPipelineEngine(PipelineEngine):
             first = self.is_first_stage()
             if self.is_last_stage():
                 with self._span("B", chunk, micro):
-                    DeepSpeedEngine.backward(self, self._losses.pop(micro))
+                    ds.loss_backward(self, self._losses.pop(micro))
             else:
                 with self._span("recv", chunk, micro):
                     grad = self.p2p.recv_backward(self._neighbour(chunk, +1))
                 with self._span("B", chunk, micro):
-                    self._backward_from(self._outputs.pop((chunk, micro)), grad)
+                    ds.stage_backward(self, self._outputs.pop((chunk, micro)), grad)
             inputs = self._inputs.pop((chunk, micro), None)
             if not first:
                 with self._span("send", chunk, micro):
                     self.p2p.send_backward(inputs.grad, self._neighbour(chunk, -1))
 
-    def _backward_from(self, outputs: torch.Tensor, grad: torch.Tensor) -> None:
-        """A non-loss stage's backward, as DeepSpeed's PipelineEngine runs it (BF16 optimizer: low-precision
-        grads cleared before, added to the fp32 ones after)."""
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()
-        self._running_engine_backward = True
-        try:
-            outputs.backward(gradient=grad)
-        finally:
-            self._running_engine_backward = False
-        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
-
-    def _weight(self, chunk: int, micro: int) -> None:
+    def _weight_step(self, chunk: int, micro: int) -> None:
         """ZB-H1's W: the weight/bias GEMMs the TP linears queued during this micro-batch's B, in order,
         accumulated into ``param.grad``, then handed to the optimizer's gradient accumulation as a
         backward's would be (the loss scale, fp16, is already in the queued output gradients)."""
         with self._span("W", chunk, micro):
-            bf16 = self.using_bf16_optimizer
-            if bf16:
-                # Every low-precision grad here was folded into fp32 by the backward that produced it:
-                # zero them so the fold below adds only this W's gradients (once).
-                self.optimizer.clear_lp_grads()
-            self.weight_grads.run((chunk, micro))
-            if bf16:
-                self.optimizer.update_hp_grads(clear_lp_grads=False)
-            elif getattr(self.optimizer, "use_grad_accum_attribute", False):
-                # ZeRO-1/2 accumulating 16-bit grads in fp32: moves param.grad into param.grad_accum
-                # (and clears it), what its backward epilogue does.
-                self.optimizer.fill_grad_accum_attribute()
+            ds.fold_weight_gradients(self, lambda: self.weight_grads.run((chunk, micro)))
 
 
 def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,
                            boundary_shape):
-    """What ``deepspeed.initialize`` does for a ``PipelineModule`` (DeepSpeed 0.19: config class from the
-    module's grid, optimizer flags, zero.Init context around construction), constructing
-    :class:`ScheduledPipelineEngine` instead of ``PipelineEngine``."""
-    import deepspeed
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.zero import partition_parameters
-
-    partition_parameters.shutdown_init_context()
-    config_class = DeepSpeedConfig(config, model.mpu())
-    deepspeed.set_optimizer_flags(config_class, model)
-    engine = ScheduledPipelineEngine(args=None, model=model, optimizer=None, model_parameters=model_parameters,
-                                     training_data=None, lr_scheduler=lr_scheduler, mpu=model.mpu(),
-                                     dist_init_required=None, collate_fn=None, config=config,
-                                     config_class=config_class, schedule=schedule, groups=groups,
-                                     boundary_shape=boundary_shape)
-    partition_parameters.restore_init_context()
-    engine._configure_python_gc()
-    return engine
+    """A :class:`ScheduledPipelineEngine`, built as ``deepspeed.initialize`` builds a ``PipelineEngine``."""
+    return ds.build_pipeline_engine(ScheduledPipelineEngine, model, config=config, model_parameters=model_parameters,
+                                    lr_scheduler=lr_scheduler, schedule=schedule, groups=groups,
+                                    boundary_shape=boundary_shape)

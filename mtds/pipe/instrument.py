@@ -1,11 +1,11 @@
 """``--timeline``: record every pipeline instruction of each step on every rank, measure the bubble, and
 write the last step as a Chrome trace (Perfetto) and a PNG Gantt chart of all pipeline ranks.
 
-mtds's own engine records its instructions itself (``ScheduledPipelineEngine.timeline``). DeepSpeed's
-engines (``PipelineEngine`` for 1f1b, ``DualPipeVEngine``) look their instruction handlers up in the
-class's ``_INSTRUCTION_MAP``; an instance attribute of the same name, holding the same handlers wrapped
-in a recorder span, shadows it for this engine only. Micro-batch numbers of those engines are counted:
-each stage (chunk/phase) runs its forwards, and its backwards, in micro-batch order.
+mtds's own engine records its instructions itself (``ScheduledPipelineEngine.timeline``). On DeepSpeed's
+engines (``PipelineEngine`` for 1f1b, ``DualPipeVEngine``) every instruction handler is wrapped in a
+recorder span (``mtds.deepspeed_compat.pipeline.wrap_instruction_handlers``). Micro-batch numbers of
+those engines are counted: each stage (chunk/phase) runs its forwards, and its backwards, in
+micro-batch order.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from functools import wraps
 
 import torch.distributed as dist
 
+from mtds.deepspeed_compat.pipeline import wrap_instruction_handlers
+
 from .timeline import TimelineRecorder, gather_events, measured_bubble, write_chrome_trace, write_gantt_png
 
 # DeepSpeed instruction class name -> timeline kind
@@ -23,8 +25,8 @@ _KINDS = {"ForwardPass": "F", "BackwardPass": "B", "SendActivation": "send", "Se
           "ReduceTiedGrads": "reduce", "OptimizerStep": "step", "LoadMicroBatch": "other"}
 
 
-def _instrument_deepspeed(engine, recorder: TimelineRecorder) -> None:
-    counters = defaultdict(int)   # (kind, chunk) -> micro-batches seen this step
+def _instrument_deepspeed(engine, recorder: TimelineRecorder, counters: defaultdict) -> None:
+    """``counters``: (kind, chunk) -> micro-batches seen this step."""
 
     def wrap(instruction, handler):
         kind = _KINDS.get(instruction.__name__, "other")
@@ -43,8 +45,7 @@ def _instrument_deepspeed(engine, recorder: TimelineRecorder) -> None:
                 return handler(self, **kwargs)
         return run
 
-    engine._INSTRUCTION_MAP = {cls: wrap(cls, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
-    engine._timeline_counters = counters
+    wrap_instruction_handlers(engine, wrap)
 
 
 class StepTimeline:
@@ -54,10 +55,12 @@ class StepTimeline:
     def __init__(self, engine, groups, path: str):
         self.engine, self.groups, self.path = engine, groups, path
         self.recorder = TimelineRecorder(rank=groups.pp_rank)
+        self.counters = None
         if hasattr(engine, "timeline"):
             engine.timeline = self.recorder
         else:
-            _instrument_deepspeed(engine, self.recorder)
+            self.counters = defaultdict(int)
+            _instrument_deepspeed(engine, self.recorder, self.counters)
         layout = groups.layout
         # gather on the reporting rank's pipeline: the last stage of this TP/DP coordinate
         self.dst = layout.rank_of(groups.tp_rank, groups.dp_rank, layout.pp - 1)
@@ -65,9 +68,8 @@ class StepTimeline:
 
     def begin(self) -> None:
         dist.barrier(group=self.groups.pp_group)   # align the ranks' step origins
-        counters = getattr(self.engine, "_timeline_counters", None)
-        if counters is not None:
-            counters.clear()
+        if self.counters is not None:
+            self.counters.clear()
         self.recorder.begin_step()
 
     def end(self) -> dict:

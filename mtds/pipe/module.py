@@ -32,7 +32,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
-    from .chunked import ChunkedPipelineModule
+    from mtds.deepspeed_compat.chunked_module import ChunkedPipelineModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \

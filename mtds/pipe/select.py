@@ -3,15 +3,17 @@
 ``1f1b`` is DeepSpeed's own ``PipelineEngine``, untouched; ``dualpipev`` DeepSpeed's own
 ``DualPipeVEngine`` (0.19.8+) on mtds's model. ``interleaved`` and ``zb-h1``
 run on mtds's ``ScheduledPipelineEngine`` (``mtds.pipe.engine``), which builds on private internals of
-DeepSpeed's pipeline engine. Both non-1f1b paths are supported for ``DEEPSPEED_RANGE`` only.
+DeepSpeed's pipeline engine (through ``mtds.deepspeed_compat``). Both non-1f1b paths are supported for
+the tested DeepSpeed range only (``mtds.deepspeed_compat.TESTED_SPEC``).
 """
 from __future__ import annotations
+
+from mtds.deepspeed_compat.capabilities import TESTED_SPEC, in_tested_range
 
 from .schedules import check_microbatches
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")   # what train.py runs (each proven against HF in tests)
 OWN_ENGINE = ("interleaved", "zb-h1")          # run by mtds.pipe.engine; dualpipev is DeepSpeed's DualPipeVEngine
-DEEPSPEED_RANGE = ((0, 19, 8), (0, 20, 0))     # [low, high): the engine internals these schedules rely on
 
 
 def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: int | None = None) -> None:
@@ -64,14 +66,7 @@ def check_schedule_config(name: str, ds_config: dict) -> None:
 
 def deepspeed_version_problem(version: str) -> str | None:
     """One line if ``version`` is outside the range mtds's own schedules are built for, else None."""
-    numbers = []
-    for part in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        numbers.append(int(digits) if digits else 0)
-    low, high = DEEPSPEED_RANGE
-    if low <= tuple(numbers) < high:
+    if in_tested_range(version):
         return None
-    fmt = ".".join
     return (f"DeepSpeed {version} is outside the range mtds's pipeline schedules are built on "
-            f"(>= {fmt(map(str, low))}, < {fmt(map(str, high))}); use --pipeline-schedule 1f1b or install "
-            f"deepspeed>={fmt(map(str, low))},<{fmt(map(str, high))}")
+            f"({TESTED_SPEC}); use --pipeline-schedule 1f1b or pip install '{TESTED_SPEC}'")

@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from mtds.config import ModelConfig
+from mtds.deepspeed_compat.checkpointing import consolidate_zero3
 
 from .errors import CheckpointFormatError
 from .names import ds_name
@@ -50,7 +51,6 @@ class Zero3StateReader:
 
     def _state(self, tp_rank: int) -> dict:
         if tp_rank not in self._states:
-            from deepspeed.utils import zero_to_fp32 as z
             model_files, optim_files = (zero3_files(self.tag_dir, tp_rank, kind) for kind in ("model", "optim"))
             if not model_files or len(model_files) != len(optim_files):
                 raise CheckpointFormatError(f"{self.tag_dir}: TP rank {tp_rank} has {len(model_files)} ZeRO-3 model "
@@ -58,11 +58,10 @@ class Zero3StateReader:
             try:
                 # zero_to_fp32 reports progress on stdout/stderr; a CLI's only stderr line is its error.
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    states = z.parse_model_states(model_files)
-                    stage, world, flat, _ = z.parse_optim_states(optim_files, self.tag_dir)
+                    stage, state = consolidate_zero3(model_files, optim_files, self.tag_dir)
                     if stage != 3:
                         raise ValueError(f"optimizer files are of ZeRO stage {stage}, not 3")
-                    self._states[tp_rank] = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, states, False)
+                    self._states[tp_rank] = state
             except (ValueError, KeyError, AssertionError, FileNotFoundError) as err:
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise CheckpointFormatError(f"{self.tag_dir}: cannot consolidate ZeRO-3 partitions of TP rank "

@@ -25,6 +25,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from mtds.deepspeed_compat.checkpointing import loading_universal, refresh_master_weights, wrap_checkpoint_engine
 from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
 from mtds.reshard.complete import STAGING_SUFFIX, Marker, find_complete, rank_manifest
@@ -65,9 +66,7 @@ def _default_tokenizer(tokenizer: str | None) -> str | None:
 def _durable(engine) -> DurableCheckpointEngine:
     """Route the engine's file writes through fsync + a record of what this rank wrote, and its loads
     through the safe loader (installed once per engine)."""
-    if not isinstance(engine.checkpoint_engine, DurableCheckpointEngine):
-        engine.checkpoint_engine = DurableCheckpointEngine(engine.checkpoint_engine)
-    return engine.checkpoint_engine
+    return wrap_checkpoint_engine(engine, DurableCheckpointEngine)
 
 
 def rng_state(tracker=None) -> dict:
@@ -263,12 +262,8 @@ def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, grou
     universal = universal_dir(directory, tag)
     if target_zero == 0:
         return _load_universal_zero0(engine, universal, os.path.join(directory, tag), meta, groups)
-    config = engine._config
-    config.load_universal_checkpoint = True   # read by load_checkpoint and the ZeRO optimizer only
-    try:
+    with loading_universal(engine):
         return _deepspeed_load(engine, directory, os.path.basename(universal))
-    finally:
-        config.load_universal_checkpoint = False
 
 
 # Keys of an engine file that are DeepSpeed's, not client_state.
@@ -311,8 +306,5 @@ def _load_weights_only(engine, directory: str, tag: str, meta: CheckpointMeta, g
     # fp32 master copy (ZeRO-1/2, bf16) is refreshed from the new module weights.
     from mtds.hf.init import load_checkpoint_into_stages
     load_checkpoint_into_stages(engine.module, os.path.join(directory, tag), model_cfg, groups)
-    refresh = getattr(engine.optimizer, "refresh_fp32_params", None) or \
-        getattr(engine.optimizer, "_restore_from_bit16_weights", None)
-    if refresh is not None:
-        refresh()
+    refresh_master_weights(engine)
     return 0, {}

@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from mtds.deepspeed_compat import patches
 from mtds.layout import ParallelGroups
 
 
@@ -61,20 +62,11 @@ def install_fp32_clipping(engine, groups: ParallelGroups) -> None:
     Without clipping DeepSpeed computes no norm on this path at all; then measure it just before the
     optimizer step (gradients are reduced over data parallelism by then), so every step reports one.
     """
-
-    def clip_fp32_gradients():
-        engine._global_grad_norm = clip_grad_norm(engine.module.parameters(), engine.gradient_clipping(), groups)
-
-    engine.clip_fp32_gradients = clip_fp32_gradients
+    params = engine.module.parameters
     if engine.gradient_clipping() > 0:
-        return
-    take_model_step = engine._take_model_step
-
-    def measured_model_step(*args, **kwargs):
-        engine._global_grad_norm = global_grad_norm(engine.module.parameters(), groups)
-        return take_model_step(*args, **kwargs)
-
-    engine._take_model_step = measured_model_step
+        patches.replace_fp32_clipping(engine, lambda: clip_grad_norm(params(), engine.gradient_clipping(), groups))
+    else:
+        patches.measure_before_model_step(engine, lambda: global_grad_norm(params(), groups))
 
 
 def mark_sharded_gradients(engine, groups: ParallelGroups) -> None:
@@ -89,12 +81,10 @@ def mark_sharded_gradients(engine, groups: ParallelGroups) -> None:
     if groups.layout.tp == 1:
         return
     sharded = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
-    optimizer_step = engine.optimizer.step
 
-    def step(*args, **kwargs):
+    def mark():
         for p in sharded:
             if p.grad is not None:
                 p.grad.tensor_model_parallel = True
-        return optimizer_step(*args, **kwargs)
 
-    engine.optimizer.step = step
+    patches.before_optimizer_step(engine, mark)

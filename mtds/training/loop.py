@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mtds.comm_trace import CommTracer, label_deepspeed_groups
 from mtds.config import ModelConfig, resolve_model_config
+from mtds.deepspeed_compat import check_engine, check_installed, verify_ran
 from mtds.layout import ParallelGroups, ParallelLayout
 from mtds.metrics import model_config_flops, peak_tflops
 from mtds.pipe import build_model
@@ -117,6 +118,7 @@ def run(cfg: TrainConfig) -> RunResult:
 
 
 def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heartbeat: Heartbeat) -> RunResult:
+    check_installed()   # the DeepSpeed internals mtds relies on, before anything starts
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
     tracer = CommTracer().install() if cfg.trace_comm else None
     try:
@@ -211,6 +213,7 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         defer_sequence_parallel_grads(engine, groups)
     if tracer is not None:
         label_deepspeed_groups(tracer, engine)   # the pipeline engine's own grid groups, tied weights
+    check_engine(engine)   # attributes DeepSpeed creates in __init__ that mtds reads or sets
     for callback in cfg.on_engine_ready:
         callback(engine, groups)
     # After the callbacks: their gradient hooks (tests inject NaNs so) run before this rank's record.
@@ -264,6 +267,8 @@ def _run(cfg: TrainConfig, stop: StopRequest, watchdog: BuildLockWatchdog, heart
         tracker.begin_step(step)     # dropout masks keyed by (step, micro-batch, layer): schedule-independent
         loss = train_step(engine, stream, groups, batch.accumulation, device)
         elapsed = time.perf_counter() - start
+        if step == start_step + 1:
+            verify_ran(engine, engine.module)   # every patch on DeepSpeed's objects ran: no silent fallback
         if stream.consumed_samples == consumed:
             # This rank read no data (a middle 1f1b stage; DualPipeV's last rank, which DeepSpeed never
             # loads on): move its position anyway, so every rank saves where the data stream is -- a

@@ -12,33 +12,18 @@ holds for ZeRO-0/1 with fp32 or fp16. Elsewhere the sum stays per use (inside ba
 """
 from __future__ import annotations
 
+from mtds.deepspeed_compat import patches
 from mtds.layout import ParallelGroups
 from mtds.tp import allreduce_sequence_parallel_grads
-
-
-def _gradients_wait_in_param_grad(engine) -> bool:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    optimizer = engine.optimizer
-    if engine.zero_optimization_stage() > 1 or isinstance(optimizer, BF16_Optimizer):
-        return False
-    return not any(getattr(optimizer, name, False)
-                   for name in ("overlap_comm", "partition_gradients", "use_grad_accum_attribute"))
 
 
 def defer_sequence_parallel_grads(engine, groups: ParallelGroups) -> bool:
     """Switch the model's sequence-parallel parameters to one flat TP all-reduce per step; False
     (and per-use sums) where the DeepSpeed path does not keep gradients until the boundary."""
     params = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel", False) and p.requires_grad]
-    if not params or groups.layout.tp == 1 or not _gradients_wait_in_param_grad(engine):
+    if not params or groups.layout.tp == 1 or not patches.gradients_wait_in_param_grad(engine):
         return False
     for p in params:
         p.sequence_parallel_grads_deferred = True
-    data_parallel_reduction = engine.allreduce_gradients
-
-    def allreduce_gradients(*args, **kwargs):
-        if engine.is_gradient_accumulation_boundary():
-            allreduce_sequence_parallel_grads(params, groups.tp_group)
-        return data_parallel_reduction(*args, **kwargs)
-
-    engine.allreduce_gradients = allreduce_gradients
+    patches.before_gradient_reduction(engine, lambda: allreduce_sequence_parallel_grads(params, groups.tp_group))
     return True

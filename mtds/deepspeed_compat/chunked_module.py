@@ -8,21 +8,39 @@ tied-weight groups see the owning *ranks*, as with one chunk.
 
 Only one chunk is exposed through ``forward()`` at a time (``activate_chunk``); the engine activates a
 chunk around its forward *and* its backward, because recomputation re-runs the active chunk's layers.
+
+It lives in the DeepSpeed boundary because it overrides private methods ``PipelineModule.__init__``
+calls (partition, build, recompute bookkeeping); each override marks the module's patch ledger, so a
+DeepSpeed that stops calling one is reported instead of building the wrong layers. Checked against
+DeepSpeed 0.19.8.
 """
 from __future__ import annotations
 
 from deepspeed.pipe import PipelineModule
+
+from .capabilities import check_subclass
+from .ledger import ledger
+
+OVERRIDES = ("_partition_layers", "_build", "_precompute_checkpointable_values", "stage_owner", "save_state_dict",
+             "load_state_dir")
 
 
 class ChunkedPipelineModule(PipelineModule):
     """``PipelineModule`` with ``virtual_stages`` chunks per rank (same arguments, plus that one)."""
 
     def __init__(self, *args, virtual_stages: int, **kwargs):
+        check_subclass(type(self), PipelineModule, overrides=OVERRIDES)
         self.num_chunks = virtual_stages
+        book = ledger(self)
+        for name in ("_partition_layers", "_build"):
+            book.expect(f"PipelineModule.{name}")
+        if kwargs.get("activation_checkpoint_interval", 0) > 0:
+            book.expect("PipelineModule._precompute_checkpointable_values")   # called by the engine
         super().__init__(*args, **kwargs)
 
     # DeepSpeed calls these from PipelineModule.__init__, in this order: partition, build, index ties.
     def _partition_layers(self, method="uniform"):
+        ledger(self).mark("PipelineModule._partition_layers")
         ranks = self.num_stages
         self.num_stages = ranks * self.num_chunks      # partition over virtual stages
         super()._partition_layers(method)
@@ -35,6 +53,7 @@ class ChunkedPipelineModule(PipelineModule):
         return super().stage_owner(layer_idx) % self.pipe_ranks
 
     def _build(self):
+        ledger(self).mark("PipelineModule._build")
         self.chunk_funcs = []
         self.chunk_checkpointable = [[] for _ in range(self.num_chunks)]
         for start, stop in self.chunk_bounds:
@@ -51,6 +70,7 @@ class ChunkedPipelineModule(PipelineModule):
         self._local_start, self._local_stop = self.chunk_bounds[chunk]
 
     def _precompute_checkpointable_values(self):
+        ledger(self).mark("PipelineModule._precompute_checkpointable_values")
         for chunk in range(self.num_chunks):
             self.activate_chunk(chunk)
             self.is_checkpointable_results_interval = None   # the parent caches per interval, not per chunk
