@@ -211,3 +211,48 @@ def test_a_rank_that_fails_is_reported_as_failed_not_done(capfd):
     assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
     assert "error: rank 1 left training with an error (_Injected" in err, err[-3000:]
     assert elapsed < 50, elapsed
+
+
+
+def _reports_while_waiting(lock, limit_s, build_dir, build_for_s):
+    """A thread in torch's real ``FileBaton.wait`` on ``lock`` under a watchdog of ``limit_s``, while a
+    "build" writes into ``build_dir`` for ``build_for_s`` seconds: (seconds since start, message) of
+    each report."""
+    import threading
+
+    from torch.utils.file_baton import FileBaton
+
+    from mtds.safety.startup import BuildLockWatchdog
+    reports, stuck = [], threading.Event()
+
+    def on_stuck(message):
+        reports.append((time.monotonic() - start, message))
+        stuck.set()
+
+    def waiter():
+        with BuildLockWatchdog(limit_s, poll_s=0.1, on_stuck=on_stuck):
+            FileBaton(str(lock), wait_seconds=0.05).wait()    # returns once the lock is removed
+
+    start = time.monotonic()
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    while time.monotonic() - start < build_for_s:
+        (build_dir / ".ninja_log").write_text(str(time.monotonic()))
+        time.sleep(0.2)
+    stuck.wait(timeout=limit_s * 4 + 5)
+    os.remove(lock)
+    thread.join(timeout=10)
+    return reports
+
+
+@pytest.mark.parametrize("build_for_s", [0.0, 3.0])
+def test_a_build_in_progress_is_waited_for_a_stale_lock_is_not(tmp_path, build_for_s):
+    """Another rank's JIT build (its folder changing) may take any time: no report while it runs; a lock
+    with nothing changing beside it is reported once the limit has passed."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    reports = _reports_while_waiting(lock, 1.0, tmp_path, build_for_s)
+    assert len(reports) == 1, reports
+    after, message = reports[0]
+    assert after >= build_for_s + 0.9, f"reported after {after:.1f} s while the build was still writing"
+    assert f"rm {lock}" in message and "no build activity" in message
