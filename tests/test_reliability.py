@@ -6,6 +6,7 @@ loads a checkpoint whose pickle would run ``os.system``. The saved folders then 
 checks of what --load does with incomplete or corrupt checkpoints.
 """
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -66,7 +67,19 @@ def _worker(root):
         refused = None
     except (CheckpointError, ValueError) as err:
         refused = str(err)
-    return full, resumed, full_dp, resumed_dp, resumed_dp4, refused
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{root}/pipe", f"{root}/corrupt")
+        _flip_byte(pathlib.Path(f"{root}/corrupt/global_step6") / _verified_by(3, f"{root}/corrupt/global_step6"))
+    dist.barrier()
+    after_corruption = run(train_config(**pipe, load=f"{root}/corrupt"))
+    return full, resumed, full_dp, resumed_dp, resumed_dp4, refused, after_corruption
+
+
+def _verified_by(rank: int, tag_dir: str, world: int = 4) -> str:
+    """The largest file whose bytes ``rank`` verifies when ``world`` ranks load ``tag_dir``."""
+    from mtds.reshard.complete import list_files, share
+    mine = share(list_files(tag_dir)[1], rank, world)
+    return max(mine, key=lambda name: mine[name][0])
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +90,7 @@ def saved(tmp_path_factory):
 
 def test_resume_is_bit_exact_with_dropout_at_t2_p2_and_d2(saved):
     _, results = saved
-    for rank, (full, resumed, full_dp, resumed_dp, resumed_dp4, _) in enumerate(results):
+    for rank, (full, resumed, full_dp, resumed_dp, resumed_dp4, *_) in enumerate(results):
         assert resumed.losses == full.losses[3:], (rank, resumed.losses, full.losses)
         assert resumed.grad_norms == full.grad_norms[3:], rank
         assert resumed_dp4.losses == full_dp.losses[4:] and resumed_dp4.grad_norms == full_dp.grad_norms[4:], rank
@@ -94,13 +107,32 @@ def test_keep_last_prunes_only_older_complete_checkpoints(saved):
 
 def test_a_checkpoint_that_would_run_code_is_refused(saved):
     root, results = saved
-    refused = results[0][-1]
+    refused = results[0][5]
     assert refused is not None and "\n" not in refused, refused
     assert "refusing to load" in refused and "system" in refused and "mp_rank_01_model_states.pt" in refused
     assert not os.path.exists(f"{root}/PWNED")
     with pytest.raises(UnsafeCheckpointError):
         find_complete(f"{root}/evil")
     assert not os.path.exists(f"{root}/PWNED")
+
+
+def test_each_rank_verifies_its_share_and_a_corrupt_file_anywhere_is_skipped(saved):
+    """A byte flipped in a file only rank 3 reads for verification: the four ranks agree to skip that
+    checkpoint and resume from the older one (DeepSpeed would have loaded the damaged tensor)."""
+    _, results = saved
+    for rank, result in enumerate(results):
+        full, after = result[0], result[6]
+        assert after.losses == full.losses[3:] and after.grad_norms == full.grad_norms[3:], (rank, after.losses)
+
+
+def test_verification_work_is_split_once_over_the_ranks():
+    from mtds.reshard.complete import share
+    files = {f"f{i}": (size, i) for i, size in enumerate([7, 100, 3, 3, 50, 49, 1, 20, 20, 0])}
+    parts = [share(files, r, 3) for r in range(3)]
+    assert sorted(n for part in parts for n in part) == sorted(files)          # each file exactly once
+    loads = [sum(size for size, _ in part.values()) for part in parts]
+    assert max(loads) <= sum(loads) / 3 + 100 and min(loads) > 0, loads
+    assert parts == [share(files, r, 3) for r in range(3)]                       # deterministic
 
 
 def _copy(saved, tmp_path):

@@ -13,6 +13,7 @@ between the rename and the update of ``latest`` must not hide the newest complet
 from __future__ import annotations
 
 import glob
+import heapq
 import json
 import os
 import re
@@ -70,38 +71,75 @@ def read_marker(tag_dir: str) -> Marker:
     return marker
 
 
-def check_complete(tag_dir: str, *, deep: bool = True) -> Marker:
-    """Raise :class:`IncompleteCheckpoint` unless ``tag_dir`` is a complete checkpoint. ``deep`` also
-    re-reads every file (size, CRC-32) and unpickles each with the safe loader."""
+def list_files(tag_dir: str) -> tuple[Marker, dict[str, tuple[int, int | None]]]:
+    """The cheap half of :func:`check_complete` (marker, meta file, every rank manifest, every listed file
+    present with its size): {file name: (size, CRC-32)} of the checkpoint. Tensor files nobody listed
+    are included with CRC None: they must still pass the safe unpickler before DeepSpeed's loader sees
+    them. Raises :class:`IncompleteCheckpoint`."""
     marker = read_marker(tag_dir)
     if not os.path.isfile(os.path.join(tag_dir, META_FILE)):
         raise IncompleteCheckpoint(f"{tag_dir}: missing {META_FILE} (partial checkpoint)")
-    listed: set[str] = set()
+    files: dict[str, tuple[int, int | None]] = {}
     for rank in range(marker.world_size):
         path = rank_manifest(tag_dir, rank)
         if not os.path.isfile(path):
             raise IncompleteCheckpoint(f"{tag_dir}: missing rank file {os.path.basename(path)} (rank {rank} did not "
                                        f"finish its part)")
         try:
-            files = safe_load(path)["files"]
+            listed = safe_load(path)["files"]
         except (UnreadableFileError, KeyError, TypeError) as err:
             raise IncompleteCheckpoint(f"{tag_dir}: unreadable rank file {os.path.basename(path)}: "
                                        f"{str(err).splitlines()[0]}") from None
-        for name, (size, crc) in files.items():
-            listed.add(name)
+        for name, (size, crc) in listed.items():
             file = os.path.join(tag_dir, name)
             if not os.path.isfile(file):
                 raise IncompleteCheckpoint(f"{tag_dir}: missing file {name} (written by rank {rank})")
             if os.path.getsize(file) != size:
                 raise IncompleteCheckpoint(f"{tag_dir}: {name} has {os.path.getsize(file)} bytes, rank {rank} wrote "
                                            f"{size} (truncated or overwritten)")
-            if deep and crc32_of(file) != crc:
-                raise IncompleteCheckpoint(f"{tag_dir}: {name} does not match its CRC-32 (corrupt on disk)")
+            files[name] = (size, crc)
+    manifests = {os.path.basename(rank_manifest(tag_dir, r)) for r in range(marker.world_size)}
+    for path in glob.glob(os.path.join(tag_dir, "*.pt")):
+        name = os.path.basename(path)
+        if name not in files and name not in manifests:
+            files[name] = (os.path.getsize(path), None)
+    return marker, files
+
+
+def verify_contents(tag_dir: str, files: dict[str, tuple[int, int | None]]) -> None:
+    """The expensive half: each file's CRC-32 against its manifest, and each tensor file through the safe
+    unpickler. Raises :class:`IncompleteCheckpoint` (corrupt) or ``UnsafeCheckpointError`` (would run
+    code)."""
+    for name, (_, crc) in sorted(files.items()):
+        if crc is not None and crc32_of(os.path.join(tag_dir, name)) != crc:
+            raise IncompleteCheckpoint(f"{tag_dir}: {name} does not match its CRC-32 (corrupt on disk)")
+    try:
+        verify_loadable([os.path.join(tag_dir, name) for name in sorted(files) if name.endswith(".pt")])
+    except UnreadableFileError as err:
+        raise IncompleteCheckpoint(f"{tag_dir}: unreadable tensor file: {err}") from None
+
+
+def share(files: dict[str, tuple[int, int | None]], rank: int, world: int) -> dict[str, tuple[int, int | None]]:
+    """Rank ``rank``'s part of verifying ``files`` among ``world`` ranks: largest file first to the rank
+    with the fewest bytes so far (ties: lowest rank), so every file is read once and no rank reads more
+    than total/world + the largest file. The same on every rank (a function of the listing only)."""
+    loads = [(0, r) for r in range(world)]          # heap of (bytes assigned, rank)
+    mine = {}
+    for name in sorted(files, key=lambda n: (-files[n][0], n)):
+        load, owner = heapq.heappop(loads)
+        if owner == rank:
+            mine[name] = files[name]
+        heapq.heappush(loads, (load + files[name][0], owner))
+    return mine
+
+
+def check_complete(tag_dir: str, *, deep: bool = True) -> Marker:
+    """Raise :class:`IncompleteCheckpoint` unless ``tag_dir`` is a complete checkpoint. ``deep`` also
+    re-reads every file (size, CRC-32) and unpickles each with the safe loader (one process; a training
+    run splits that work over its ranks instead, see ``mtds.training.checkpoint``)."""
+    marker, files = list_files(tag_dir)
     if deep:
-        try:
-            verify_loadable(sorted(glob.glob(os.path.join(tag_dir, "*.pt"))))
-        except UnreadableFileError as err:
-            raise IncompleteCheckpoint(f"{tag_dir}: unreadable tensor file: {err}") from None
+        verify_contents(tag_dir, files)
     return marker
 
 
@@ -117,16 +155,18 @@ def tags_newest_first(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def find_complete(root: str) -> tuple[str, list[str]]:
-    """(tag folder of the newest complete checkpoint under ``root``, one line per newer one skipped).
-
-    ``root`` may also be a tag folder itself: then exactly that checkpoint, if complete."""
+def newest_listed(root: str, rejected: dict[str, str] | None = None) -> tuple[str, list[str], dict]:
+    """(tag folder, one line per newer checkpoint skipped, its :func:`list_files`) of the newest checkpoint
+    under ``root`` that passes the cheap checks and is not in ``rejected`` ({tag folder: why}, from a
+    content check). ``root`` may also be a tag folder itself: then exactly that checkpoint."""
+    rejected = rejected or {}
     root = os.path.expanduser(os.fspath(root))
     if not os.path.isdir(root):
         raise CheckpointFormatError(f"checkpoint directory {root!r} does not exist")
     if _TAG.match(os.path.basename(os.path.normpath(root))) or os.path.isfile(os.path.join(root, MARKER)):
-        check_complete(root)
-        return root, []
+        if root in rejected:
+            raise IncompleteCheckpoint(rejected[root])
+        return root, [], list_files(root)[1]
     tags = tags_newest_first(root)
     if not tags:
         raise CheckpointFormatError(f"{root!r} is not an mtds checkpoint: it holds no global_stepN/ folder "
@@ -135,11 +175,26 @@ def find_complete(root: str) -> tuple[str, list[str]]:
     for _, name in tags:
         tag_dir = os.path.join(root, name)
         try:
-            check_complete(tag_dir)
-            return tag_dir, skipped
+            if tag_dir in rejected:
+                raise IncompleteCheckpoint(rejected[tag_dir])
+            return tag_dir, skipped, list_files(tag_dir)[1]
         except IncompleteCheckpoint as err:
             skipped.append(f"skipped {name}: {str(err).split(': ', 1)[-1]}")
     raise IncompleteCheckpoint(f"no complete checkpoint in {root!r}: " + "; ".join(skipped))
+
+
+def find_complete(root: str) -> tuple[str, list[str]]:
+    """(tag folder of the newest complete checkpoint under ``root``, one line per newer one skipped), every
+    file verified by this process. ``root`` may also be a tag folder itself: then exactly that
+    checkpoint, if complete."""
+    rejected: dict[str, str] = {}
+    while True:
+        tag_dir, skipped, files = newest_listed(root, rejected)
+        try:
+            verify_contents(tag_dir, files)
+            return tag_dir, skipped
+        except IncompleteCheckpoint as err:
+            rejected[tag_dir] = str(err)
 
 
 def complete_tags(root: str) -> list[tuple[int, str]]:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from mtds.deepspeed_compat.checkpointing import loading_universal, refresh_master_weights, wrap_checkpoint_engine
 from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
-from mtds.reshard.complete import STAGING_SUFFIX, Marker, find_complete, rank_manifest
+from mtds.reshard.complete import (STAGING_SUFFIX, IncompleteCheckpoint, Marker, newest_listed, rank_manifest, share,
+                                   verify_contents)
 from mtds.reshard.errors import CheckpointFormatError
 from mtds.reshard.meta import CheckpointMeta
 from mtds.reshard.store import commit, prune, write_manifest
@@ -137,19 +138,42 @@ def _one_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _choose(directory: str, log) -> tuple[str, str, CheckpointMeta | None]:
-    """Rank 0 picks the newest complete checkpoint (verifying every file), the others follow."""
-    choice = [None, [], None]
-    if dist.get_rank() == 0:
+def _choose(directory: str, log, device) -> tuple[str, str, CheckpointMeta | None]:
+    """The newest complete checkpoint. Rank 0 finds the newest that passes the cheap checks (marker,
+    meta, rank manifests, file sizes: a few small files per saving rank); then every rank verifies its
+    share of the bytes (CRC-32 and the safe unpickler; ``share`` balances bytes, so each rank reads
+    about total/world) and the ranks agree on the outcome. A corrupt candidate is skipped and the next
+    older one tried; one that would run code ends the load."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rejected: dict[str, str] = {}
+    while True:
+        proposal = [None, [], None, None]     # tag folder, skipped lines, its files, error
+        if rank == 0:
+            try:
+                proposal = [*newest_listed(directory, rejected), None]
+            except ValueError as err:       # CheckpointFormatError, IncompleteCheckpoint
+                proposal = [None, [], None, _one_line(err)]
+        dist.broadcast_object_list(proposal, src=0)
+        tag_dir, skipped, files, error = proposal
+        if error:
+            raise CheckpointError(error)
+        problem = None
         try:
-            tag_dir, skipped = find_complete(directory)
-            choice = [tag_dir, skipped, None]
-        except ValueError as err:       # CheckpointFormatError, UnsafeCheckpointError
-            choice = [None, [], _one_line(err)]
-    dist.broadcast_object_list(choice, src=0)
-    tag_dir, skipped, error = choice
-    if error:
-        raise CheckpointError(error)
+            verify_contents(tag_dir, share(files, rank, world))
+        except IncompleteCheckpoint as err:
+            problem = [str(err), False]
+        except ValueError as err:           # UnsafeCheckpointError: the file would run code
+            problem = [_one_line(err), True]
+        first_bad = torch.tensor([rank if problem else world], dtype=torch.int64, device=device)
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+        if int(first_bad) == world:
+            break
+        found = [problem]
+        dist.broadcast_object_list(found, src=int(first_bad))
+        (reason, unsafe), = found
+        if unsafe:
+            raise CheckpointError(reason)
+        rejected[tag_dir] = reason
     for line in skipped:
         log(f"checkpoint: {line}")
     root, tag = os.path.split(os.path.normpath(tag_dir))
@@ -195,7 +219,7 @@ def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConf
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist: check --load")
     _durable(engine)
-    directory, tag, meta = _choose(directory, log)
+    directory, tag, meta = _choose(directory, log, engine.device)
     if meta is not None:
         _check_model(meta, model_cfg, directory)
     if meta is not None and meta.weights_only:
