@@ -64,8 +64,8 @@ def read_rows(path: str, *, tokenizer: str | None, seq_length: int) -> list[list
 
 
 # ---- model ----------------------------------------------------------------------------------------
-def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None):
-    """This rank's layers with weights from a checkpoint or HF dir, in eval mode."""
+def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None, device=None):
+    """This rank's layers with weights from a checkpoint or HF dir, in eval mode, on ``device``."""
     from mtds.hf.init import load_checkpoint_into_stages, load_hf_into_stages
     from mtds.pipe import build_model
     from mtds.tp import model_parallel_seed
@@ -75,7 +75,7 @@ def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = N
         load_checkpoint_into_stages(model, ckpt, cfg, groups)
     else:
         load_hf_into_stages(model, hf, cfg, groups)
-    return model.eval()
+    return model.to(device).eval() if device is not None else model.eval()
 
 
 @torch.no_grad()
@@ -88,7 +88,8 @@ def stage_forward(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor |
     if groups.is_first_stage:
         x = input_ids
     else:
-        x = torch.empty(b, s, cfg.hidden_size)
+        dtype = next(model.parameters()).dtype
+        x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=input_ids.device)
         dist.recv(x, src=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank - 1))
     out = model(x)
     if not groups.is_last_stage:
@@ -105,12 +106,13 @@ def full_logits(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor | N
 
 
 @torch.no_grad()
-def evaluate(model, rows: list[list[int]], cfg, groups) -> dict:
-    """Sum of next-token losses and token count over ``rows`` (split over data-parallel ranks)."""
+def evaluation_totals(model, rows: list[list[int]], cfg, groups, device) -> torch.Tensor:
+    """[sum of next-token losses, tokens] over ``rows`` (split over data-parallel ranks), summed over all
+    ranks, on ``device``: no host sync per row."""
     from mtds.tp import vocab_parallel_cross_entropy
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     for row in rows[groups.dp_rank::groups.layout.dp]:
-        ids = torch.tensor([row])
+        ids = torch.tensor([row], device=device)
         logits = stage_forward(model, ids, cfg, groups)
         if logits is None:
             continue
@@ -118,9 +120,16 @@ def evaluate(model, rows: list[list[int]], cfg, groups) -> dict:
         loss = vocab_parallel_cross_entropy(logits.float(), labels, groups.tp_group, vocab_size=cfg.vocab_size,
                                             reduction="sum")
         if groups.tp_rank == 0:            # every TP rank holds the same loss: count it once
-            totals += torch.tensor([float(loss), len(row) - 1], dtype=torch.float64)
+            totals[0] += loss.double()
+            totals[1] += len(row) - 1
     dist.all_reduce(totals)                # only last-stage TP-rank-0 ranks contributed
-    loss_sum, tokens = totals.tolist()
+    return totals
+
+
+def evaluate(model, rows: list[list[int]], cfg, groups, device=None) -> dict:
+    """Mean next-token loss over ``rows``, with the token count and perplexity."""
+    device = device if device is not None else next(model.parameters()).device
+    loss_sum, tokens = evaluation_totals(model, rows, cfg, groups, device).tolist()
     loss = loss_sum / max(tokens, 1)
     return {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
 
@@ -140,7 +149,7 @@ def _model_config_and_tokenizer(args):
 def run(args) -> dict:
     from mtds.layout import ParallelLayout
     from mtds.training.distributed import init_distributed
-    init_distributed()
+    device, _ = init_distributed()
     cfg, tokenizer = _model_config_and_tokenizer(args)
     layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, pp=args.pp)
     layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
@@ -152,8 +161,8 @@ def run(args) -> dict:
     rows = read_rows(args.data, tokenizer=tokenizer, seq_length=seq)
     if not rows:
         raise ValueError(f"{args.data}: no row with at least 2 tokens")
-    model = build_eval_model(cfg, groups, ckpt=args.ckpt, hf=args.hf)
-    return evaluate(model, rows, cfg, groups)
+    model = build_eval_model(cfg, groups, ckpt=args.ckpt, hf=args.hf, device=device)
+    return evaluate(model, rows, cfg, groups, device)
 
 
 def main(argv: list[str] | None = None) -> None:

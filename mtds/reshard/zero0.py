@@ -125,6 +125,7 @@ def _torch_optimizer(engine) -> torch.optim.Optimizer:
 def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int, tp_rank: int) -> None:
     """Weights and Adam state of every local parameter from a universal folder, sliced for this rank."""
     opt = _torch_optimizer(engine)
+    on_device_step = any(group.get("fused") or group.get("capturable") for group in opt.param_groups)
     zero = os.path.join(universal, "zero")
     for name, param in engine.module.named_parameters():
         layer, inner = parse(cfg, name)
@@ -141,9 +142,11 @@ def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int,
             if local.shape != param.shape:
                 raise CheckpointFormatError(f"{universal}: {name} has shape {tuple(full.shape)}, which does not "
                                             f"give this rank's {tuple(param.shape)} (different model?)")
-            return local.to(param.dtype)
+            return local.to(device=param.device, dtype=param.dtype)
 
         param.copy_(piece("fp32"))
         step = safe_load(os.path.join(folder, "step.pt"))
-        opt.state[param] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+        # torch keeps Adam's step on the host unless the update runs on the device (fused/capturable)
+        opt.state[param] = {"step": torch.as_tensor(step, dtype=torch.float32,
+                                                    device=param.device if on_device_step else "cpu").clone(),
                             **{state: piece(state).clone() for state in STATES}}

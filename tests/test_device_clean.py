@@ -1,0 +1,119 @@
+"""Device-clean code paths, checked without a GPU. Under NCCL every tensor a collective or a GPU kernel
+touches must be on the rank's device; CPU gloo accepts host tensors and hides a forgotten
+``device=``. Two checks stand in for a GPU:
+  - the ``meta`` device: the entry points' single-rank paths run with the device set to ``meta`` (weights,
+    forward, SDPA run there; any op mixing a meta and a host tensor raises) and every collective is
+    replaced by one that refuses a tensor on another device -- what NCCL would do;
+  - a static scan: every torch tensor factory on the hot paths names its device, or is on the list below
+    with the reason it belongs on the host.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+from mtds.testing import spawn
+from tests.test_hf_cases import VOCAB, hf_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "randint", "linspace", "eye",
+             "as_tensor", "randperm"}
+HOT_PATHS = ("mtds/eval.py", "mtds/training", "mtds/pipe", "mtds/tp", "mtds/model", "mtds/safety",
+             "mtds/reshard/zero0.py", "mtds/data/stream.py")
+# (file, line's call as written) -> why it is built on the host
+ON_THE_HOST = {
+    ("mtds/data/stream.py", "torch.zeros(b, s, dtype=torch.long)"): "host batches; the step moves them",
+    ("mtds/model/head.py", "torch.zeros(cfg.padded_vocab_size(t), cfg.hidden_size)"):
+        "a parameter: modules are built on the host, then moved by DeepSpeed / .to(device)",
+    ("mtds/model/norms.py", "torch.ones(hidden_size)"): "a parameter (as above)",
+    ("mtds/tp/layers.py", "torch.empty(*shape, dtype=torch.float32)"): "a parameter (as above)",
+}
+
+
+def _hot_files():
+    for entry in HOT_PATHS:
+        path = os.path.join(ROOT, entry)
+        if path.endswith(".py"):
+            yield entry
+            continue
+        for folder, _, files in os.walk(path):
+            yield from (os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.endswith(".py"))
+
+
+def factories_without_device(source: str, filename: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" \
+                and not any(k.arg == "device" for k in node.keywords) \
+                and (filename, ast.unparse(node)) not in ON_THE_HOST:
+            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_every_tensor_factory_on_the_hot_paths_names_its_device():
+    found = []
+    for name in _hot_files():
+        with open(os.path.join(ROOT, name)) as f:
+            found += factories_without_device(f.read(), name)
+    assert not found, "tensor factories without device= (add it, or list why it is a host tensor):\n" + \
+        "\n".join(found)
+    assert factories_without_device("import torch\nx = torch.tensor([1])\n", "x.py")   # the scan sees one
+
+
+class _DeviceCheckedCollectives:
+    """Replace torch.distributed's collectives by no-ops that raise for a tensor not on ``device``
+    (NCCL's behaviour for host tensors); restored on exit."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send",
+             "recv", "isend", "irecv", "reduce")
+
+    def __init__(self, device):
+        self.device, self.saved = device, {}
+
+    def __enter__(self):
+        import torch
+        import torch.distributed as dist
+
+        def check(name):
+            def collective(*args, **kwargs):
+                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+                tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+                for t in tensors:
+                    if t.device.type != self.device.type:
+                        raise RuntimeError(f"{name} got a tensor on {t.device}, the run's device is {self.device}")
+            return collective
+        for name in self.NAMES:
+            self.saved[name] = getattr(dist, name)
+            setattr(dist, name, check(name))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+        return False
+
+
+def _eval_on_meta(root: str):
+    """mtds-eval's single-rank path (build, load weights, evaluate) with the device set to meta."""
+    import torch
+
+    from mtds.eval import build_eval_model, evaluation_totals
+    from mtds.hf.init import hf_model_config
+    from mtds.layout import ParallelLayout
+    hf_dir = os.path.join(root, "gpt2")
+    hf_model("gpt2").save_pretrained(hf_dir)
+    cfg = hf_model_config(hf_dir)
+    groups = ParallelLayout.for_world(1, tp=1, pp=1).build_groups()
+    meta = torch.device("meta")
+    model = build_eval_model(cfg, groups, hf=hf_dir, device=meta)
+    rows = [[1, 2, 3, 4, 5], [7, 8, VOCAB - 1]]
+    with _DeviceCheckedCollectives(meta):
+        totals = evaluation_totals(model, rows, cfg, groups, meta)
+    return {p.device.type for p in model.parameters()}, totals.device.type, tuple(totals.shape)
+
+
+def test_eval_runs_on_the_run_device_only(tmp_path):
+    params, totals, shape = spawn(_eval_on_meta, 1, str(tmp_path))[0]
+    assert params == {"meta"} and totals == "meta" and shape == (2,)
