@@ -116,7 +116,9 @@ def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> fl
 # A100 SXM4 (2020 A100 datasheet), V100 SXM2 (2017 datasheet); H100 SXM5 / PCIe / NVL (2023 H100
 # datasheet) and H200 SXM / NVL (2024 H200 datasheet): the sparsity figures there, halved. The SXM
 # numbers agree with the team's reference table (H100-SXM5-80GB, 989 bf16). PCIe and NVL parts run
-# lower clocks and power, hence their own rows. V100 has no bf16 tensor cores, hence no entry.
+# lower clocks and power, hence their own rows. V100 has no bf16 tensor cores, hence no entry. GH200's GPU
+# is an H100 SXM5 (GH200 datasheet, 2023); H800/A800 are the export parts with the H100/A100 tensor cores
+# (their NVLink is narrower, not their math); B200 from the HGX B200 datasheet (2024), dense.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},           # SXM5
@@ -124,6 +126,11 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},           # SXM
     "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "GH200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},          # its Hopper GPU = H100 SXM5
+    "H800": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},           # SXM; export H100, same cores
+    "H800 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},           # export A100, same cores
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},        # HGX B200, per GPU
     "V100": {"fp16": 125.0, "fp32": 15.7},
 }
 
@@ -140,14 +147,12 @@ def _gpu_family(name: str) -> str | None:
     "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL") to a row of GPU_PEAK_TFLOPS.
     Hopper names without PCIe or NVL are the SXM parts."""
     upper = name.upper()
-    for family in ("H100", "H200"):
+    # Longest family first: "GH200" contains "H200", whose NVL row would otherwise be picked for it.
+    for family in sorted({f.split()[0] for f in GPU_PEAK_TFLOPS}, key=len, reverse=True):
         if family in upper:
             for variant in ("PCIe", "NVL"):
                 if variant.upper() in upper and f"{family} {variant}" in GPU_PEAK_TFLOPS:
                     return f"{family} {variant}"
-            return family
-    for family in GPU_PEAK_TFLOPS:
-        if family in upper:
             return family
     return None
 

@@ -114,6 +114,12 @@ def test_peak_tflops():
     assert peak_tflops("NVIDIA H100 NVL", "bf16") == 835.5
     assert peak_tflops("NVIDIA H100 PCIe", "fp32") == 51.0
     assert peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert peak_tflops("NVIDIA GH200 480GB", "bf16") == 989.0 and peak_tflops("NVIDIA GH200 480GB", "tf32") == 494.0
+    assert peak_tflops("NVIDIA H800", "bf16") == 989.0 and peak_tflops("NVIDIA H800 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA B200", "bf16") == 2250.0 and peak_tflops("NVIDIA B200", "tf32") == 1100.0
+    assert peak_tflops("NVIDIA A800-SXM4-80GB", "bf16") == 312.0
+    from mtds.metrics import _gpu_family
+    assert _gpu_family("NVIDIA GH200 480GB") == "GH200"        # not "H200" by substring
     assert peak_tflops("NVIDIA H200 NVL", "bf16") == 835.5
     assert peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0
     assert peak_tflops("V100", "bf16") is None
