@@ -1,7 +1,7 @@
 """The mtds side: ``mtds.training.run`` — the real DeepSpeed engine — on every spawned rank.
 
 Nothing in mtds is changed for the benchmark; ``LoopProbe`` (probe.py) only wraps a few names of
-``mtds.training.loop`` in this process to time steps and count every collective.
+``mtds.training`` (build, step_loop) in this process to time steps and count every collective.
 """
 from __future__ import annotations
 

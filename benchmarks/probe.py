@@ -1,4 +1,4 @@
-"""Instrument ``mtds.training.loop`` from the outside, in the current process only.
+"""Instrument a training run (``mtds.training.build`` / ``step_loop``) from the outside, in the current process only.
 
 ``LoopProbe.install()`` must run before ``run()`` starts DeepSpeed. It
 
@@ -6,8 +6,8 @@
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` when its backend starts, so a tracer installed
   later (as ``run()``'s own is) never sees ZeRO's parameter all-gathers or gradient reduce-scatters;
 * names mtds's tp / dp / pp groups in it (wrapping ``ParallelLayout.build_groups``);
-* wraps ``loop.build_model`` (RSS just before the model exists, parameter count of this rank) and
-  ``loop.train_step`` (wall time of every step, the collectives of every step, and — one pipeline
+* wraps ``build.build_model`` (RSS just before the model exists, parameter count of this rank) and
+  ``step_loop.train_step`` (wall time of every step, the collectives of every step, and — one pipeline
   stage only — the time inside the engine's forward / backward / step calls).
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ class LoopProbe:
 
     def install(self) -> "LoopProbe":
         from mtds.layout import ParallelLayout
-        from mtds.training import loop
+        from mtds.training import build, step_loop
         self.tracer.install()
-        build_groups, build_model, train_step = ParallelLayout.build_groups, loop.build_model, loop.train_step
+        build_groups, build_model, train_step = ParallelLayout.build_groups, build.build_model, step_loop.train_step
         probe = self
 
         def named_build_groups(layout, *args, **kwargs):
@@ -74,7 +74,7 @@ class LoopProbe:
             return loss
 
         ParallelLayout.build_groups = named_build_groups
-        loop.build_model, loop.train_step = measured_build_model, measured_train_step
+        build.build_model, step_loop.train_step = measured_build_model, measured_train_step
         return self
 
     def phases_per_step(self) -> dict[str, float]:

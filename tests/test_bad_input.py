@@ -95,20 +95,10 @@ RUN_CASES = [
     ("ds-fp16-and-bf16", ["--deepspeed_config", "{both}"], "both fp16 and bf16"),
     ("ds-unknown-optimizer", ["--deepspeed_config", "{optim}"], "unknown optimizer type 'Adamm'"),
     ("ds-negative-lr", ["--deepspeed_config", "{neglr}"], "learning rate must be a positive number"),
-    ("flag-negative-lr", ["--deepspeed_config", CPU, "--lr", "-0.1"], "learning rate must be a positive number"),
     ("ds-zero-stage-4", ["--deepspeed_config", "{stage}"], "zero_optimization.stage must be 0-3"),
     ("ds-no-micro-batch", ["--deepspeed_config", "{nomicro}"], "needs train_micro_batch_size_per_gpu"),
     ("ds-not-json", ["--deepspeed_config", "{notjson}"], "is not valid JSON"),
-    # CLI values the parser accepts but the run cannot
-    ("flag-steps-negative", ["--deepspeed_config", CPU, "--steps", "-1"], "--steps must be >= 0"),
-    ("flag-seq-length-zero", ["--deepspeed_config", CPU, "--seq-length", "0"], "--seq-length must be >= 1"),
-    ("flag-keep-last-negative", ["--deepspeed_config", CPU, "--keep-last", "-2"], "--keep-last must be >= 0"),
-    ("flag-tp-zero", ["--deepspeed_config", CPU, "--tp", "0"], "tp and pp must be >= 1"),
     ("flag-dropout-above-1", ["--deepspeed_config", CPU, "--dropout", "1.5"], "must be in [0, 1)"),
-    ("flag-recompute-negative", ["--deepspeed_config", CPU, "--activation-checkpointing", "-1"],
-     "--activation-checkpointing"),
-    ("flag-recompute-conflict", ["--deepspeed_config", CPU, "--recompute", "selective", "--activation-checkpointing", "2"],
-     "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
     # layouts (world 1 here; t must divide the heads etc. is checked on 2 ranks below)
     ("layout-tp-pp-world", ["--deepspeed_config", CPU, "--tp", "2", "--pp", "2"], "not divisible by tp*pp"),
     ("layout-sp-without-tp", ["--deepspeed_config", CPU, "--sequence-parallel"], "needs tensor parallelism"),
@@ -127,7 +117,6 @@ RUN_CASES = [
     ("data-binary-garbage", ["--deepspeed_config", CPU, "--data", "{garbage}"], "garbage.jsonl"),
     ("data-too-few-for-a-batch", ["--deepspeed_config", CPU, "--data", "{few}", "--eval-split", "0"],
      "global batch"),
-    ("data-eval-split-out-of-range", ["--deepspeed_config", CPU, "--eval-split", "1.5"], "eval"),
     # tokenizers
     ("tokenizer-missing-dir", ["--deepspeed_config", CPU, "--tokenizer", "/no/such/tokenizer"], "tokenizer"),
     ("tokenizer-dir-without-files", ["--deepspeed_config", CPU, "--tokenizer", "{notok}"], "tokenizer"),
@@ -141,6 +130,39 @@ RUN_CASES = [
     # HF weights
     ("hf-init-missing-dir", ["--deepspeed_config", CPU, "--init-from-hf", "/no/such/hf"], "/no/such/hf"),
     ("hf-init-without-weights", ["--deepspeed_config", CPU, "--init-from-hf", "{noweights}"], "weights"),
+]
+
+# Values the parser accepts but the run cannot: TrainConfig refuses them (one place, before any process
+# group), so these run in the test process itself.
+SETTING_CASES = [
+    ("flag-steps-negative", ["--steps", "-1"], "--steps must be >= 0, got -1"),
+    ("flag-seq-length-zero", ["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
+    ("flag-keep-last-negative", ["--keep-last", "-2"], "--keep-last must be >= 0 (0 keeps every checkpoint), got -2"),
+    ("flag-tp-zero", ["--tp", "0"], "--tp must be >= 1, got 0"),
+    ("flag-pp-negative", ["--pp", "-1"], "--pp must be >= 1, got -1"),
+    ("flag-virtual-stages-zero", ["--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
+    ("flag-num-proc-zero", ["--num-proc", "0"], "--num-proc must be >= 1, got 0"),
+    ("flag-eval-interval-negative", ["--eval-interval", "-5"], "--eval-interval must be >= 0 (0: evaluate at the end"),
+    ("flag-eval-iters-zero", ["--eval-iters", "0"], "--eval-iters must be >= 1, got 0"),
+    ("data-eval-split-out-of-range", ["--eval-split", "1.5"], "--eval-split must be in [0, 1)"),
+    ("flag-negative-lr", ["--lr", "-0.1"], "--lr must be > 0, got -0.1"),
+    ("flag-lr-not-a-number", ["--lr", "nan"], "--lr must be > 0, got nan"),
+    ("flag-min-lr-negative", ["--min-lr", "-0.5"], "--min-lr must be >= 0, got -0.5"),
+    ("flag-warmup-negative", ["--warmup-steps", "-10"], "--warmup-steps must be >= 0, got -10"),
+    ("flag-seed-negative", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("flag-save-interval-negative", ["--save-interval", "-1"], "--save-interval must be >= 0 (0: save at the end only)"),
+    ("flag-check-replicas-negative", ["--check-replicas", "-3"], "--check-replicas must be >= 0 (0: off), got -3"),
+    ("flag-dist-timeout-zero", ["--dist-timeout", "0"], "--dist-timeout must be > 0 seconds, got 0.0"),
+    ("flag-dist-timeout-infinite", ["--dist-timeout", "inf"], "--dist-timeout must be > 0 seconds, got inf"),
+    ("flag-build-lock-timeout-negative", ["--build-lock-timeout", "-5"], "--build-lock-timeout must be > 0 seconds"),
+    ("flag-heartbeat-timeout-negative", ["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be >= 0 seconds (0: off)"),
+    ("flag-recompute-interval-zero", ["--recompute", "full", "--recompute-interval", "0"],
+     "--recompute-interval must be >= 1, got 0"),
+    ("flag-recompute-interval-without-full", ["--recompute-interval", "2"],
+     "--recompute-interval 2 applies to --recompute full only (got --recompute none)"),
+    ("flag-recompute-negative", ["--activation-checkpointing", "-1"], "--activation-checkpointing takes a block interval >= 0"),
+    ("flag-recompute-conflict", ["--recompute", "selective", "--activation-checkpointing", "2"],
+     "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
 ]
 
 # Only distributed: world 2.
@@ -162,6 +184,8 @@ PARSER_CASES = [
     ("flag-not-an-int", ["--deepspeed_config", CPU, "--tp", "two"], "invalid int value: 'two'"),
     ("flag-unknown-choice", ["--deepspeed_config", CPU, "--on-nan", "ignore"], "invalid choice: 'ignore'"),
     ("flag-unknown", ["--deepspeed_config", CPU, "--tensor-parallel", "2"], "unrecognized arguments"),
+    ("flag-recompute-method-block", ["--deepspeed_config", CPU, "--recompute-method", "block"],
+     "invalid choice: 'block'"),
 ]
 
 
@@ -228,9 +252,18 @@ def test_bad_flags(name, argv, expected):
     assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
 
 
+@pytest.mark.parametrize("name, argv, expected", SETTING_CASES, ids=[c[0] for c in SETTING_CASES])
+def test_bad_settings(name, argv, expected):
+    from mtds.training.cli import build_parser, config_from_args, user_errors
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(user_errors()) as err:
+        config_from_args(build_parser().parse_args(["--deepspeed_config", CPU, *argv]))
+    message = str(err.value)
+    assert "\n" not in message and expected in message, message
+
+
 def test_cases_are_many_and_documented():
     doc = open(os.path.join(ROOT, "docs", "bad_input.md")).read()
-    names = [c[0] for c in RUN_CASES + DIST_CASES + PARSER_CASES]
+    names = [c[0] for c in RUN_CASES + SETTING_CASES + DIST_CASES + PARSER_CASES]
     assert len(names) >= 40 and len(set(names)) == len(names)
     missing = [n for n in names if f"`{n}`" not in doc]
     assert not missing, missing

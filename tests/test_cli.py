@@ -36,7 +36,7 @@ def test_help_explains_the_options():
     out = _single("--help")
     assert out.returncode == 0
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--deepspeed_config", "--model",
-                 "--activation-checkpointing", "--recompute", "--save", "--load", "--log-jsonl", "--tensorboard", "derived"):
+                 "--recompute", "--recompute-interval", "--save", "--load", "--log-jsonl", "--tensorboard", "derived"):
         assert flag in out.stdout, flag
 
 

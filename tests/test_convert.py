@@ -143,8 +143,8 @@ def _zero3_train_and_gather(root):
     from tests.training_helpers import ds_config, train_config
     engines = []
     run(train_config(model=MODEL, steps=3, save=os.path.join(root, "z3"), save_interval=3,
-                     deepspeed_config=ds_config(zero=3),
-                     on_engine_ready=(lambda engine, groups: engines.append(engine),)))
+                     deepspeed_config=ds_config(zero=3)),
+        on_engine_ready=(lambda engine, groups: engines.append(engine),))
     params = list(engines[0].module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         return {name: p.detach().clone() for name, p in engines[0].module.named_parameters()}

@@ -86,17 +86,39 @@ def test_selective_recompute_is_exact_with_dropout_and_matches_hf_without():
     assert max_rel_diff(pipe_none.losses, reference) > 1e-4
 
 
-def test_recompute_flags_resolve_to_one_meaning():
+def _parse(*flags):
+    from mtds.training.cli import build_parser, config_from_args
+    return config_from_args(build_parser().parse_args(["--deepspeed_config", "c.json", *flags]))
+
+
+def test_one_recompute_knob_megatron_aliases_and_the_deprecated_flag(capsys):
+    for flags, want in (([], ("none", 1)), (["--recompute", "full"], ("full", 1)),
+                        (["--recompute", "full", "--recompute-interval", "2"], ("full", 2)),
+                        (["--recompute", "selective"], ("selective", 1)),
+                        # Megatron-LM's names for the same settings
+                        (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "2"], ("full", 2)),
+                        (["--recompute-granularity", "selective"], ("selective", 1))):
+        cfg = _parse(*flags)
+        assert (cfg.recompute, cfg.recompute_interval) == want, flags
+        assert capsys.readouterr().err == "", flags
+    # --activation-checkpointing [K]: still works, with one deprecation line
+    for flags, want in ((["--activation-checkpointing"], ("full", 1)), (["--activation-checkpointing", "3"], ("full", 3)),
+                        (["--activation-checkpointing", "0"], ("none", 1)),
+                        (["--recompute", "full", "--activation-checkpointing", "2"], ("full", 2))):
+        cfg = _parse(*flags)
+        assert (cfg.recompute, cfg.recompute_interval) == want, flags
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("warning: --activation-checkpointing is deprecated: use "
+                                                       "--recompute full --recompute-interval"), lines
+    for flags, message in ((["--recompute", "selective", "--activation-checkpointing", "2"], "conflicts with --recompute"),
+                           (["--recompute", "none", "--activation-checkpointing", "1"], "conflicts with --recompute"),
+                           (["--recompute-interval", "3", "--activation-checkpointing", "2"],
+                            "conflicts with --recompute-interval 3"),
+                           (["--recompute-interval", "2"], "applies to --recompute full only"),
+                           (["--recompute", "full", "--recompute-interval", "0"], "--recompute-interval must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            _parse(*flags)
     from mtds.training import TrainConfig
-    assert TrainConfig("c.json").recompute == "none"
-    legacy = TrainConfig("c.json", activation_checkpointing=2)
-    assert (legacy.recompute, legacy.activation_checkpointing) == ("full", 2)
-    full = TrainConfig("c.json", recompute="full")
-    assert (full.recompute, full.activation_checkpointing) == ("full", 1)
-    assert TrainConfig("c.json", recompute="selective").activation_checkpointing == 0
-    for bad in (dict(recompute="selective", activation_checkpointing=2), dict(recompute="none",
-                                                                              activation_checkpointing=1)):
-        with pytest.raises(ValueError, match="conflicts with --recompute"):
-            TrainConfig("c.json", **bad)
     with pytest.raises(ValueError, match="none, selective or full"):
         TrainConfig("c.json", recompute="attention")

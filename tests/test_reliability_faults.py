@@ -93,8 +93,8 @@ def _nan_worker(root):
                      ("fp32", dict(deepspeed_config=ds_config(zero=0))),
                      ("skip", dict(deepspeed_config=ds_config(zero=1), on_nan="skip"))):
         try:
-            result = run(train_config(tp=2, steps=4, save=f"{root}/{name}", save_interval=1,
-                                      on_engine_ready=(_PoisonGrad(3, 1),), **kw))
+            result = run(train_config(tp=2, steps=4, save=f"{root}/{name}", save_interval=1, **kw),
+                         on_engine_ready=(_PoisonGrad(3, 1),))
             out.append((result.skipped, result.losses))
         except NonFiniteError as err:
             out.append(str(err))
@@ -166,7 +166,8 @@ def _stop_self():
 
 def _freeze_worker():
     from mtds.training import run
-    run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=5, on_engine_ready=(_OnRankAtStep(3, 1, _stop_self),)))
+    run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=5),
+        on_engine_ready=(_OnRankAtStep(3, 1, _stop_self),))
 
 
 def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout(capfd):
@@ -193,8 +194,8 @@ def _raise_injected():
 def _failing_rank_worker():
     from mtds.training import run
     try:
-        run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=30,
-                         on_engine_ready=(_OnRankAtStep(3, 1, _raise_injected),)))
+        run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=30),
+            on_engine_ready=(_OnRankAtStep(3, 1, _raise_injected),))
     except _Injected:
         time.sleep(60)     # a caller that catches the error: the process, and its sockets, live on
 

@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from mtds.testing import spawn
 from tests.training_helpers import LR, TINY, ds_config, hf_reference_losses, max_rel_diff, run_layouts, train_config
 
 # bf16 against the bf16 (1,1,1) run on the same DeepSpeed path (measured over 10 steps, 2026-11-23):
@@ -55,17 +56,36 @@ DROPOUT = dict(model=TINY.__class__(**{**TINY.__dict__, "hidden_dropout": 0.1, "
 EXACT_STEPS = 5    # bit-equality shows from the first step; the replica check runs at step 5
 
 
+def _full(k: int) -> dict:
+    """Full recomputation every k blocks; none for k = 0."""
+    return dict(recompute="full", recompute_interval=k) if k else dict(recompute="none")
+
+
+def _recompute_worker(configs):
+    """Each run's result and the block interval its model recomputes at (0: none)."""
+    from mtds.training import run
+    out = []
+    for cfg in configs:
+        models = []
+        result = run(cfg, on_engine_ready=(lambda engine, groups: models.append(engine.module),))
+        model = models[0]
+        out.append((result, getattr(model, "activation_checkpoint_interval", getattr(model, "recompute_interval", None))))
+    return out
+
+
 def test_recomputation_with_dropout_is_exact_and_deterministic():
     exact = dict(steps=EXACT_STEPS, check_replicas_interval=5, **DROPOUT)
-    configs = [train_config(tp=2, pp=2, activation_checkpointing=k, **exact) for k in (0, 1, 0)]
-    configs.append(train_config(tp=2, pp=1, activation_checkpointing=2, **exact))
-    configs.append(train_config(tp=2, pp=1, activation_checkpointing=0, **exact))
+    configs = [train_config(tp=2, pp=2, **_full(k), **exact) for k in (0, 1, 0)]
+    configs.append(train_config(tp=2, pp=1, **_full(2), **exact))
+    configs.append(train_config(tp=2, pp=1, **_full(0), **exact))
     # sequence parallelism: residual dropout draws from per-TP-rank streams, which recomputation must
     # replay too; check_replicas verifies the norms (fed different sequence slices) stay identical
-    configs += [train_config(tp=2, pp=2, sequence_parallel=True, activation_checkpointing=k, **exact)
+    configs += [train_config(tp=2, pp=2, sequence_parallel=True, **_full(k), **exact)
                 for k in (0, 1)]
-    results = run_layouts(4, configs)[0]
-    no_recompute, recompute, repeat, plain_recompute, plain, sp, sp_recompute = (r.losses for r in results)
+    results = spawn(_recompute_worker, 4, configs, timeout=600)[0]
+    # the interval reaches the model: DeepSpeed's PipelineModule (p > 1) or mtds's SequentialGPT (p = 1)
+    assert [interval for _, interval in results] == [0, 1, 0, 2, 0, 0, 1]
+    no_recompute, recompute, repeat, plain_recompute, plain, sp, sp_recompute = (r.losses for r, _ in results)
     assert recompute == no_recompute, "recomputation changed the losses (dropout masks not replayed)"
     assert repeat == no_recompute, "same layout and seed gave different losses"
     assert plain_recompute == plain
@@ -78,11 +98,9 @@ def _report_replicas_worker(configs):
     from mtds.training import run
     from mtds.training.consistency import replica_differences
     engines = []
-    configs = [c.__class__(**{**c.__dict__, "on_engine_ready": (lambda e, g: engines.append((e, g)),)})
-               for c in configs]
     out = []
     for cfg in configs:
-        run(cfg)
+        run(cfg, on_engine_ready=(lambda e, g: engines.append((e, g)),))
         engine, groups = engines[-1]
         out.append(replica_differences(engine.module, groups))
     return out
@@ -127,9 +145,7 @@ def _fp16_worker(configs):
     engines = []
     out = []
     for cfg in configs:
-        cfg = cfg.__class__(**{**cfg.__dict__, "on_engine_ready": cfg.on_engine_ready + (
-            lambda e, g: engines.append(e),)})
-        result = run(cfg)
+        result = run(cfg, on_engine_ready=(_PoisonStep(2), lambda e, g: engines.append(e)))
         engine = engines[-1]
         finite = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
         out.append((result.skipped, result.losses, finite, engine.optimizer.loss_scale
@@ -139,8 +155,7 @@ def _fp16_worker(configs):
 
 def test_fp16_overflow_skips_the_step_everywhere_and_lowers_the_scale():
     from mtds.testing import spawn
-    configs = [train_config(tp=t, pp=p, steps=4, deepspeed_config=ds_config(zero=z, precision="fp16"),
-                            on_engine_ready=(_PoisonStep(2),))
+    configs = [train_config(tp=t, pp=p, steps=4, deepspeed_config=ds_config(zero=z, precision="fp16"))
                for (t, p, z) in ((2, 2, 0), (2, 2, 1), (2, 1, 1))]
     per_rank = spawn(_fp16_worker, 4, configs, timeout=600)
     for rank, runs in enumerate(per_rank):

@@ -16,7 +16,7 @@ TRAIN_PY_RUNS = {
     },
     "recompute": {
         "none": True,
-        "full": True,          # --activation-checkpointing 1
+        "full": True,          # --recompute full
         "selective": True,     # --recompute selective
     },
 }

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import textwrap
 
-from .config import TrainConfig
+from .config import RECOMPUTE_MODES, TrainConfig
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -54,12 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-from-hf", metavar="DIR", help="start from HuggingFace weights in DIR (each rank reads "
                                                          "only its layers and shards)")
     g.add_argument("--dropout", type=float, help="hidden and attention dropout (overrides the model config)")
-    g.add_argument("--recompute", choices=("none", "selective", "full"),
+    g.add_argument("--recompute", "--recompute-granularity", dest="recompute", choices=RECOMPUTE_MODES,
                    help="activation recomputation in backward: selective = the attention core (scores, softmax, "
-                        "dropout; Korthikanti et al. 2022), full = whole blocks [none, or full with "
-                        "--activation-checkpointing]")
-    g.add_argument("--activation-checkpointing", nargs="?", const=1, default=0, type=int, metavar="K",
-                   help="full recomputation every K transformer blocks (bare flag: K=1); implies --recompute full")
+                        "dropout; Korthikanti et al. 2022), full = whole blocks, --recompute-interval at a time "
+                        "[none]")
+    g.add_argument("--recompute-interval", "--recompute-num-layers", dest="recompute_interval", type=int,
+                   metavar="N", help="with --recompute full: every N consecutive blocks are recomputed as one "
+                                     "unit (only each unit's input is kept) [1]")
+    g.add_argument("--recompute-method", choices=("uniform",),
+                   help="Megatron's name for how --recompute full groups blocks; only uniform (what "
+                        "--recompute-interval does) is supported")
+    g.add_argument("--activation-checkpointing", nargs="?", const=1, type=int, metavar="K",
+                   help="deprecated: --recompute full --recompute-interval K")
     g.add_argument("--seed", type=int, default=1234, help="weights, data order and dropout all follow it [1234]")
 
     g = p.add_argument_group("data")
@@ -116,7 +124,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recompute_from_args(args: argparse.Namespace) -> tuple[str, int]:
+    """(--recompute, --recompute-interval), with the deprecated --activation-checkpointing K mapped onto
+    them (one warning line, on the first rank only)."""
+    mode, interval, k = args.recompute, args.recompute_interval, args.activation_checkpointing
+    if k is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"warning: --activation-checkpointing is deprecated: use --recompute full --recompute-interval {k}",
+                  file=sys.stderr, flush=True)
+        if k < 0:
+            raise ValueError(f"--activation-checkpointing takes a block interval >= 0, got {k}: use "
+                             f"--recompute full --recompute-interval N")
+        if k and mode not in (None, "full"):
+            raise ValueError(f"--activation-checkpointing {k} means --recompute full (every {k} blocks) and "
+                             f"conflicts with --recompute {mode}: drop one of the two")
+        if k and interval not in (None, k):
+            raise ValueError(f"--activation-checkpointing {k} conflicts with --recompute-interval {interval}: "
+                             f"drop --activation-checkpointing")
+        if k:
+            mode, interval = "full", k
+    return mode or "none", 1 if interval is None else interval
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    recompute, interval = recompute_from_args(args)
     overrides = {}
     if args.dropout is not None:
         overrides.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
@@ -128,7 +159,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing, recompute=args.recompute,
+        recompute=recompute, recompute_interval=interval,
         init_from_hf=args.init_from_hf, save=args.save, save_interval=args.save_interval, keep_last=args.keep_last,
         load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
         plot=args.plot, timeline=args.timeline,

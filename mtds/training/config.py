@@ -1,8 +1,15 @@
-"""Everything one training run needs, as one frozen value (the CLI builds it; Python users too)."""
+"""Everything one training run needs, as one frozen value (the CLI builds it; Python users too).
+
+Run settings only: what a caller wants to observe or inject (test probes) goes to ``run(cfg, ...)``.
+Every numeric setting's range is checked here, in ``_check_ranges``, with one line naming the flag.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,8 @@ class TrainConfig:
     warmup_steps: int = 0
     lr_decay: str = "cosine"                    # cosine | linear | constant (ignored if the config has a scheduler)
     seed: int = 1234
-    activation_checkpointing: int = 0           # interval k of "full" recomputation (every k blocks); 0 off
-    recompute: str | None = None                # none | selective | full; None: full if activation_checkpointing
+    recompute: str = "none"                     # none | selective (attention core) | full (whole blocks)
+    recompute_interval: int = 1                 # full: every N consecutive blocks are recomputed as one unit
     init_from_hf: str | None = None
     # checkpoints and logs
     save: str | None = None
@@ -52,36 +59,46 @@ class TrainConfig:
     save_on_signal: bool = True                 # SIGTERM/SIGINT: finish the step, save (with --save), exit 0
     build_lock_timeout_s: float = 300.0         # a torch-extensions build lock held longer ends start-up
     heartbeat_timeout_s: float = 30.0           # a peer silent this long (dead or frozen) ends this rank; 0 off
-    # Python API only: functions called as fn(engine, groups) once the engine exists (hooks, probes).
-    on_engine_ready: tuple = ()
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"--steps must be >= 0, got {self.steps}")
-        if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
+        self._check_ranges()
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
         if self.on_nan not in ("stop", "skip"):
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
-        if self.keep_last < 0:
-            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
-        if self.activation_checkpointing < 0:
-            raise ValueError("--activation-checkpointing takes a block interval >= 0")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
+        if self.recompute != "full" and self.recompute_interval != 1:
+            raise ValueError(f"--recompute-interval {self.recompute_interval} applies to --recompute full only "
+                             f"(got --recompute {self.recompute}): add --recompute full or drop the interval")
         from mtds.pipe.select import check_schedule
         check_schedule(self.pipeline_schedule, pp=self.pp, virtual_stages=self.virtual_stages)
-        object.__setattr__(self, "recompute", self._resolved_recompute())
-        if self.recompute == "full" and not self.activation_checkpointing:
-            object.__setattr__(self, "activation_checkpointing", 1)
 
-    def _resolved_recompute(self) -> str:
-        """One meaning for the two flags: --activation-checkpointing K is the interval of full recompute."""
-        k, mode = self.activation_checkpointing, self.recompute
-        if mode is None:
-            return "full" if k else "none"
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"--recompute must be none, selective or full, got {mode!r}")
-        if k and mode != "full":
-            raise ValueError(f"--activation-checkpointing {k} means --recompute full (every {k} blocks) and "
-                             f"conflicts with --recompute {mode}: drop one of the two")
-        return mode
+    def _check_ranges(self) -> None:
+        """Each numeric setting within its range (floats also finite), else one line naming the flag."""
+        at_least_0, at_least_1, above_0 = (">= 0", 0, False), (">= 1", 1, False), ("> 0", 0, True)
+        rules = [  # (flag, value, (words, bound, strict), what the bound means)
+            ("--tp", self.tp, at_least_1, ""), ("--pp", self.pp, at_least_1, ""),
+            ("--virtual-stages", self.virtual_stages, at_least_1, ""),
+            ("--seq-length", self.seq_length, at_least_1, ""), ("--num-proc", self.num_proc, at_least_1, ""),
+            ("--eval-interval", self.eval_interval, at_least_0, " (0: evaluate at the end only)"),
+            ("--eval-iters", self.eval_iters, at_least_1, ""),
+            ("--steps", self.steps, at_least_0, ""),
+            ("--lr", self.lr, above_0, ""), ("--min-lr", self.min_lr, at_least_0, ""),
+            ("--warmup-steps", self.warmup_steps, at_least_0, ""), ("--seed", self.seed, at_least_0, ""),
+            ("--recompute-interval", self.recompute_interval, at_least_1, ""),
+            ("--save-interval", self.save_interval, at_least_0, " (0: save at the end only)"),
+            ("--keep-last", self.keep_last, at_least_0, " (0 keeps every checkpoint)"),
+            ("--check-replicas", self.check_replicas_interval, at_least_0, " (0: off)"),
+            ("--dist-timeout", self.dist_timeout_s, above_0, " seconds"),
+            ("--build-lock-timeout", self.build_lock_timeout_s, above_0, " seconds"),
+            ("--heartbeat-timeout", self.heartbeat_timeout_s, at_least_0, " seconds (0: off)"),
+        ]
+        for flag, value, (words, bound, strict), note in rules:
+            if value is None:
+                continue
+            finite = not isinstance(value, float) or math.isfinite(value)
+            if not finite or value < bound or (strict and value == bound):
+                raise ValueError(f"{flag} must be {words}{note}, got {value}")
+        if not (0.0 <= self.eval_split < 1.0):
+            raise ValueError(f"--eval-split must be in [0, 1) (the fraction held out), got {self.eval_split}")

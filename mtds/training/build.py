@@ -1,0 +1,160 @@
+"""Phase 2 of a run, "build the run": DeepSpeed config, schedule checks, logger, data, model, engine.
+
+Everything later phases need is in the returned :class:`BuiltRun`; the run's precision and ZeRO stage
+are decided here, once, from the DeepSpeed config, and read from it afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+from mtds.deepspeed_compat import check_engine
+from mtds.pipe import build_model
+from mtds.pipe.select import OWN_ENGINE
+from mtds.safety.numerics import LocalNonFinite
+from mtds.safety.startup import BuildLockWatchdog
+
+from .config import TrainConfig
+from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, zero_stage
+from .engine_setup import create_engine, install_engine_patches
+from .logger import StepLogger
+from .world import World
+
+
+@dataclass
+class BuiltRun:
+    """A run ready to train: what ``resume`` and ``train`` read."""
+
+    cfg: TrainConfig
+    world: World
+    ds_config: dict
+    batch: BatchPlan
+    precision: str                 # fp32 | bf16 | fp16, decided once from ds_config
+    zero_stage: int                # 0-3, decided once from ds_config
+    logger: StepLogger
+    stream: object                 # mtds.data.MicroBatchStream of the training data
+    eval_stream: Callable          # () -> a fresh evaluation stream, or None without held-out data
+    model: object                  # this rank's part of the model (PipelineModule for p > 1)
+    engine: object                 # the DeepSpeed engine
+    nonfinite: LocalNonFinite | None   # this rank's own non-finite gradients (None under fp16: the scaler)
+
+
+def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
+    """The DeepSpeed dict for this layout (batch sizes derived), the pipeline edits the model's
+    activations need, and the schedule's checks against it."""
+    layout = world.layout
+    dualpipev = cfg.pipeline_schedule == "dualpipev"
+    ds_config, batch = prepare_ds_config(load_ds_config(cfg.deepspeed_config), layout,
+                                         device_type=world.device.type, lr=cfg.lr)
+    if cfg.sequence_parallel and layout.pp > 1:
+        # DeepSpeed's pipeline splits a stage's output over the TP ranks and the next stage
+        # all-gathers it (scatter/gather, PTD-P Section 4.1): correct only for activations that are
+        # replicated across TP ranks. Sequence-parallel activations are already one slice per rank.
+        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                 "grad_partitioned": False}
+    if dualpipev and layout.tp > 1:
+        if dist.get_rank() == 0:
+            print("dualpipev: DeepSpeed's DualPipeVEngine refuses scatter/gather; stage outputs go whole", flush=True)
+        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                 "grad_partitioned": False}
+    if cfg.pipeline_schedule in OWN_ENGINE or dualpipev:
+        from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
+        check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
+                       micro_batches=batch.accumulation)
+        check_schedule_config(cfg.pipeline_schedule, ds_config)
+        import deepspeed
+        if problem := deepspeed_version_problem(deepspeed.__version__):
+            raise ValueError(problem)
+    return ds_config, batch
+
+
+def build_data(cfg: TrainConfig, world: World, batch: BatchPlan, logger: StepLogger):
+    """The training stream and a factory of evaluation streams; each rank reads only what its stages need."""
+    from mtds.data import (MicroBatchStream, build_packed_dataset, build_train_eval, check_seq_length,
+                           check_vocab, load_tokenizer)
+    model_cfg, groups = world.model_cfg, world.groups
+    check_seq_length(cfg.seq_length, model_cfg.max_position_embeddings)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    check_vocab(tokenizer, model_cfg.vocab_size)
+
+    def build(spec):
+        return build_packed_dataset(spec, tokenizer, cfg.seq_length, text_column=cfg.text_column,
+                                    num_proc=cfg.num_proc, show_progress=dist.get_rank() == 0)
+
+    # Rank 0 fills the tokenization cache; the rest wait, then read it (no concurrent writers).
+    if dist.get_rank() == 0:
+        train_ds, eval_ds = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
+        dist.barrier()
+    else:
+        dist.barrier()
+        train_ds, eval_ds = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
+    logger.info(f"data: {len(train_ds)} training samples of {cfg.seq_length + 1} tokens"
+                + (f", {len(eval_ds)} held out" if eval_ds is not None else ""))
+    needs = dict(need_inputs=groups.is_first_stage or groups.layout.pp == 1,
+                 need_labels=groups.is_last_stage or groups.layout.pp == 1
+                 or (groups.is_first_stage and cfg.pipeline_schedule == "dualpipev"))   # V: loss on rank 0
+    stream = MicroBatchStream(train_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
+                              dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, **needs)
+
+    def eval_stream():
+        if eval_ds is None:
+            return None
+        return MicroBatchStream(eval_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
+                                dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, shuffle=False,
+                                name="evaluation", **needs)
+
+    eval_stream()  # fail now, not at the first evaluation, if the held-out set is too small
+    return stream, eval_stream
+
+
+def build_run_model(cfg: TrainConfig, world: World):
+    """This rank's stages (a PipelineModule for p > 1), with recomputation, then HF weights if asked."""
+    model = build_model(world.model_cfg, world.groups, seed=cfg.seed, rng_tracker=world.rng,
+                        sequence_parallel=cfg.sequence_parallel,
+                        recompute_interval=cfg.recompute_interval if cfg.recompute == "full" else 0,
+                        recompute_attention=cfg.recompute == "selective",
+                        virtual_stages=cfg.virtual_stages if cfg.pipeline_schedule in OWN_ENGINE else None,
+                        dualpipev=cfg.pipeline_schedule == "dualpipev")
+    if cfg.init_from_hf:
+        from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
+        load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups)
+    return model
+
+
+def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
+              on_engine_ready: Sequence[Callable] = ()) -> BuiltRun:
+    """Config, logger, data, model, engine and its patches, then the probes; in this order on every rank."""
+    ds_config, batch = run_ds_config(cfg, world)
+    prec, zero = precision(ds_config), zero_stage(ds_config)
+    layout, groups = world.layout, world.groups
+
+    # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
+    reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
+    logger = StepLogger(enabled=reporting, total_steps=cfg.steps, append=bool(cfg.load), jsonl_path=cfg.log_jsonl,
+                        tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
+    sp = " + sequence parallel" if cfg.sequence_parallel else ""
+    sp += f", {cfg.pipeline_schedule} schedule" if layout.pp > 1 else ""
+    logger.info(f"mtds: layout {layout}{sp} on {world.size} {world.device.type} rank(s) [{world.backend}], {prec}, "
+                f"ZeRO-{zero}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
+                f"accumulation {batch.accumulation} x dp {layout.dp}")
+
+    stream, eval_stream = build_data(cfg, world, batch, logger)
+    model = build_run_model(cfg, world)
+    engine = create_engine(cfg, world, model, ds_config, batch)
+    watchdog.stop()     # JIT builds happen while DeepSpeed starts, not later
+    install_engine_patches(engine, cfg, world, prec, zero)
+    check_engine(engine)   # attributes DeepSpeed creates in __init__ that mtds reads or sets
+    for probe in on_engine_ready:
+        probe(engine, groups)
+    # After the probes: their gradient hooks (tests inject NaNs so) run before this rank's record.
+    nonfinite = LocalNonFinite(engine.module) if prec != "fp16" else None
+
+    n_params = sum(p.numel() for p in model.parameters())
+    mc = world.model_cfg
+    logger.info(f"model: {mc.num_layers} layers, hidden {mc.hidden_size}, heads {mc.num_heads}, vocab "
+                f"{mc.vocab_size}; {n_params:,} parameters on the reporting rank")
+    return BuiltRun(cfg=cfg, world=world, ds_config=ds_config, batch=batch, precision=prec, zero_stage=zero,
+                    logger=logger, stream=stream, eval_stream=eval_stream, model=model, engine=engine,
+                    nonfinite=nonfinite)

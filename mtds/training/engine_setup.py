@@ -1,0 +1,61 @@
+"""The DeepSpeed engine of a run, and what mtds installs on it before the first step.
+
+``create_engine`` picks the engine (DeepSpeed's own, or mtds's ``ScheduledPipelineEngine`` for the
+interleaved / zero-bubble schedules) with the LR schedule; ``install_engine_patches`` then adds the
+gradient fixes a layout needs. Both run on every rank, in this order, before any step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from mtds.comm_trace import label_deepspeed_groups
+from mtds.pipe.select import OWN_ENGINE
+
+from .config import TrainConfig
+from .ds_config import BatchPlan
+from .grad_norm import install_fp32_clipping, mark_sharded_gradients
+from .schedule import build_scheduler
+from .sequence_grads import defer_sequence_parallel_grads
+from .world import World
+
+
+def _lr_scheduler(cfg: TrainConfig, ds_config: dict) -> Callable | None:
+    """mtds's warm-up + decay unless the DeepSpeed config brings its own scheduler."""
+    if "scheduler" in ds_config or "optimizer" not in ds_config:
+        return None
+    base_lr = ds_config["optimizer"]["params"].get("lr", 1e-3)
+    return lambda opt: build_scheduler(opt, base_lr=base_lr, min_lr=cfg.min_lr, warmup=cfg.warmup_steps,
+                                       total=cfg.steps, decay=cfg.lr_decay)
+
+
+def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch: BatchPlan):
+    """``deepspeed.initialize`` (or ``build_scheduled_engine``) on this rank's part of the model."""
+    import deepspeed
+    scheduler = _lr_scheduler(cfg, ds_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    layout, groups = world.layout, world.groups
+    if cfg.pipeline_schedule in OWN_ENGINE:
+        from mtds.pipe.engine import build_scheduled_engine
+        hidden_len = cfg.seq_length // layout.tp if cfg.sequence_parallel else cfg.seq_length
+        engine = build_scheduled_engine(model, config=ds_config, model_parameters=trainable, lr_scheduler=scheduler,
+                                        schedule=cfg.pipeline_schedule, groups=groups,
+                                        boundary_shape=(batch.micro_batch, hidden_len, world.model_cfg.hidden_size))
+        if world.tracer is not None:
+            world.tracer.name_group(engine.grad_group, "pp")
+        return engine
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
+                                           mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
+    return engine
+
+
+def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: str, zero_stage: int) -> None:
+    """The gradient fixes this run's precision / ZeRO stage / layout need, then the tracer's group names."""
+    groups = world.groups
+    if precision == "fp32" and zero_stage == 0:
+        install_fp32_clipping(engine, groups)
+    elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
+        mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
+    if cfg.sequence_parallel:
+        defer_sequence_parallel_grads(engine, groups)
+    if world.tracer is not None:
+        label_deepspeed_groups(world.tracer, engine)   # the pipeline engine's own grid groups, tied weights

@@ -1,0 +1,221 @@
+"""Step hooks: the per-step extras around a training step, one small interface, one list.
+
+Every hook sees each step in the order of :func:`step_hooks`:
+
+* ``before_step(step)`` just before the step runs;
+* ``after_step(step, record)`` once the step's record (loss, grad norm, timings, ...) exists; a hook may
+  add fields to ``record`` (hooks later in the list, the logger among them, see them) and may return a
+  reason to stop after this step (a string, e.g. the signal's name);
+* ``at_end(step, completed)`` after the last step, in list order (not when a hook raised): ``completed``
+  when the run reached ``--steps`` (no early stop, at least one step run).
+
+A new per-step feature is one class here and one line in :func:`step_hooks`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from mtds.deepspeed_compat import verify_ran
+from mtds.safety.numerics import check_finite
+from mtds.safety.signals import StopRequest
+
+from . import checkpoint as ckpt
+from .build import BuiltRun
+from .result import RunResult
+from .steps import eval_loss
+
+
+class StepHook(Protocol):
+    def before_step(self, step: int) -> None: ...
+
+    def after_step(self, step: int, record: dict) -> str | None: ...
+
+    def at_end(self, step: int, completed: bool) -> None: ...
+
+
+class Hook:
+    """No-op defaults: a hook overrides only what it does."""
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, record: dict) -> str | None:
+        return None
+
+    def at_end(self, step: int, completed: bool) -> None:
+        pass
+
+
+class PatchesRanHook(Hook):
+    """After the first step of this run: every patch mtds installed on DeepSpeed's objects actually ran
+    (a renamed DeepSpeed method would otherwise leave a patch silently unused)."""
+
+    def __init__(self, engine, first_step: int):
+        self.engine, self.first_step = engine, first_step
+
+    def after_step(self, step, record):
+        if step == self.first_step:
+            verify_ran(self.engine, self.engine.module)
+
+
+class CommTraceHook(Hook):
+    """Bytes of this step's collectives: counters zeroed before the step, read after it."""
+
+    def __init__(self, tracer, result: RunResult):
+        self.tracer, self.result = tracer, result
+
+    def before_step(self, step):
+        self.tracer.reset()
+
+    def after_step(self, step, record):
+        record["comm_bytes"] = self.tracer.total_bytes()
+        self.result.comm = self.tracer.summary()
+
+
+class TimelineHook(Hook):
+    """--timeline: the measured pipeline bubble in each record, the last step's trace files at the end."""
+
+    def __init__(self, built: BuiltRun):
+        from mtds.pipe.instrument import StepTimeline
+        self.built = built
+        self.timeline = StepTimeline(built.engine, built.world.groups, built.cfg.timeline)
+
+    def before_step(self, step):
+        self.timeline.begin()
+
+    def after_step(self, step, record):
+        record.update(self.timeline.end())
+
+    def at_end(self, step, completed):
+        self.timeline.write(title=f"{self.built.world.layout} {self.built.cfg.pipeline_schedule}, step {step}")
+
+
+class LogHook(Hook):
+    """The step's record to the console, JSONL, TensorBoard and progress bar (reporting rank only)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    def after_step(self, step, record):
+        self.logger.log(record)
+
+
+class NonFiniteHook(Hook):
+    """A NaN/inf loss or grad norm stops the run (bf16/fp32), naming the step and the ranks whose own
+    gradients were non-finite; before any evaluation or checkpoint of the step, so nothing poisoned is saved."""
+
+    def __init__(self, built: BuiltRun):
+        self.built = built
+
+    def after_step(self, step, record):
+        b = self.built
+        local_bad = b.nonfinite.take() if b.nonfinite is not None else False     # this step's record, every step
+        if b.precision != "fp16" and not (b.cfg.on_nan == "skip" and record["skipped"]):
+            # fp16: the loss scaler skips overflowing steps itself. "skip" accepts a step only where
+            # the engine did not apply it (ZeRO-1/2 check the norm); an applied NaN update always stops.
+            check_finite(step, record["loss"], record["grad_norm"], b.world.device, local_bad=local_bad)
+
+
+class ReplicaCheckHook(Hook):
+    """--check-replicas N: TP-replicated and tied weights must be identical every N steps."""
+
+    def __init__(self, built: BuiltRun):
+        self.built = built
+
+    def after_step(self, step, record):
+        if step % self.built.cfg.check_replicas_interval == 0:
+            from .consistency import check_replicas
+            check_replicas(self.built.engine.module, self.built.world.groups)
+
+
+class EvalHook(Hook):
+    """Held-out loss every --eval-interval steps, and at the end unless the last step had one."""
+
+    def __init__(self, built: BuiltRun, result: RunResult):
+        self.built, self.result = built, result
+        self.evaluated_at = None
+
+    def evaluate(self, step: int) -> None:
+        b = self.built
+        self.evaluated_at = step
+        es = b.eval_stream()
+        if es is None:
+            return
+        loss = eval_loss(b.engine, es, b.world.groups, b.batch.accumulation, b.cfg.eval_iters, b.world.device)
+        self.result.eval_losses.append((step, loss))
+        b.logger.log({"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}, kind="eval")
+
+    def after_step(self, step, record):
+        if self.built.cfg.eval_interval and step % self.built.cfg.eval_interval == 0:
+            self.evaluate(step)
+
+    def at_end(self, step, completed):
+        if completed and self.evaluated_at != step:
+            self.evaluate(step)
+
+
+class SaveHook(Hook):
+    """--save: a checkpoint every --save-interval steps and at the end (once per step at most)."""
+
+    def __init__(self, built: BuiltRun):
+        self.built = built
+        self.saved_at = None
+
+    def save(self, step: int) -> None:
+        if self.saved_at == step:
+            return
+        b = self.built
+        ckpt.save(b.engine, b.cfg.save, step, {"data": b.stream.state_dict()}, b.world.groups,
+                  model_cfg=b.world.model_cfg, tokenizer=b.cfg.tokenizer, rng_tracker=b.world.rng,
+                  keep_last=b.cfg.keep_last)
+        self.saved_at = step
+
+    def after_step(self, step, record):
+        if self.built.cfg.save_interval and step % self.built.cfg.save_interval == 0:
+            self.save(step)
+
+    def at_end(self, step, completed):
+        if completed:
+            self.save(step)
+
+
+class SignalStopHook(Hook):
+    """SIGTERM/SIGINT on any rank: every rank stops after the same step, saving first (--save-on-signal)."""
+
+    def __init__(self, built: BuiltRun, stop: StopRequest, saver: SaveHook | None):
+        self.built, self.stop, self.saver = built, stop, saver
+
+    def after_step(self, step, record):
+        reason = self.stop.agreed(self.built.world.device)    # a collective: every rank, every step
+        if reason:
+            cfg = self.built.cfg
+            if self.saver is not None and cfg.save_on_signal:
+                self.saver.save(step)
+            saved = self.saver is not None and self.saver.saved_at == step
+            self.built.logger.info(f"stopped after step {step} on {reason}"
+                                   + (f"; checkpoint in {cfg.save}" if saved else ""))
+        return reason
+
+
+def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step: int) -> list[Hook]:
+    """The run's hooks in the order they see each step. The order is part of the contract: the patch
+    check comes first (before anything reports the step's numbers); the tracer reads its counters and
+    the timeline its bubble before the record is logged; the non-finite check comes before evaluation
+    and saving; the signal check is last (it may save this step)."""
+    cfg, tracer = built.cfg, built.world.tracer
+    hooks: list[Hook] = [PatchesRanHook(built.engine, start_step + 1)]
+    if tracer is not None:
+        hooks.append(CommTraceHook(tracer, result))
+    if cfg.timeline and built.world.layout.pp > 1:
+        hooks.append(TimelineHook(built))
+    hooks.append(LogHook(built.logger))
+    hooks.append(NonFiniteHook(built))
+    if cfg.check_replicas_interval:
+        hooks.append(ReplicaCheckHook(built))
+    hooks.append(EvalHook(built, result))
+    saver = SaveHook(built) if cfg.save else None
+    if saver is not None:
+        hooks.append(saver)
+    hooks.append(SignalStopHook(built, stop, saver))
+    return hooks
