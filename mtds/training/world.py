@@ -16,7 +16,7 @@ from mtds.config import ModelConfig, resolve_model_config
 from mtds.layout import ParallelGroups, ParallelLayout
 from mtds.safety.heartbeat import Heartbeat
 from mtds.safety.startup import rendezvous_error
-from mtds.tp import seed_parallel_streams
+from mtds.tp import RNGTracker, seed_parallel_streams
 
 from .config import TrainConfig
 from .distributed import init_distributed
@@ -32,7 +32,7 @@ class World:
     layout: ParallelLayout         # t x p x d, checked against the model
     model_cfg: ModelConfig
     groups: ParallelGroups
-    rng: object                    # mtds.tp RNG tracker: dropout masks keyed per (step, micro-batch, layer)
+    rng: RNGTracker                # dropout streams, masks keyed by (step, micro-batch, layer)
     tracer: CommTracer | None      # bytes per collective (None: --trace-comm off)
 
 
