@@ -117,3 +117,19 @@ def _eval_on_meta(root: str):
 def test_eval_runs_on_the_run_device_only(tmp_path):
     params, totals, shape = spawn(_eval_on_meta, 1, str(tmp_path))[0]
     assert params == {"meta"} and totals == "meta" and shape == (2,)
+
+
+def test_fp32_on_cuda_turns_tf32_on_and_nothing_else_does():
+    import torch
+
+    from mtds.training.distributed import configure_matmul_precision
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        assert not configure_matmul_precision(torch.device("cpu"), "fp32")
+        assert not configure_matmul_precision(torch.device("cuda", 0), "bf16")
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert configure_matmul_precision(torch.device("cuda", 0), "fp32")
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

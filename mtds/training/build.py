@@ -17,6 +17,7 @@ from mtds.safety.numerics import LocalNonFinite
 from mtds.safety.startup import BuildLockWatchdog
 
 from .config import TrainConfig
+from .distributed import configure_matmul_precision
 from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, zero_stage
 from .engine_setup import create_engine, install_engine_patches
 from .logger import StepLogger
@@ -33,6 +34,7 @@ class BuiltRun:
     batch: BatchPlan
     precision: str                 # fp32 | bf16 | fp16, decided once from ds_config
     zero_stage: int                # 0-3, decided once from ds_config
+    tf32: bool                     # fp32 on CUDA: matmuls on TF32 tensor cores
     logger: StepLogger
     stream: object                 # mtds.data.MicroBatchStream of the training data
     eval_stream: Callable          # () -> a fresh evaluation stream, or None without held-out data
@@ -128,6 +130,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     """Config, logger, data, model, engine and its patches, then the probes; in this order on every rank."""
     ds_config, batch = run_ds_config(cfg, world)
     prec, zero = precision(ds_config), zero_stage(ds_config)
+    tf32 = configure_matmul_precision(world.device, prec)
     layout, groups = world.layout, world.groups
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
@@ -136,7 +139,8 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
                         tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
     sp = " + sequence parallel" if cfg.sequence_parallel else ""
     sp += f", {cfg.pipeline_schedule} schedule" if layout.pp > 1 else ""
-    logger.info(f"mtds: layout {layout}{sp} on {world.size} {world.device.type} rank(s) [{world.backend}], {prec}, "
+    logger.info(f"mtds: layout {layout}{sp} on {world.size} {world.device.type} rank(s) [{world.backend}], {prec}"
+                f"{' (TF32 matmuls)' if tf32 else ''}, "
                 f"ZeRO-{zero}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
                 f"accumulation {batch.accumulation} x dp {layout.dp}")
 
@@ -156,5 +160,5 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     logger.info(f"model: {mc.num_layers} layers, hidden {mc.hidden_size}, heads {mc.num_heads}, vocab "
                 f"{mc.vocab_size}; {n_params:,} parameters on the reporting rank")
     return BuiltRun(cfg=cfg, world=world, ds_config=ds_config, batch=batch, precision=prec, zero_stage=zero,
-                    logger=logger, stream=stream, eval_stream=eval_stream, model=model, engine=engine,
+                    tf32=tf32, logger=logger, stream=stream, eval_stream=eval_stream, model=model, engine=engine,
                     nonfinite=nonfinite)

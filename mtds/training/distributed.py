@@ -74,3 +74,24 @@ def shutdown(exit_code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+def configure_matmul_precision(device: torch.device, precision: str) -> bool:
+    """fp32 runs on CUDA use TF32 tensor cores for matmuls and convolutions (as Megatron-core and
+    torchtitan do): ~494 instead of ~67 TFLOP/s on an H100, with a 10-bit mantissa for the products and
+    fp32 accumulation. True where enabled (the run's header line says so)."""
+    if device.type != "cuda" or precision != "fp32":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, float | None]:
+    """(peak allocated, peak reserved) GiB: the CUDA caching allocator's peaks on GPU (reserved is what
+    the process holds from the device, allocated what tensors use), peak RSS of the process on CPU (no
+    reserved figure)."""
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device) / 2 ** 30, torch.cuda.max_memory_reserved(device) / 2 ** 30)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, None     # KiB on Linux

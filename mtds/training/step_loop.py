@@ -2,7 +2,6 @@
 record, hooks' ``after_step`` (which may stop the run); then hooks' ``at_end`` and the closing of the log."""
 from __future__ import annotations
 
-import resource
 import sys
 import time
 
@@ -12,17 +11,10 @@ from mtds.metrics import model_config_flops, peak_tflops
 from mtds.safety.signals import StopRequest
 
 from .build import BuiltRun
+from .distributed import peak_memory_gib
 from .hooks import step_hooks
 from .result import RunResult
 from .steps import train_step
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    """Peak bytes resident: CUDA allocator peak on GPU, peak RSS of the process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss_kib / 2 ** 20
 
 
 class StepRecorder:
@@ -37,7 +29,8 @@ class StepRecorder:
         self.flops_hw = model_config_flops(world.model_cfg, batch.global_batch, cfg.seq_length, recompute=cfg.recompute)
         device = world.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        self.peak = peak_tflops(device_name, built.precision) if device_name else None
+        # fp32 on CUDA runs its matmuls on TF32 tensor cores: MFU against the TF32 peak
+        self.peak = peak_tflops(device_name, "tf32" if built.tf32 else built.precision) if device_name else None
 
     def step(self, step: int) -> dict:
         b = self.built
@@ -57,13 +50,14 @@ class StepRecorder:
         grad_norm = float(grad_norm) if grad_norm is not None else None
         scale = getattr(engine.optimizer, "loss_scale", None) or getattr(engine.optimizer, "cur_scale", None)
         tflops_model = self.flops_model / elapsed / world.size / 1e12
+        allocated, reserved = peak_memory_gib(world.device)
         return {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "loss_scale": float(scale) if scale is not None else 1.0, "skipped": engine.skipped_steps > skipped_before,
             "tokens_per_s": self.tokens_per_step / elapsed, "tflops_model": tflops_model,
             "tflops_hw": self.flops_hw / elapsed / world.size / 1e12,
             "mfu": tflops_model / self.peak if self.peak else None,
-            "peak_mem_gib": _peak_memory_gib(world.device), "step_time_s": elapsed,
+            "peak_mem_gib": allocated, "peak_reserved_gib": reserved, "step_time_s": elapsed,
             "comm_bytes": None,                         # the tracer's hook fills it in
             "consumed_samples": stream.consumed_samples,
         }

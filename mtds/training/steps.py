@@ -5,12 +5,12 @@ data-parallel rank, equal sizes), identical on all ranks.
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
 from mtds.layout import ParallelGroups
+
+from .batches import DeviceBatches
 
 
 def _mean_over_data_parallel(loss: torch.Tensor, groups: ParallelGroups) -> float:
@@ -21,19 +21,23 @@ def _mean_over_data_parallel(loss: torch.Tensor, groups: ParallelGroups) -> floa
     return loss.item()
 
 
-def _stage_data(stream, groups: ParallelGroups):
-    """Only the first (inputs) and last (labels) pipeline stages read data."""
-    return stream if (groups.is_first_stage or groups.is_last_stage) else None
+def _stage_data(stream, groups: ParallelGroups, accumulation: int, device):
+    """Only the first (inputs) and last (labels) pipeline stages read data: this step's micro-batches,
+    already on the device."""
+    if not (groups.is_first_stage or groups.is_last_stage):
+        return None
+    return DeviceBatches(stream, device, accumulation)
 
 
 def train_step(engine, stream, groups: ParallelGroups, accumulation: int, device) -> float:
     if groups.layout.pp > 1:
         # The engine runs 1F1B over `accumulation` micro-batches and averages loss over them and DP.
-        return float(engine.train_batch(data_iter=_stage_data(stream, groups)))
+        return float(engine.train_batch(data_iter=_stage_data(stream, groups, accumulation, device)))
     losses = []
+    batches = DeviceBatches(stream, device, accumulation)
     for _ in range(accumulation):
-        input_ids, labels = next(stream)
-        loss = engine(input_ids.to(device), labels.to(device))
+        input_ids, labels = next(batches)      # an endless iterator: the count bounds the loop
+        loss = engine(input_ids, labels)
         engine.backward(loss)
         engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
         losses.append(loss.detach())
@@ -47,13 +51,13 @@ def eval_loss(engine, stream, groups: ParallelGroups, accumulation: int, iters: 
     if groups.layout.pp > 1:
         for _ in range(iters):
             # eval_batch pulls exactly `accumulation` micro-batches, so slice them off the stream.
-            micro = itertools.islice(stream, accumulation) if _stage_data(stream, groups) is not None else None
-            total += float(engine.eval_batch(data_iter=micro))
+            total += float(engine.eval_batch(data_iter=_stage_data(stream, groups, accumulation, device)))
         return total / iters
     engine.module.eval()
     try:
         for _ in range(iters):
-            losses = [engine(*(t.to(device) for t in next(stream))) for _ in range(accumulation)]
+            batches = DeviceBatches(stream, device, accumulation)
+            losses = [engine(*next(batches)) for _ in range(accumulation)]
             total += _mean_over_data_parallel(torch.stack(losses).mean(), groups)
     finally:
         engine.module.train()
