@@ -112,6 +112,16 @@ def schedule_actions(name: str, p: int, v: int, m: int, rank: int) -> list[Actio
     return _zb_h1(p, m, rank)
 
 
+def forward_actions(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    """Forward-only order (evaluation): the training schedule's forwards (the same (chunk, micro) sequence
+    on every rank), or chunk by chunk per micro-batch where the schedule cannot take ``m``."""
+    try:
+        actions = schedule_actions(name, p, v, m, rank)
+    except ValueError:
+        return [Action("F", c, i) for i in range(m) for c in range(v)]
+    return [a for a in actions if a.kind == "F"]
+
+
 def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     warmup = min(p - rank - 1, m)
     actions = [Action("F", 0, i) for i in range(warmup)]
