@@ -26,11 +26,11 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from mtds.deepspeed_compat import pipeline as ds
-from .exchange import Compute, exchange_program, group_names
+from .exchange import Compute, engine_program, group_names
 from .p2p import StageP2P
 from ..tp.weight_grad_store import WeightGradStore
 from .select import check_weight_pass_support
-from .schedules import check_microbatches, forward_actions, has_weight_pass, schedule_actions
+from .schedules import check_microbatches, has_weight_pass
 
 
 class ScheduledPipelineEngine(PipelineEngine):
@@ -109,7 +109,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         ds.begin_batch(self, training=True)
-        self._run(schedule_actions(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
+        self._run(engine_program(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
         with self._span("reduce"):
             ds.reduce_gradients(self)
         with self._span("step"):
@@ -129,24 +129,24 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.set_dataiterator(data_iter)
         ds.begin_batch(self, training=False)
         try:
-            self._run(forward_actions(self.schedule, self.num_stages, self.chunks, micro_batches, self.stage_id))
+            self._run(engine_program(self.schedule, self.num_stages, self.chunks, micro_batches, self.stage_id,
+                                     forward_only=True))
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
         return ds.eval_output(self, reduce=reduce_output, micro_batches=micro_batches, broadcast=bcast_loss)
 
-    def _run(self, actions) -> None:
+    def _run(self, program) -> None:
+        """Walk a p2p program (``mtds.pipe.exchange.engine_program``): its computes and posts, in order."""
         self._inputs, self._outputs, self._losses, self._labels = {}, {}, {}, {}
         self._outbox = {}          # Message -> tensor a compute produced, until its post sends it
         handlers = {"F": self._forward_step, "B": self._backward_step, "W": self._weight_step}
-        # the program mtds.pipe.nccl_sim checks: exchange_program's default policy, nothing else
-        for item in exchange_program(actions, p=self.num_stages, v=self.chunks, rank=self.stage_id):
+        for item in program:
             if isinstance(item, Compute):
                 handlers[item.action.kind](item)
                 continue
-            first = item.transfers[0]
-            kind = "send" if any(t.op == "send" for t in item.transfers) else "recv"
-            with self._span(kind, self._local_chunk(first), first.message.micro):
+            transfer = item.transfers[0]
+            with self._span(transfer.op, self._local_chunk(transfer), transfer.message.micro):
                 self.p2p.post(item, self._outbox)
         with self._span("send"):
             self.p2p.wait_sends()

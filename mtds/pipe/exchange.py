@@ -1,6 +1,6 @@
 """The point-to-point program of one pipeline rank: every compute action and every p2p post, in the order
 the host issues them, each transfer on a named process group. One pure function,
-:func:`exchange_program`, that ``ScheduledPipelineEngine`` walks (it posts exactly these transfers, in this
+:func:`engine_program`, that ``ScheduledPipelineEngine`` walks (it posts exactly these transfers, in this
 order, on these groups) and that ``mtds.pipe.nccl_sim`` checks, so what the simulator proves about the
 order is what the engine runs.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import Action
+from .schedules import Action, forward_actions, schedule_actions
 
 ACT, GRAD = "act", "grad"
 POLICIES = ("one-way", "two-groups")
@@ -125,6 +125,13 @@ def _transfer(op: str, message: Message, *, p: int, policy: str) -> Transfer:
     return Transfer(op, receiver if op == "send" else sender, message, _group(message, p, policy))
 
 
+def engine_program(name: str, p: int, v: int, m: int, rank: int, *, forward_only: bool = False) -> list:
+    """What ``ScheduledPipelineEngine`` runs for one step of schedule ``name`` (``forward_only``: one
+    evaluation step): the one call site of the engine, and what ``mtds.pipe.nccl_sim`` checks."""
+    order = forward_actions if forward_only else schedule_actions
+    return exchange_program(order(name, p, v, m, rank), p=p, v=v, rank=rank)
+
+
 def exchange_program(actions, *, p: int, v: int, rank: int, policy: str = "one-way") -> list:
     """``Post`` and ``Compute`` items of pipeline rank ``rank`` in issue order, for its compute order
     ``actions`` (``schedule_actions`` or ``forward_actions``)."""
@@ -152,7 +159,7 @@ def _post_one_compute_early(program: list, post: Post, firsts: dict) -> None:
     transfer can run during it -- unless a post on the same group was issued after that compute (each
     group keeps its transfers in message order), or ``post`` is the rank's first on its group and a first
     post on another group was issued after that compute (the rank creates its communicators in the
-    order the ``two-groups`` placement would), or there is no compute."""
+    order its computes need them), or there is no compute."""
     first = post.group not in firsts
     j = len(program)
     while j and isinstance(program[j - 1], Post):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .exchange import Compute, Post, exchange_program
+from .exchange import Compute, Post, engine_program, exchange_program
 from .schedules import forward_actions, schedule_actions
 from .simulate import ScheduleDeadlock, default_costs
 
@@ -106,12 +106,14 @@ def simulate_programs(programs: list, *, costs: dict, comm=0, mode: str = "lazy"
 
 def simulate_schedule_nccl(name: str, p: int, v: int, m: int, *, policy: str | None = None, costs: dict | None = None,
                            comm=0, mode: str = "lazy", forward_only: bool = False) -> NcclResult:
-    """The engine's programs for schedule ``name`` at (p, v, m) -- ``exchange_program`` with its default
-    policy unless ``policy`` is given -- under NCCL's semantics. ``forward_only``: the forward-only order
-    the engine evaluates with (``forward_actions``; any m)."""
-    order = forward_actions if forward_only else schedule_actions
-    options = {} if policy is None else {"policy": policy}
-    programs = [exchange_program(order(name, p, v, m, rank), p=p, v=v, rank=rank, **options) for rank in range(p)]
+    """The engine's programs for schedule ``name`` at (p, v, m) (``exchange.engine_program``; with
+    ``policy``, ``exchange_program`` under that policy) under NCCL's semantics. ``forward_only``: one
+    evaluation step (``forward_actions``; any m)."""
+    if policy is None:
+        programs = [engine_program(name, p, v, m, rank, forward_only=forward_only) for rank in range(p)]
+    else:
+        order = forward_actions if forward_only else schedule_actions
+        programs = [exchange_program(order(name, p, v, m, rank), p=p, v=v, rank=rank, policy=policy) for rank in range(p)]
     return simulate_programs(programs, costs=costs or default_costs(name), comm=comm, mode=mode)
 
 

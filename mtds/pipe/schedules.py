@@ -20,7 +20,10 @@ Communication semantics (what the engine implements and the simulator models):
 - ``W`` (weight gradients, zb-h1 only) is local: it needs its own ``B`` done, nothing else.
 
 With asynchronous sends, an order deadlocks only if a rank waits for a message whose sender is itself
-(transitively) waiting; the simulator checks that no schedule here can.
+(transitively) waiting; the simulator checks that no schedule here can. That is gloo's model (buffered
+sends). Under NCCL a send waits for its receive and a stream runs its transfers in order; the engine's
+p2p program (``mtds.pipe.exchange``) is built so that whatever finishes here finishes there too
+(``mtds.pipe.nccl_sim``, docs/pipeline.md "p2p under NCCL").
 
 Schedules (``SCHEDULES``):
 
