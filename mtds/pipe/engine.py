@@ -3,11 +3,11 @@
 DeepSpeed's engine runs only its plain 1F1B instruction stream. This subclass replaces ``train_batch``
 and ``eval_batch`` by a walk over the per-rank compute order of ``mtds.pipe.schedules`` (interleaved 1F1B
 over the chunks of a :class:`~mtds.deepspeed_compat.chunked_module.ChunkedPipelineModule`, or ZB-H1), with the p2p of
-``mtds.pipe.p2p`` posted in the order and batches of ``mtds.pipe.exchange.exchange_program`` (sends posted
-as soon as computed and never waited for before the step ends, receives waited for only when needed;
-deadlock-free under NCCL's semantics, ``mtds.pipe.nccl_sim``). Everything else stays
-DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss scaling, accumulation
-scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
+``mtds.pipe.p2p`` posted in the order and on the process groups of ``mtds.pipe.exchange.engine_program``
+(sends posted as soon as computed and waited for only at the end of the step, receives posted one compute
+early and waited for only when needed; deadlock-free under NCCL's semantics, ``mtds.pipe.nccl_sim``).
+Everything else stays DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss
+scaling, accumulation scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
 ``DeepSpeedEngine.backward``, and at the end of the step -- one flush -- its tied-gradient all-reduce,
 gradient reduction (ZeRO-1 / BF16 optimizer / data parallel), clipping and optimizer step.
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from mtds.deepspeed_compat import pipeline as ds
-from .exchange import Compute, engine_program, group_names
+from .exchange import ACT, Compute, engine_program, group_names
 from .p2p import StageP2P
 from ..tp.weight_grad_store import WeightGradStore
 from .select import check_weight_pass_support
@@ -157,7 +157,7 @@ class ScheduledPipelineEngine(PipelineEngine):
     def _local_chunk(self, transfer) -> int:
         """This rank's chunk that sends (or receives) ``transfer``: for the timeline."""
         message = transfer.message
-        stage = message.stage if transfer.op == "send" else message.stage + (1 if message.kind == "act" else -1)
+        stage = message.stage if transfer.op == "send" else message.stage + (1 if message.kind == ACT else -1)
         return stage // self.num_stages
 
     # -- the three compute instructions ------------------------------------------------------------------
