@@ -3,9 +3,11 @@
 DeepSpeed's engine runs only its plain 1F1B instruction stream. This subclass replaces ``train_batch``
 and ``eval_batch`` by a walk over the per-rank compute order of ``mtds.pipe.schedules`` (interleaved 1F1B
 over the chunks of a :class:`~mtds.deepspeed_compat.chunked_module.ChunkedPipelineModule`, or ZB-H1), with the p2p of
-``mtds.pipe.p2p`` (sends never block, receives block only when needed). Everything else stays
-DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss scaling, accumulation
-scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
+``mtds.pipe.p2p`` posted in the order and on the process groups of ``mtds.pipe.exchange.engine_program``
+(sends posted as soon as computed and waited for only at the end of the step, receives posted one compute
+early and waited for only when needed; deadlock-free under NCCL's semantics, ``mtds.pipe.nccl_sim``).
+Everything else stays DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss
+scaling, accumulation scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
 ``DeepSpeedEngine.backward``, and at the end of the step -- one flush -- its tied-gradient all-reduce,
 gradient reduction (ZeRO-1 / BF16 optimizer / data parallel), clipping and optimizer step.
 
@@ -24,10 +26,11 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from mtds.deepspeed_compat import pipeline as ds
+from .exchange import ACT, Compute, engine_program, group_names
 from .p2p import StageP2P
 from ..tp.weight_grad_store import WeightGradStore
 from .select import check_weight_pass_support
-from .schedules import Action, check_microbatches, has_weight_pass, schedule_actions
+from .schedules import check_microbatches, has_weight_pass
 
 
 class ScheduledPipelineEngine(PipelineEngine):
@@ -47,16 +50,18 @@ class ScheduledPipelineEngine(PipelineEngine):
         # One flush per step; the engine scatters/gathers itself (DeepSpeed's PartitionedTensor path is
         # tied to its own buffers), so its flags only tell us whether to.
         scatter = ds.take_over_scatter_gather(self)
-        grad_group = None
-        for ranks in groups.layout.pp_groups():   # collective: every rank creates every group
-            group = dist.new_group(ranks)
-            if groups.rank in ranks:
-                grad_group = group
-        self.grad_group = grad_group
+        # One process group per name of the p2p program (activations and gradients, by the sender's
+        # colour: mtds.pipe.exchange), each over this rank's pipeline. Collective: every rank creates
+        # every pipeline's groups, in the same order.
+        self.p2p_groups = {}
+        for ranks in groups.layout.pp_groups():
+            for name in group_names(self.num_stages, self.chunks):
+                group = dist.new_group(ranks)
+                if groups.rank in ranks:
+                    self.p2p_groups[name] = group
         dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.half if self.fp16_enabled() else torch.float32
-        self.p2p = StageP2P(self.grid, act_group=groups.pp_group, grad_group=grad_group, shape=boundary_shape,
-                            dtype=dtype, device=self.device, tp_group=groups.tp_group, tp_size=groups.layout.tp,
-                            scatter_gather=scatter)
+        self.p2p = StageP2P(self.grid, groups=self.p2p_groups, shape=boundary_shape, dtype=dtype, device=self.device,
+                            tp_group=groups.tp_group, tp_size=groups.layout.tp, scatter_gather=scatter)
         self.timeline = None       # a mtds.pipe.timeline.TimelineRecorder, when the user asked for one
         self.weight_grads = None   # ZB-H1: the TP linears' deferred weight gradients, run by W actions
         if has_weight_pass(schedule):
@@ -96,10 +101,6 @@ class ScheduledPipelineEngine(PipelineEngine):
             return contextlib.nullcontext()
         return self.timeline.record(kind, chunk=chunk, micro=micro)
 
-    def _neighbour(self, chunk: int, step: int) -> int:
-        """Pipeline rank of the virtual stage ``step`` (±1) away from ``chunk`` on this rank."""
-        return (self.stage_id + step) % self.num_stages
-
     # -- one step ----------------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         if not torch.is_grad_enabled():
@@ -108,7 +109,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         ds.begin_batch(self, training=True)
-        self._run(schedule_actions(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
+        self._run(engine_program(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
         with self._span("reduce"):
             ds.reduce_gradients(self)
         with self._span("step"):
@@ -128,35 +129,40 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.set_dataiterator(data_iter)
         ds.begin_batch(self, training=False)
         try:
-            self._run(self._forward_order(micro_batches))
+            self._run(engine_program(self.schedule, self.num_stages, self.chunks, micro_batches, self.stage_id,
+                                     forward_only=True))
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
         return ds.eval_output(self, reduce=reduce_output, micro_batches=micro_batches, broadcast=bcast_loss)
 
-    def _forward_order(self, micro_batches: int) -> list[Action]:
-        """Forward-only order: the training schedule's forwards (the same (chunk, micro) sequence on every
-        rank, so blocking receives are always answered), or chunk by chunk per micro-batch where the
-        schedule cannot take this micro-batch count."""
-        try:
-            actions = schedule_actions(self.schedule, self.num_stages, self.chunks, micro_batches, self.stage_id)
-        except ValueError:
-            return [Action("F", c, i) for i in range(micro_batches) for c in range(self.chunks)]
-        return [a for a in actions if a.kind == "F"]
-
-    def _run(self, actions) -> None:
+    def _run(self, program) -> None:
+        """Walk a p2p program (``mtds.pipe.exchange.engine_program``): its computes and posts, in order."""
         self._inputs, self._outputs, self._losses, self._labels = {}, {}, {}, {}
-        for action in actions:
-            handler = {"F": self._forward_step, "B": self._backward_step, "W": self._weight_step}[action.kind]
-            handler(action.chunk, action.micro)
+        self._outbox = {}          # Message -> tensor a compute produced, until its post sends it
+        handlers = {"F": self._forward_step, "B": self._backward_step, "W": self._weight_step}
+        for item in program:
+            if isinstance(item, Compute):
+                handlers[item.action.kind](item)
+                continue
+            transfer = item.transfers[0]
+            with self._span(transfer.op, self._local_chunk(transfer), transfer.message.micro):
+                self.p2p.post(item, self._outbox)
         with self._span("send"):
             self.p2p.wait_sends()
         if self.weight_grads is not None and self.weight_grads.pending():
             # DeepSpeed's gradient reduction follows: every weight gradient must be in param.grad by then.
             raise RuntimeError(f"{self.weight_grads.pending()} deferred weight gradients left after the schedule")
 
+    def _local_chunk(self, transfer) -> int:
+        """This rank's chunk that sends (or receives) ``transfer``: for the timeline."""
+        message = transfer.message
+        stage = message.stage if transfer.op == "send" else message.stage + (1 if message.kind == ACT else -1)
+        return stage // self.num_stages
+
     # -- the three compute instructions ------------------------------------------------------------------
-    def _forward_step(self, chunk: int, micro: int) -> None:
+    def _forward_step(self, item: Compute) -> None:
+        chunk, micro = item.action.chunk, item.action.micro
         with self._chunk(chunk):
             first, last = self.is_first_stage(), self.is_last_stage()
             if first:
@@ -164,7 +170,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                 inputs = batch[0].to(self.device)
             else:
                 with self._span("recv", chunk, micro):
-                    inputs = self.p2p.recv_forward(self._neighbour(chunk, -1))
+                    inputs = self.p2p.take(item.needs)
                 if not torch.is_grad_enabled():
                     inputs = inputs.detach()
             if last:
@@ -180,21 +186,21 @@ class ScheduledPipelineEngine(PipelineEngine):
                 if torch.is_grad_enabled():
                     self._losses[micro] = loss
                 return
-            with self._span("send", chunk, micro):
-                self.p2p.send_forward(outputs, self._neighbour(chunk, +1))
+            self._outbox[item.makes] = outputs
             if torch.is_grad_enabled():
                 self._outputs[chunk, micro] = outputs
 
-    def _backward_step(self, chunk: int, micro: int) -> None:
+    def _backward_step(self, item: Compute) -> None:
         if self.weight_grads is not None:
-            self.weight_grads.key = (chunk, micro)
+            self.weight_grads.key = (item.action.chunk, item.action.micro)
         try:
-            self._input_backward(chunk, micro)
+            self._input_backward(item)
         finally:
             if self.weight_grads is not None:
                 self.weight_grads.key = None
 
-    def _input_backward(self, chunk: int, micro: int) -> None:
+    def _input_backward(self, item: Compute) -> None:
+        chunk, micro = item.action.chunk, item.action.micro
         with self._chunk(chunk):
             first = self.is_first_stage()
             if self.is_last_stage():
@@ -202,18 +208,18 @@ class ScheduledPipelineEngine(PipelineEngine):
                     ds.loss_backward(self, self._losses.pop(micro))
             else:
                 with self._span("recv", chunk, micro):
-                    grad = self.p2p.recv_backward(self._neighbour(chunk, +1))
+                    grad = self.p2p.take(item.needs)
                 with self._span("B", chunk, micro):
                     ds.stage_backward(self, self._outputs.pop((chunk, micro)), grad)
             inputs = self._inputs.pop((chunk, micro), None)
             if not first:
-                with self._span("send", chunk, micro):
-                    self.p2p.send_backward(inputs.grad, self._neighbour(chunk, -1))
+                self._outbox[item.makes] = inputs.grad
 
-    def _weight_step(self, chunk: int, micro: int) -> None:
+    def _weight_step(self, item: Compute) -> None:
         """ZB-H1's W: the weight/bias GEMMs the TP linears queued during this micro-batch's B, in order,
         accumulated into ``param.grad``, then handed to the optimizer's gradient accumulation as a
         backward's would be (the loss scale, fp16, is already in the queued output gradients)."""
+        chunk, micro = item.action.chunk, item.action.micro
         with self._span("W", chunk, micro):
             ds.fold_weight_gradients(self, lambda: self.weight_grads.run((chunk, micro)))
 

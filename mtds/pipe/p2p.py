@@ -1,11 +1,18 @@
 """Point-to-point transfers between virtual pipeline stages, for the schedules mtds runs itself.
 
-Semantics (those ``mtds.pipe.schedules`` assumes): a send never blocks -- ``isend`` is posted and its
-handle kept until :meth:`StageP2P.wait_sends` at the end of the step; a receive blocks (``irecv`` then
-``wait``) only when the compute that needs it is next. With both, no schedule order can deadlock on
-message ordering. Activations and gradients travel on two different process groups over the same
-pipeline ranks, so a pair of ranks that exchanges both (p = 2, or rank p−1 → 0) never confuses one for
-the other, on gloo (tags) and on NCCL (which matches p2p in issue order per communicator).
+:class:`StageP2P` posts the items of ``mtds.pipe.exchange.exchange_program``: the engine walks that
+program and hands each ``Post`` here, and each transfer goes out as a lone ``isend``/``irecv`` on the
+process group the program names. A send's handle and tensor
+are kept until :meth:`StageP2P.wait_sends` at the end of the step; a receive is waited for only when the
+compute that needs it takes it (:meth:`StageP2P.take`).
+
+Deadlock. On gloo sends are buffered and every transfer progresses on its own, so no order can
+deadlock. On NCCL a large send completes only once its receive has started, and a rank's p2p on one
+communicator run one after the other on one stream: two crossing sends of a rank pair on one group
+deadlock (the engine's order before the fix did, interleaved at p = 2). The program's groups are chosen
+so that every stream carries one direction of one rank pair, which cannot deadlock under NCCL
+(``mtds.pipe.exchange``; proof and check: ``mtds.pipe.nccl_sim``, docs/pipeline.md "p2p under NCCL").
+Tags (activation or gradient) only matter to gloo; NCCL matches in issue order per communicator.
 
 Scatter/gather (PTD-P §4.1): with tensor parallelism the boundary activation (and its gradient) is the
 same on every TP rank, so each TP rank sends only its 1/t slice and the receiver all-gathers the slices
@@ -16,18 +23,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .exchange import ACT, Message, Post
+
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 
 
 class StageP2P:
     """Sends/receives of one pipeline rank. ``grid``: DeepSpeed's PipelineParallelGrid (stage → global
-    rank); ``act_group``/``grad_group``: this rank's pipeline group and a second one over the same ranks;
-    ``shape``/``dtype``: the boundary activation of one micro-batch; ``tp_group``/``tp_size``: for
-    scatter/gather (``scatter_gather`` False: whole tensors)."""
+    rank); ``groups``: ``exchange.group_names`` → this rank's process group of that name, each over the
+    pipeline's ranks; ``shape``/``dtype``: the boundary activation of one micro-batch;
+    ``tp_group``/``tp_size``: for scatter/gather (``scatter_gather`` False: whole tensors)."""
 
-    def __init__(self, grid, *, act_group, grad_group, shape, dtype, device, tp_group=None, tp_size: int = 1,
+    def __init__(self, grid, *, groups: dict, shape, dtype, device, tp_group=None, tp_size: int = 1,
                  scatter_gather: bool = False):
-        self.grid, self.act_group, self.grad_group = grid, act_group, grad_group
+        self.grid, self.groups = grid, groups
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.tp_group, self.tp_size = tp_group, tp_size
         self.scatter_gather = scatter_gather and tp_size > 1
@@ -38,44 +47,55 @@ class StageP2P:
             raise ValueError(f"scatter/gather needs the stage boundary ({numel} elements) divisible by tp={tp_size}")
         self.numel = numel
         self.pending: list[tuple] = []   # (work handle, tensor kept alive until the send completes)
+        self.inbox: dict = {}            # Message -> (receive buffer, work handle), until a compute takes it
 
-    # -- public: the four transfers of a schedule -------------------------------------------------------
-    def send_forward(self, tensor: torch.Tensor, stage: int) -> None:
-        self._send(tensor, stage, self.act_group, ACTIVATION_TAG)
+    # -- public ------------------------------------------------------------------------------------------
+    def post(self, post: Post, outbox: dict) -> None:
+        """Post the transfer of ``post`` (a lone one: the engine's program batches nothing); a send's
+        tensor is ``outbox.pop(message)``, the boundary activation or input gradient its compute produced."""
+        if post.batched or len(post.transfers) != 1:
+            raise ValueError(f"StageP2P posts lone transfers, got {post}")
+        (transfer,) = post.transfers
+        group = self.groups[transfer.group]
+        tag = ACTIVATION_TAG if transfer.message.kind == ACT else GRADIENT_TAG
+        peer = self.grid.stage_to_global(transfer.peer)
+        if transfer.op == "send":
+            tensor = self._payload(outbox.pop(transfer.message))
+            self.pending.append((dist.isend(tensor, peer, group=group, tag=tag), tensor))
+            return
+        if transfer.message in self.inbox:
+            raise RuntimeError(f"{transfer.message} received twice in one step")
+        buffer = torch.empty(self._part(), dtype=self.dtype, device=self.device)
+        self.inbox[transfer.message] = (buffer, dist.irecv(buffer, peer, group=group, tag=tag))
 
-    def recv_forward(self, stage: int) -> torch.Tensor:
-        return self._recv(stage, self.act_group, ACTIVATION_TAG).requires_grad_()
-
-    def send_backward(self, grad: torch.Tensor, stage: int) -> None:
-        self._send(grad, stage, self.grad_group, GRADIENT_TAG)
-
-    def recv_backward(self, stage: int) -> torch.Tensor:
-        return self._recv(stage, self.grad_group, GRADIENT_TAG)
+    def take(self, message: Message) -> torch.Tensor:
+        """The received ``message``, waited for (and all-gathered over TP with scatter/gather)."""
+        buffer, work = self.inbox.pop(message)
+        work.wait()
+        if self.scatter_gather:
+            full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            dist.all_gather(list(full.chunk(self.tp_size)), buffer, group=self.tp_group)
+            buffer = full
+        tensor = buffer.view(self.shape)
+        return tensor.requires_grad_() if message.kind == ACT else tensor
 
     def wait_sends(self) -> None:
+        if self.inbox:
+            raise RuntimeError(f"received but never used: {', '.join(map(str, self.inbox))}")
         for work, _ in self.pending:
             work.wait()
         self.pending = []
 
     # -- the wire ---------------------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, stage: int, group, tag: int) -> None:
+    def _part(self) -> int:
+        return self.numel // self.tp_size if self.scatter_gather else self.numel
+
+    def _payload(self, tensor: torch.Tensor) -> torch.Tensor:
         if tuple(tensor.shape) != self.shape:
             raise RuntimeError(f"stage boundary has shape {tuple(tensor.shape)}, expected {self.shape}")
         payload = tensor.detach().reshape(-1)
         if self.scatter_gather:
-            part = self.numel // self.tp_size
+            part = self._part()
             rank = dist.get_rank(self.tp_group)
             payload = payload[rank * part:(rank + 1) * part]
-        payload = payload.to(self.dtype).contiguous()
-        work = dist.isend(payload, self.grid.stage_to_global(stage), group=group, tag=tag)
-        self.pending.append((work, payload))
-
-    def _recv(self, stage: int, group, tag: int) -> torch.Tensor:
-        part = self.numel // self.tp_size if self.scatter_gather else self.numel
-        buffer = torch.empty(part, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, self.grid.stage_to_global(stage), group=group, tag=tag).wait()
-        if self.scatter_gather:
-            full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            dist.all_gather(list(full.chunk(self.tp_size)), buffer, group=self.tp_group)
-            buffer = full
-        return buffer.view(self.shape)
+        return payload.to(self.dtype).contiguous()

@@ -20,7 +20,10 @@ Communication semantics (what the engine implements and the simulator models):
 - ``W`` (weight gradients, zb-h1 only) is local: it needs its own ``B`` done, nothing else.
 
 With asynchronous sends, an order deadlocks only if a rank waits for a message whose sender is itself
-(transitively) waiting; the simulator checks that no schedule here can.
+(transitively) waiting; the simulator checks that no schedule here can. That is gloo's model (buffered
+sends). Under NCCL a send waits for its receive and a stream runs its transfers in order; the engine's
+p2p program (``mtds.pipe.exchange``) is built so that whatever finishes here finishes there too
+(``mtds.pipe.nccl_sim``, docs/pipeline.md "p2p under NCCL").
 
 Schedules (``SCHEDULES``):
 
@@ -110,6 +113,16 @@ def schedule_actions(name: str, p: int, v: int, m: int, rank: int) -> list[Actio
     if name == "interleaved":
         return _interleaved(p, v, m, rank)
     return _zb_h1(p, m, rank)
+
+
+def forward_actions(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    """Forward-only order (evaluation): the training schedule's forwards (the same (chunk, micro) sequence
+    on every rank), or chunk by chunk per micro-batch where the schedule cannot take ``m``."""
+    try:
+        actions = schedule_actions(name, p, v, m, rank)
+    except ValueError:
+        return [Action("F", c, i) for i in range(m) for c in range(v)]
+    return [a for a in actions if a.kind == "F"]
 
 
 def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:

@@ -4,7 +4,8 @@ Model (the engine's semantics, see ``schedules``' docstring): each rank executes
 one at a time; sends are asynchronous (never delay the sender); a forward of a non-first virtual stage
 starts only once the previous virtual stage's forward of that micro-batch has finished (plus ``comm``
 latency), a backward of a non-last virtual stage only once the next virtual stage's backward has
-finished. A rank that waits for a message never sent is a deadlock (``ScheduleDeadlock``).
+finished. A rank that waits for a message never sent is a deadlock (``ScheduleDeadlock``). These are
+gloo's semantics (buffered sends); ``mtds.pipe.nccl_sim`` runs the engine's p2p program under NCCL's.
 
 Cost convention: by default every action costs one unit, F = B = W = 1, for schedules with W passes;
 for schedules without (B is the full backward, input + weight gradient) B = 2, so F + B(+W) = 3 units

@@ -41,7 +41,8 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
                                         schedule=cfg.pipeline_schedule, groups=groups,
                                         boundary_shape=(batch.micro_batch, hidden_len, world.model_cfg.hidden_size))
         if world.tracer is not None:
-            world.tracer.name_group(engine.grad_group, "pp")
+            for group in engine.p2p_groups.values():   # the engine's own p2p groups, over the pipeline's ranks
+                world.tracer.name_group(group, "pp")
         return engine
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                            mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
