@@ -66,9 +66,21 @@ def cases_for(machine, workload, precisions) -> dict[int, list[Case]]:
     return out
 
 
+def judge(precision: str, value: dict, ref) -> tuple[bool, str, str]:
+    """(pass, numbers, why not) for one run's losses/grad norms/skipped steps against the reference."""
+    from .reference import max_rel_diff
+    loss_tol, norm_tol = TOLERANCE[precision]
+    dl, dn = max_rel_diff(value["losses"], ref.losses), max_rel_diff(value["grad_norms"], ref.grad_norms)
+    skipped = sum(value["skipped"])
+    why = "; ".join(w for w in (f"loss {dl:.2e} > {loss_tol:g}" if not dl <= loss_tol else "",
+                                f"grad norm {dn:.2e} > {norm_tol:g}" if not dn <= norm_tol else "",
+                                f"{skipped} step(s) skipped by the loss scaler" if skipped else "") if w)
+    numbers = f"loss {dl:.2e}, grad norm {dn:.2e}, final loss {value['losses'][-1]:.4f} (HF {ref.losses[-1]:.4f})"
+    return not why, numbers, why
+
+
 def check(machine, workload, precisions, timeout: float) -> Section:
     from .ranks import run_cases
-    from .reference import max_rel_diff
     tol_text = ", ".join(f"{p}: loss {TOLERANCE[p][0]:g}, grad norm {TOLERANCE[p][1]:g}" for p in precisions)
     section = Section("HF parity matrix", f"Every schedule of mtds.pipe.select against HuggingFace GPT2LMHeadModel + "
                       f"torch AdamW in fp32 (one process, same weights, batches, LR schedule and clipping), "
@@ -91,13 +103,5 @@ def check(machine, workload, precisions, timeout: float) -> Section:
             if not ok:
                 section.fail(case.name, value)
                 continue
-            loss_tol, norm_tol = TOLERANCE[case.precision]
-            dl, dn = max_rel_diff(value["losses"], ref.losses), max_rel_diff(value["grad_norms"], ref.grad_norms)
-            skipped = sum(value["skipped"])
-            good = dl <= loss_tol and dn <= norm_tol and not skipped
-            why = "; ".join(w for w in (f"loss {dl:.2e} > {loss_tol:g}" if dl > loss_tol else "",
-                                        f"grad norm {dn:.2e} > {norm_tol:g}" if dn > norm_tol else "",
-                                        f"{skipped} step(s) skipped by the loss scaler" if skipped else "") if w)
-            section.add(case.name, good, f"loss {dl:.2e}, grad norm {dn:.2e}, final loss {value['losses'][-1]:.4f} "
-                        f"(HF {ref.losses[-1]:.4f})", why)
+            section.add(case.name, *judge(case.precision, value, ref))
     return section

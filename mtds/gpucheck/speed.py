@@ -141,7 +141,7 @@ def check(machine, workload, precision: str, warmup: int, timeout: float) -> Sec
                       f"differs from the other side's (identical work).")
     runs = [("HF GPT2LMHeadModel + AdamW" + (" (fused)" if machine.cuda else ""), "hf", (1, 1, 1)),
             ("mtds (1,1,1)", "mtds", (1, 1, 1))]
-    spread = spread_layout(machine.ranks)
+    spread = spread_layout(machine.ranks) if machine.cuda else None    # two CPU ranks say nothing about scaling
     if spread:
         runs.append((f"mtds ({','.join(map(str, spread))}) on {machine.ranks} ranks", "mtds", spread))
     values = {}
