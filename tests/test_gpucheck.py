@@ -41,19 +41,17 @@ def test_cpu_mode_report():
         for precision in ("fp32", "bf16"):
             status, numbers, _ = got[f"{schedule} (t,p,d)=(1,2,1) {precision}"]
             assert status == "PASS", (schedule, precision, numbers)
-            loss, norm = map(float, re.findall(r"(?:loss|grad norm) ([0-9.e+-]+),", numbers)[:2])
-            assert (loss, norm) < ((1e-5, 1e-5) if precision == "fp32" else (2e-2, 5e-2)), numbers
+            assert re.match(r"loss [0-9.e+-]+, grad norm [0-9.e+-]+ at step 1, [0-9.e+-]+ max", numbers), numbers
     p2p = next(v for k, v in got.items() if k.startswith("interleaved p=2 v=2"))
     assert p2p[0] == "PASS" and "2 steps" in p2p[1], p2p
     assert got["save/resume: bit-exact continuation"][0] == "PASS"
     assert "losses max rel diff 0.0e+00, grad norms 0.0e+00" in got["save/resume: bit-exact continuation"][1]
     assert got["eval: mtds.eval vs HF on the checkpoint"][0] == "PASS"
-    for run in ("HF GPT2LMHeadModel + AdamW", "mtds (1,1,1)", "mtds (2,1,1) on 2 ranks"):
+    for run in ("HF GPT2LMHeadModel + AdamW", "mtds (1,1,1)"):
         assert got[run][0] == "PASS" and "tokens/s" in got[run][1], (run, got.get(run))
     # the speed table: a row per run with every column filled
-    table = re.findall(r"^\| (HF GPT2LMHeadModel \+ AdamW|mtds \(1,1,1\)|mtds \(2,1,1\) on 2 ranks) \| ([0-9,]+) \|", text,
-                       re.M)
-    assert len(table) == 3 and all(int(t.replace(",", "")) > 0 for _, t in table), table
+    table = re.findall(r"^\| (HF GPT2LMHeadModel \+ AdamW|mtds \(1,1,1\)) \| ([0-9,]+) \|", text, re.M)
+    assert len(table) == 2 and all(int(t.replace(",", "")) > 0 for _, t in table), table
     assert "result: **PASS** (" in text
 
 
@@ -66,10 +64,13 @@ def test_parity_verdict():
         return {"losses": [x * loss for x in ref.losses], "grad_norms": norms or [x * norm for x in ref.grad_norms],
                 "skipped": list(skipped)}
 
-    assert judge("fp32", run(), ref)[0] and judge("bf16", run(1.01, 1.03), ref)[0]
+    assert judge("fp32", run(), ref)[0] and judge("bf16", run(1.004, 1.009), ref)[0]
     assert not judge("fp32", run(loss=1.0001), ref)[0]          # 1e-4 is no fp32 summation-order effect
     assert "loss 1.00e-04 > 1e-05" in judge("fp32", run(loss=1.0001), ref)[2]
-    assert not judge("bf16", run(loss=1.03), ref)[0] and not judge("fp16", run(norm=1.06), ref)[0]
+    assert not judge("bf16", run(loss=1.006), ref)[0] and not judge("fp16", run(norm=1.02), ref)[0]
+    drift = [ref.grad_norms[0], ref.grad_norms[1] * 1.1, ref.grad_norms[2]]    # later steps: drift allowed
+    assert judge("bf16", run(norms=drift), ref)[0] and not judge("fp32", run(norms=drift), ref)[0]
+    assert not judge("bf16", run(norms=[2.0, 1.5 * 1.2, 1.2]), ref)[0]
     assert "1 step(s) skipped" in judge("fp16", run(skipped=(False, True, False)), ref)[2]
     assert not judge("bf16", run(norms=[2.0, None, 1.2]), ref)[0]     # a norm the engine did not report
 
@@ -108,6 +109,7 @@ def test_auto_never_hard_codes_cpu(monkeypatch):
     assert sorted(cases) == [2, 4] and len(cases[2]) == len(cases[4]) == 8
     assert {c.tp for c in cases[4]} == {2} and {c.device for c in cases[4]} == {"cuda"}
     assert speed.spread_layout(4) == (2, 2, 1) and speed.spread_layout(8) == (2, 2, 2)
+    assert speed.workload_for(w["speed"], (2, 2, 2)).global_batch == w["speed"].micro_batch * 8    # m = 4p
     # 64 MiB per message at p = 2 on GPUs (bf16)
     from mtds.gpucheck.p2p_stress import message_bytes
     assert message_bytes(w["p2p"], "bf16") == 64 * 2 ** 20

@@ -8,14 +8,28 @@ from dataclasses import dataclass
 
 from .report import Section
 
-# Relative tolerance per precision, against the fp32 reference:
-#  fp32: only the order of sums differs (TP/pipeline partial sums, the norm over ranks): 1e-5, as the suite.
-#  bf16: 8-bit mantissa (unit roundoff 2^-8 = 3.9e-3) in every activation and weight copy; the mean loss
-#        averages that out, the clipped, normalised Adam update keeps the weights close, but the gradient
-#        norm sums squares of bf16 gradients. Measured on CPU (tiny model, 6 steps): see docs/gpucheck.md.
-#  fp16: 11-bit mantissa (2^-11), 8x finer than bf16, behind a loss scale that divides out exactly (a
-#        power of two): bf16's bound holds for it with room to spare.
-TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 5e-2), "fp16": (2e-2, 5e-2)}   # (loss, grad norm)
+@dataclass(frozen=True)
+class Tolerance:
+    """Max relative difference from the fp32 reference: every step's loss, the first step's grad norm (same
+    weights on both sides: only the arithmetic differs), every step's grad norm (weights drifted apart)."""
+    loss: float
+    first_norm: float
+    norm: float
+
+    def describe(self) -> str:
+        return f"loss {self.loss:g}, grad norm {self.first_norm:g} at step 1 and {self.norm:g} after"
+
+
+# fp32: only the order of sums differs (TP/pipeline partial sums, the norm over ranks): 1e-5, as the suite.
+# bf16: 8-bit mantissa (unit roundoff u = 2^-8 = 3.9e-3) in every activation, gradient and weight copy.
+#   Measured on CPU, every schedule at p = 2, the GPU shape (l=4 h=256 s=128 B=32, 10 clipped steps):
+#   losses within 4.3e-4 (held to 5e-3, ~u); step-1 grad norm 4.1e-4 (held to 1e-2); later norms mostly
+#   1e-3 but 2.2e-2 (1f1b) and 5.8e-2 (interleaved) at a step whose gradient spikes, once bf16 rounding
+#   has moved the weights (held to 0.15: catches a lost loss scale or micro-batch factor, not drift).
+# fp16: 11-bit mantissa (2^-11), 8x finer than bf16, behind a power-of-two loss scale that divides out
+#   exactly: bf16's bounds hold for it with room to spare.
+TOLERANCE = {"fp32": Tolerance(1e-5, 1e-5, 1e-5), "bf16": Tolerance(5e-3, 1e-2, 0.15),
+             "fp16": Tolerance(5e-3, 1e-2, 0.15)}
 
 
 @dataclass(frozen=True)
@@ -69,19 +83,23 @@ def cases_for(machine, workload, precisions) -> dict[int, list[Case]]:
 def judge(precision: str, value: dict, ref) -> tuple[bool, str, str]:
     """(pass, numbers, why not) for one run's losses/grad norms/skipped steps against the reference."""
     from .reference import max_rel_diff
-    loss_tol, norm_tol = TOLERANCE[precision]
-    dl, dn = max_rel_diff(value["losses"], ref.losses), max_rel_diff(value["grad_norms"], ref.grad_norms)
+    tol = TOLERANCE[precision]
+    dl = max_rel_diff(value["losses"], ref.losses)
+    d1 = max_rel_diff(value["grad_norms"][:1], ref.grad_norms[:1])
+    dn = max_rel_diff(value["grad_norms"], ref.grad_norms)
     skipped = sum(value["skipped"])
-    why = "; ".join(w for w in (f"loss {dl:.2e} > {loss_tol:g}" if not dl <= loss_tol else "",
-                                f"grad norm {dn:.2e} > {norm_tol:g}" if not dn <= norm_tol else "",
+    why = "; ".join(w for w in (f"loss {dl:.2e} > {tol.loss:g}" if not dl <= tol.loss else "",
+                                f"step-1 grad norm {d1:.2e} > {tol.first_norm:g}" if not d1 <= tol.first_norm else "",
+                                f"grad norm {dn:.2e} > {tol.norm:g}" if not dn <= tol.norm else "",
                                 f"{skipped} step(s) skipped by the loss scaler" if skipped else "") if w)
-    numbers = f"loss {dl:.2e}, grad norm {dn:.2e}, final loss {value['losses'][-1]:.4f} (HF {ref.losses[-1]:.4f})"
+    numbers = (f"loss {dl:.2e}, grad norm {d1:.2e} at step 1, {dn:.2e} max, final loss {value['losses'][-1]:.4f} "
+               f"(HF {ref.losses[-1]:.4f})")
     return not why, numbers, why
 
 
 def check(machine, workload, precisions, timeout: float) -> Section:
     from .ranks import run_cases
-    tol_text = ", ".join(f"{p}: loss {TOLERANCE[p][0]:g}, grad norm {TOLERANCE[p][1]:g}" for p in precisions)
+    tol_text = "; ".join(f"{p}: {TOLERANCE[p].describe()}" for p in precisions)
     section = Section("HF parity matrix", f"Every schedule of mtds.pipe.select against HuggingFace GPT2LMHeadModel + "
                       f"torch AdamW in fp32 (one process, same weights, batches, LR schedule and clipping), "
                       f"{workload.describe()}. Max relative difference per step of the loss and the pre-clip "
