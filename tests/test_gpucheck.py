@@ -113,3 +113,40 @@ def test_auto_never_hard_codes_cpu(monkeypatch):
     # 64 MiB per message at p = 2 on GPUs (bf16)
     from mtds.gpucheck.p2p_stress import message_bytes
     assert message_bytes(w["p2p"], "bf16") == 64 * 2 ** 20
+
+
+def test_gpu_shapes_are_runnable(monkeypatch):
+    """What the GPU mode will run passes mtds's own up-front checks (schedule, micro-batches, layout vs
+    model, DeepSpeed batch arithmetic) for 1-8 GPUs, so a GPU run cannot stop on a shape we chose."""
+    from deepspeed.accelerator import get_accelerator
+
+    from mtds.gpucheck import ds_configs, parity, speed
+    from mtds.gpucheck.machine import Machine
+    from mtds.layout import ParallelLayout
+    from mtds.pipe.select import check_schedule, check_schedule_config
+    from mtds.training.ds_config import prepare_ds_config
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)     # as a GPU says
+    for quick in (False, True):
+        w = workloads("cuda", quick)
+        for gpus in range(1, 9):
+            machine = Machine("cuda", gpus, "NVIDIA H100 80GB HBM3")
+            checks = [(c.workload, (c.tp, c.pp, 1), c.schedule, c.precision) for cases in
+                      parity.cases_for(machine, w["parity"], ("bf16", "fp16")).values() for c in cases]
+            checks += [(w["p2p"], (1, 2, 1), "interleaved", "bf16"), (w["resume"], (1, min(gpus, 2), 1), "1f1b", "bf16")]
+            for layout in ((1, 1, 1), speed.spread_layout(gpus)):
+                if layout:
+                    checks.append((speed.workload_for(w["speed"], layout), layout, "1f1b", "bf16"))
+            for workload, (tp, pp, dp), schedule, precision in checks:
+                assert tp * pp * dp <= gpus or pp == 2 and gpus == 1 and schedule == "interleaved"   # p2p: skipped
+                v = 2 if schedule == "interleaved" else 1
+                cfg = ds_configs.train_config(workload, precision, "cuda", tp=tp, pp=pp, dp=dp,
+                                              pipeline_schedule=schedule, virtual_stages=v)
+                assert cfg.deepspeed_config["optimizer"]["params"]["fused"] is True
+                layout = ParallelLayout.for_world(tp * pp * dp, tp=tp, pp=pp, vp=2 if schedule == "dualpipev" else v)
+                m = workload.model
+                layout.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, num_layers=m.num_layers)
+                _, batch = prepare_ds_config(cfg.deepspeed_config, layout, device_type="cuda")
+                if pp > 1:
+                    check_schedule(schedule, pp=pp, virtual_stages=v, micro_batches=batch.accumulation)
+                    check_schedule_config(schedule, cfg.deepspeed_config)
+                assert workload.seq <= m.max_position_embeddings
