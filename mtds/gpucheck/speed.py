@@ -135,7 +135,7 @@ def _row(name, value, workload, precision, machine, world, global_batch) -> dict
     return {"run": name, "tokens/s": f"{tokens / value['step_s']:,.0f}", "step s": f"{value['step_s']:.4f}",
             "model TFLOP/s per rank": f"{model_tf:.3g}", "hw TFLOP/s per rank": f"{hw_tf:.3g}",
             "MFU": f"{model_tf / peak:.1%}" if peak else "n/a (no peak for this device)",
-            "peak mem allocated GiB": f"{value['allocated_gib']:.2f}",
+            "peak allocated GiB (CPU: RSS)": f"{value['allocated_gib']:.2f}",
             "peak mem reserved GiB": f"{reserved:.2f}" if reserved is not None else "n/a (CPU)"}
 
 
