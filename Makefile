@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test train test clean
+.PHONY: setup setup-test train test gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ train: setup
 
 test: setup-test
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+
+# On a GPU machine (with TORCH_SPEC=torch): parity, p2p stress, eval/resume and speed on CUDA + NCCL,
+# report in gpucheck.md. GPUCHECK_ARGS="--quick --gpus 2" for less; --device cpu runs the CPU mode.
+gpu-check: setup
+	$(BIN)/python -m mtds.gpucheck $(GPUCHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -103,18 +103,22 @@ PORT_IN_USE = "EADDRINUSE"
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
-          env: dict[str, str] | None = None, fresh: bool = False) -> list[Any]:
+          env: dict[str, str] | None = None, fresh: bool = False, on: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank results in rank order.
 
     ``fresh``: new processes for this call even when pools are on (bodies that kill or signal their
     own process, or whose test reads the ranks' stderr).
+    ``on``: the device ("cpu" or "cuda") for tools that choose it themselves (``mtds.gpucheck``); None:
+    the suite's (:func:`device`). A pool runs the body only when it is on that device.
     """
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size must be in 1..64, got {world_size}")
-    dev = device()
-    if dev == "cuda":
+    if on is not None and on not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {on!r}")
+    dev = on or device()
+    if dev == "cuda" and on is None:
         _skip_without_gpus(world_size)
-    if _pool_device is not None and not fresh:
+    if _pool_device is not None and _pool_device == dev and not fresh:
         from mtds.testing.pool import RankPool
         pool = _pools.get(world_size)
         if pool is None:

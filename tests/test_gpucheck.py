@@ -1,0 +1,152 @@
+"""``python -m mtds.gpucheck`` in its CPU mode (gloo, tiny shapes), run in-process through the suite's rank
+pools so that it cannot rot: every check writes its PASS rows with numbers (one real run of every check);
+the parity verdict fails a run whose loss or grad norm is off by more than its precision allows or that
+skipped a step; bad flags are one ``error:`` line with exit 2; ``auto`` picks CUDA wherever torch sees one."""
+import functools
+import os
+import re
+import tempfile
+
+import pytest
+
+from mtds.gpucheck import cli
+from mtds.gpucheck.machine import resolve
+from mtds.gpucheck.workloads import workloads
+
+
+def rows(text: str) -> dict[str, tuple[str, str, str]]:
+    """{case: (status, numbers, note)} of every table row with a PASS/FAIL/SKIP status."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1] in ("PASS", "FAIL", "SKIP"):
+            out[cells[0]] = (cells[1], cells[2], cells[3])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_report() -> tuple[int, str]:
+    out = os.path.join(tempfile.mkdtemp(prefix="mtds-gpucheck-test-"), "report.md")
+    code = cli.main(["--device", "cpu", "--quick", "--out", out])
+    with open(out) as f:
+        return code, f.read()
+
+
+def test_cpu_mode_report():
+    code, text = cpu_report()
+    got = rows(text)
+    assert code == 0, text
+    assert "- device: CPU (2 CPU ranks, gloo)" in text and "DeepSpeed 0." in text and "torch 2." in text, text
+    for schedule in ("1f1b", "interleaved", "zb-h1", "dualpipev"):
+        for precision in ("fp32", "bf16"):
+            status, numbers, _ = got[f"{schedule} (t,p,d)=(1,2,1) {precision}"]
+            assert status == "PASS", (schedule, precision, numbers)
+            assert re.match(r"loss [0-9.e+-]+, grad norm [0-9.e+-]+ at step 1, [0-9.e+-]+ max", numbers), numbers
+    p2p = next(v for k, v in got.items() if k.startswith("interleaved p=2 v=2"))
+    assert p2p[0] == "PASS" and "2 steps" in p2p[1], p2p
+    assert got["save/resume: bit-exact continuation"][0] == "PASS"
+    assert "losses max rel diff 0.0e+00, grad norms 0.0e+00" in got["save/resume: bit-exact continuation"][1]
+    assert got["eval: mtds.eval vs HF on the checkpoint"][0] == "PASS"
+    for run in ("HF GPT2LMHeadModel + AdamW", "mtds (1,1,1)"):
+        assert got[run][0] == "PASS" and "tokens/s" in got[run][1], (run, got.get(run))
+    # the speed table: a row per run with every column filled
+    table = re.findall(r"^\| (HF GPT2LMHeadModel \+ AdamW|mtds \(1,1,1\)) \| ([0-9,]+) \|", text, re.M)
+    assert len(table) == 2 and all(int(t.replace(",", "")) > 0 for _, t in table), table
+    assert "result: **PASS** (" in text
+
+
+def test_parity_verdict():
+    from mtds.gpucheck.parity import judge
+    from mtds.gpucheck.reference import Reference
+    ref = Reference([9.0, 8.5, 8.0], [2.0, 1.5, 1.2])
+
+    def run(loss=1.0, norm=1.0, skipped=(False,) * 3, norms=None):
+        return {"losses": [x * loss for x in ref.losses], "grad_norms": norms or [x * norm for x in ref.grad_norms],
+                "skipped": list(skipped)}
+
+    assert judge("fp32", run(), ref)[0] and judge("bf16", run(1.004, 1.009), ref)[0]
+    assert not judge("fp32", run(loss=1.0001), ref)[0]          # 1e-4 is no fp32 summation-order effect
+    assert "loss 1.00e-04 > 1e-05" in judge("fp32", run(loss=1.0001), ref)[2]
+    assert not judge("bf16", run(loss=1.006), ref)[0] and not judge("fp16", run(norm=1.02), ref)[0]
+    drift = [ref.grad_norms[0], ref.grad_norms[1] * 1.1, ref.grad_norms[2]]    # later steps: drift allowed
+    assert judge("bf16", run(norms=drift), ref)[0] and not judge("fp32", run(norms=drift), ref)[0]
+    assert not judge("bf16", run(norms=[2.0, 1.5 * 1.2, 1.2]), ref)[0]
+    assert "1 step(s) skipped" in judge("fp16", run(skipped=(False, True, False)), ref)[2]
+    assert not judge("bf16", run(norms=[2.0, None, 1.2]), ref)[0]     # a norm the engine did not report
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "gpu"], "invalid choice: 'gpu'"),
+    (["--device", "cuda"], "--device cuda: torch sees no GPU"),
+    (["--device", "cpu", "--gpus", "2"], "--gpus applies to --device cuda"),
+    (["--gpus", "0"], "--gpus must be between 1 and 8"),
+    (["--gpus", "two"], "invalid int value: 'two'"),
+    (["--only", "parity,speeed"], "--only: unknown check speeed"),
+    (["--device", "cpu", "--out", "/no/such/dir/report.md"], "No such file or directory"),
+])
+def test_bad_input_is_one_error_line(argv, message, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:       # argparse's own errors leave through _Parser.error
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_auto_never_hard_codes_cpu(monkeypatch):
+    """auto picks CUDA whenever torch sees a GPU (the device-choice logic, without a GPU)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    machine = resolve("auto", None)
+    assert (machine.device, machine.ranks, machine.name) == ("cuda", 4, "NVIDIA H100 80GB HBM3")
+    assert resolve("auto", 2).ranks == 2
+    from mtds.gpucheck import parity, speed
+    w = workloads("cuda", False)
+    cases = parity.cases_for(machine, w["parity"], ("bf16", "fp16"))
+    assert sorted(cases) == [2, 4] and len(cases[2]) == len(cases[4]) == 8
+    assert {c.tp for c in cases[4]} == {2} and {c.device for c in cases[4]} == {"cuda"}
+    assert speed.spread_layout(4) == (2, 2, 1) and speed.spread_layout(8) == (2, 2, 2)
+    assert speed.workload_for(w["speed"], (2, 2, 2)).global_batch == w["speed"].micro_batch * 8    # m = 4p
+    # 64 MiB per message at p = 2 on GPUs (bf16)
+    from mtds.gpucheck.p2p_stress import message_bytes
+    assert message_bytes(w["p2p"], "bf16") == 64 * 2 ** 20
+
+
+def test_gpu_shapes_are_runnable(monkeypatch):
+    """What the GPU mode will run passes mtds's own up-front checks (schedule, micro-batches, layout vs
+    model, DeepSpeed batch arithmetic) for 1-8 GPUs, so a GPU run cannot stop on a shape we chose."""
+    from deepspeed.accelerator import get_accelerator
+
+    from mtds.gpucheck import ds_configs, parity, speed
+    from mtds.gpucheck.machine import Machine
+    from mtds.layout import ParallelLayout
+    from mtds.pipe.select import check_schedule, check_schedule_config
+    from mtds.training.ds_config import prepare_ds_config
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)     # as a GPU says
+    for quick in (False, True):
+        w = workloads("cuda", quick)
+        for gpus in range(1, 9):
+            machine = Machine("cuda", gpus, "NVIDIA H100 80GB HBM3")
+            checks = [(c.workload, (c.tp, c.pp, 1), c.schedule, c.precision) for cases in
+                      parity.cases_for(machine, w["parity"], ("bf16", "fp16")).values() for c in cases]
+            checks += [(w["p2p"], (1, 2, 1), "interleaved", "bf16"), (w["resume"], (1, min(gpus, 2), 1), "1f1b", "bf16")]
+            for layout in ((1, 1, 1), speed.spread_layout(gpus)):
+                if layout:
+                    checks.append((speed.workload_for(w["speed"], layout), layout, "1f1b", "bf16"))
+            for workload, (tp, pp, dp), schedule, precision in checks:
+                assert tp * pp * dp <= gpus or pp == 2 and gpus == 1 and schedule == "interleaved"   # p2p: skipped
+                v = 2 if schedule == "interleaved" else 1
+                cfg = ds_configs.train_config(workload, precision, "cuda", tp=tp, pp=pp, dp=dp,
+                                              pipeline_schedule=schedule, virtual_stages=v)
+                assert cfg.deepspeed_config["optimizer"]["params"]["fused"] is True
+                layout = ParallelLayout.for_world(tp * pp * dp, tp=tp, pp=pp, vp=2 if schedule == "dualpipev" else v)
+                m = workload.model
+                layout.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, num_layers=m.num_layers)
+                _, batch = prepare_ds_config(cfg.deepspeed_config, layout, device_type="cuda")
+                if pp > 1:
+                    check_schedule(schedule, pp=pp, virtual_stages=v, micro_batches=batch.accumulation)
+                    check_schedule_config(schedule, cfg.deepspeed_config)
+                assert workload.seq <= m.max_position_embeddings
