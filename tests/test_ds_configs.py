@@ -4,7 +4,6 @@ FusedAdam (it needs nvcc, absent from runtime-only images): Adam/AdamW go to tor
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import pytest

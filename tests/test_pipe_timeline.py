@@ -54,13 +54,14 @@ def test_recorder_records_relative_times_and_step_marker():
     ticks = iter([100.0, 101.0, 103.5, 104.0, 106.0])
     rec = TimelineRecorder(rank=3, clock=lambda: next(ticks))
     with pytest.raises(RuntimeError, match="begin_step"):
-        rec.now()
+        with rec.record("F"):
+            pass
     rec.begin_step()                       # origin 100
     with rec.record("F", chunk=1, micro=2):  # 101 .. 103.5
         pass
     rec.add("send", 3.5, 3.75, chunk=1, micro=2)
     assert rec.end_step() == 4.0           # 104
-    assert rec.events[0] == TimelineEvent(3, "F", 1.0, 3.5, 1, 2)
+    assert TimelineEvent(3, "F", 1.0, 3.5, 1, 2) in rec.events
     assert measured_bubble(rec.events)[3]["bubble_fraction"] == pytest.approx(1.5 / 4.0)
     rec.begin_step()                       # a new step forgets the old events
     assert rec.events == []
@@ -74,7 +75,38 @@ def test_recorder_synchronises_before_each_clock_reading():
         pass
     rec.end_step()
     assert len(calls) == 4 and rec.events[0].end - rec.events[0].start == 1.0
-    assert TimelineRecorder.for_device(0, "cpu").sync is None
+    assert TimelineRecorder.for_device(0, "cpu").marks.sync is None
+
+
+class _LazyMarks:
+    """Stands in for CUDA events: a mark is a token; times exist only once ``seconds`` resolves them."""
+
+    def __init__(self):
+        self.count, self.resolved = 0, 0
+
+    def mark(self):
+        self.count += 1
+        return self.count
+
+    def seconds(self, origin, marks):
+        self.resolved += 1
+        return [float(m - origin) for m in marks]
+
+
+def test_gpu_timeline_marks_without_syncing_and_resolves_once_per_step():
+    """On CUDA the recorder records events and waits for the GPU only at the end of the step (a host
+    that waited for the device mid-step could hang on an unmatched NCCL send)."""
+    from mtds.pipe.timeline import EventClock
+    assert isinstance(TimelineRecorder.for_device(0, "cuda:0").marks, EventClock)
+    marks = _LazyMarks()
+    rec = TimelineRecorder(rank=1, marks=marks)
+    rec.begin_step()
+    for micro in range(3):
+        with rec.record("F", 0, micro):
+            pass
+        assert marks.resolved == 0 and rec.events == []      # nothing waited for, nothing resolved mid-step
+    assert rec.end_step() == 7.0 and marks.resolved == 1
+    assert [(e.start, e.end) for e in rec.events if e.kind == "F"] == [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])

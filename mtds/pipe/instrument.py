@@ -54,7 +54,7 @@ class StepTimeline:
 
     def __init__(self, engine, groups, path: str):
         self.engine, self.groups, self.path = engine, groups, path
-        self.recorder = TimelineRecorder(rank=groups.pp_rank)
+        self.recorder = TimelineRecorder.for_device(rank=groups.pp_rank, device=engine.device)
         self.counters = None
         if hasattr(engine, "timeline"):
             engine.timeline = self.recorder

@@ -3,7 +3,7 @@ bubble, and write a Chrome trace (Perfetto) and a PNG Gantt chart of all ranks.
 
 Usage in an engine (one recorder per process)::
 
-    rec = TimelineRecorder.for_device(rank=stage_id, device=engine.device)   # synchronises on CUDA
+    rec = TimelineRecorder.for_device(rank=stage_id, device=engine.device)   # CUDA events on GPU
     dist.barrier(group)          # optional: align the ranks' step origins
     rec.begin_step()
     with rec.record("F", chunk=0, micro=3): ...
@@ -12,8 +12,9 @@ Usage in an engine (one recorder per process)::
     events = gather_events(rec.events, group=pipe_group, dst=global_rank_of_stage_0)   # list on dst
     if events is not None: write_chrome_trace(events, "t.json"); write_gantt_png(events, "t.png")
 
-Times are seconds since ``begin_step`` on each rank's own monotonic clock, so ranks line up only as well
-as their step starts do (a barrier before ``begin_step`` makes them agree to within its latency).
+Times are seconds since ``begin_step`` on each rank's own clock (host monotonic clock on CPU; CUDA events
+on GPU, so spans cover kernels rather than their launches), so ranks line up only as well as their step
+starts do (a barrier before ``begin_step`` makes them agree to within its latency).
 
 Measured bubble, per rank (``measured_bubble``): ``step_time`` is the rank's ``end_step − begin_step``
 wall time; ``compute`` is the time inside compute instructions (kinds F, B, W; overlapping intervals
@@ -53,55 +54,93 @@ class TimelineEvent:
             ("" if not self.chunk else f".c{self.chunk}")
 
 
+class EventClock:
+    """Marks are CUDA events recorded on the current stream: taking one costs no host sync, and it
+    stamps when the GPU reaches that point (kernels, not their launch). ``seconds`` resolves marks once
+    the step is over, after waiting for the last one. Never synchronising mid-step matters under NCCL:
+    a host that waits for a send kernel its peer has not yet matched would hang the pipeline."""
+
+    def __init__(self, device):
+        import torch
+        self.torch, self.device = torch, device
+
+    def mark(self):
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(self.torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, origin, marks: list) -> list[float]:
+        if marks:
+            marks[-1].synchronize()
+        return [origin.elapsed_time(m) / 1000.0 for m in marks]
+
+
+class HostClock:
+    """Marks are host clock readings (``sync`` first, if given)."""
+
+    def __init__(self, clock=time.perf_counter, sync=None):
+        self.clock, self.sync = clock, sync
+
+    def mark(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return self.clock()
+
+    def seconds(self, origin: float, marks: list) -> list[float]:
+        return [m - origin for m in marks]
+
+
 class TimelineRecorder:
-    """Records one rank's events of the current step (``begin_step`` clears them).
+    """Records one rank's events of the current step (``begin_step`` clears them; their times are
+    resolved by ``end_step``, so read ``events`` after it).
 
-    ``sync`` runs before every clock reading: on a GPU pass ``torch.cuda.synchronize`` so an event
-    covers its kernels, not just their launch (``for_device`` does that)."""
+    On CPU the marks are host clock readings; on CUDA (``for_device``) CUDA events on the compute
+    stream, resolved at the end of the step (see :class:`EventClock`)."""
 
-    def __init__(self, rank: int, clock=time.perf_counter, sync=None):
+    def __init__(self, rank: int, clock=time.perf_counter, sync=None, marks=None):
         self.rank = rank
-        self.clock = clock
-        self.sync = sync
+        self.marks = marks if marks is not None else HostClock(clock, sync)
         self.events: list[TimelineEvent] = []
+        self._pending: list[tuple] = []
         self._origin = None
 
     @classmethod
     def for_device(cls, rank: int, device) -> "TimelineRecorder":
         import torch
-        on_gpu = torch.device(device).type == "cuda"
-        return cls(rank, sync=torch.cuda.synchronize if on_gpu else None)
-
-    def _read(self) -> float:
-        if self.sync is not None:
-            self.sync()
-        return self.clock()
+        device = torch.device(device)
+        return cls(rank, marks=EventClock(device) if device.type == "cuda" else None)
 
     def begin_step(self) -> None:
-        self.events = []
-        self._origin = self._read()
+        self.events, self._pending = [], []
+        self._origin = self.marks.mark()
 
-    def now(self) -> float:
+    def _mark(self):
         if self._origin is None:
             raise RuntimeError("TimelineRecorder: call begin_step() before recording")
-        return self._read() - self._origin
+        return self.marks.mark()
 
     @contextmanager
     def record(self, kind: str, chunk: int | None = None, micro: int | None = None, name: str = ""):
-        start = self.now()
+        start = self._mark()
         try:
             yield
         finally:
-            self.add(kind, start, self.now(), chunk=chunk, micro=micro, name=name)
+            self._pending.append((kind, start, self._mark(), chunk, micro, name))
 
     def add(self, kind: str, start: float, end: float, chunk=None, micro=None, name: str = "") -> None:
+        """An event with times already in seconds since the step origin."""
         self.events.append(TimelineEvent(self.rank, kind, start, end, chunk, micro, name))
 
     def end_step(self) -> float:
-        """Close the step: adds the whole-step marker event; returns the step wall time."""
-        end = self.now()
-        self.add("other", 0.0, end, name=STEP_EVENT)
-        return end
+        """Close the step: resolve the marks, add the whole-step marker event; returns the step time."""
+        end = self._mark()
+        marks = [m for (_, start, stop, *_) in self._pending for m in (start, stop)] + [end]
+        seconds = self.marks.seconds(self._origin, marks)
+        for i, (kind, _, _, chunk, micro, name) in enumerate(self._pending):
+            self.add(kind, seconds[2 * i], seconds[2 * i + 1], chunk=chunk, micro=micro, name=name)
+        self._pending = []
+        self.add("other", 0.0, seconds[-1], name=STEP_EVENT)
+        return seconds[-1]
 
 
 def step_times(events: list[TimelineEvent]) -> dict[int, float]:
