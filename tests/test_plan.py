@@ -243,3 +243,29 @@ def test_grouped_query_attention_and_swiglu_in_planner_flops_and_time():
     # kv heads must split over t like the query heads
     assert any("kv_heads" in r for r in predict(ModelSpec(**{**mha.__dict__, "kv_heads": 4}), layout, work,
                                                cluster).reasons)
+
+
+def test_flash_attention_keeps_no_scores_so_selective_recompute_saves_nothing():
+    """SDPA's flash / memory-efficient kernels (what mtds runs on every CUDA GPU) store no s x s scores:
+    the 5 a s/(h t) term is gone, selective recompute saves no memory and only costs the recomputed
+    attention, so the planner never prefers it there; the paper formula is kept for the math kernel."""
+    from mtds.plan.search import plan
+    m = ModelSpec(layers=1, hidden=12288, heads=96, vocab=51200, seq=2048)
+    w = Workload(1)
+    lay = lambda **kw: Layout(8, 1, 1, 1, **kw)
+    flash = {r: activation_bytes_per_layer(m, lay(recompute=r, sequence_parallel=True), w, attention="flash")
+             for r in ("none", "selective")}
+    math_none = activation_bytes_per_layer(m, lay(recompute="none", sequence_parallel=True), w, attention="math")
+    assert flash["none"] == flash["selective"] < math_none
+    assert flash["none"] == pytest.approx(2048 * 12288 * (34 / 8 + 2 * 96 / (12288 * 8)))
+    cluster, work = Cluster(A100, 64), Workload(256)
+    assert cluster.calib.attention_kernel == "flash"
+    none = Layout(8, 1, 8, 1, zero_stage=1, recompute="none", sequence_parallel=True)
+    sel = Layout(8, 1, 8, 1, zero_stage=1, recompute="selective", sequence_parallel=True)
+    p_none, p_sel = (predict(GPT3_LIKE_13B, x, work, cluster) for x in (none, sel))
+    assert p_sel.memory.total >= p_none.memory.total and p_sel.step_time_s > p_none.step_time_s
+    best = plan(GPT3_LIKE_13B, work, cluster).feasible
+    assert best and best[0].layout.recompute != "selective", best[0].layout
+
+
+GPT3_LIKE_13B = ModelSpec(layers=40, hidden=5120, heads=40, vocab=51200, seq=2048)

@@ -66,6 +66,11 @@ class Calibration:
     # (2 + 4 + 4 = 10 bytes/param in bf16). It is what makes many small microbatches (b=1,
     # m in the hundreds) cost more than the bubble formula alone says.
     fused_grad_accumulation: bool = False
+    # Which attention kernel the run gets. "flash": torch SDPA's flash / memory-efficient kernels (any
+    # CUDA GPU mtds runs on; causal, no explicit mask) keep no s x s scores, softmax or dropout mask for
+    # backward -- they recompute them -- only a per-row logsumexp. "math": the explicit kernel of
+    # Megatron 2021-22 (what Korthikanti et al.'s 5 a s^2 b term counts), and torch's CPU path with dropout.
+    attention_kernel: str = "flash"
 
     def with_overrides(self, **kw) -> "Calibration":
         return replace(self, **kw)
@@ -81,5 +86,5 @@ CALIBRATIONS: dict[str, Calibration] = {
 LOCAL_CALIBRATION = Calibration(
     gemm_max_fraction=1.0, gemm_half_dim=1.0, hbm_efficiency=1.0, nvlink_efficiency=1.0,
     ib_efficiency=1.0, hop_latency_s=50e-6, dp_overlap=0.0, zero3_comm_efficiency=1.0,
-    zero3_overlap_exponent=1.0, memory_reserve_gib=1.0, allocator_fragmentation=0.0,
+    zero3_overlap_exponent=1.0, memory_reserve_gib=1.0, allocator_fragmentation=0.0, attention_kernel="math",
 )

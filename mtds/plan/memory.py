@@ -87,7 +87,8 @@ def model_state_bytes(n_params: float, layout: Layout, work: Workload,
     return params, grads, opt
 
 
-def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload, stored: bool = True) -> float:
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload, stored: bool = True,
+                               attention: str = "math") -> float:
     """Activation bytes one transformer layer keeps for one microbatch.
 
     Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, with s, b, h, a, t:
@@ -98,15 +99,20 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload,
       full recompute stores only the layer input, 2 s b h (2 s b h / t with SP).
     stored=False gives the full working set of one layer during its (re)computation.
     Coefficients assume 16-bit activations; fp32 doubles them.
+    attention="flash" (SDPA's flash / memory-efficient kernels): no 5 a s/(h t) term at all -- scores,
+    softmax and dropout mask are recomputed in backward; only an fp32 logsumexp per (head, row) is kept,
+    4 a s b / t bytes = 2 a/(h t) in these units. Selective recompute then saves nothing.
     """
     s, b, h, a, t = model.seq, layout.microbatch, model.hidden, model.heads, layout.tp
     sbh = s * b * h
     scale = work.bytes_per_value / 2.0
-    attn = 5.0 * a * s / (h * t)
+    if attention not in ("math", "flash"):
+        raise ValueError(f"attention kernel must be 'math' or 'flash', got {attention!r}")
+    attn = 5.0 * a * s / (h * t) if attention == "math" else 2.0 * a / (h * t)
     if stored and layout.recompute == "full":
         return scale * 2.0 * sbh / (t if layout.sequence_parallel else 1)
     linear = 34.0 / t if layout.sequence_parallel else 10.0 + 24.0 / t
-    if stored and layout.recompute == "selective":
+    if stored and layout.recompute == "selective" and attention == "math":
         attn = 0.0
     return scale * sbh * (linear + attn)
 
@@ -128,17 +134,19 @@ def predict_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cl
     best = None
     w = work.bytes_per_value
     t = layout.tp
+    attention = cluster.calib.attention_kernel
     for stage in ("first", "last") if layout.pp > 1 else ("first",):
         n = stage_params(model, layout, stage)
         params, grads, opt = model_state_bytes(n, layout, work, cluster.calib.main_grad_bytes)
         act = 0.0
         if stage == "first":
-            act += in_flight_layers(model, layout, work) * activation_bytes_per_layer(model, layout, work)
+            act += in_flight_layers(model, layout, work) * activation_bytes_per_layer(model, layout, work,
+                                                                                      attention=attention)
         else:
-            act += model.layers / layout.pp * activation_bytes_per_layer(model, layout, work)
+            act += model.layers / layout.pp * activation_bytes_per_layer(model, layout, work, attention=attention)
         if layout.recompute != "none":
             # the layer being recomputed / back-propagated holds its full activations once
-            act += activation_bytes_per_layer(model, layout, work, stored=False)
+            act += activation_bytes_per_layer(model, layout, work, stored=False, attention=attention)
         if stage == "last" or layout.pp == 1:
             # fp32 logits and their gradient for the vocab-parallel cross entropy: 2 x 4 s b V / t
             act += 8.0 * model.seq * layout.microbatch * model.padded_vocab(t) / t
