@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from mtds import ring
+
 _NAMESPACES = (dist, c10d)
 
 # function name -> (kind, position of the group argument, position of the payload tensor)
@@ -81,18 +83,8 @@ _KWARG_NAMES = ("tensor", "tensors", "input_tensor", "input_tensor_list", "input
 
 
 def bus_bytes(kind: str, payload: int, n: int) -> int:
-    """Bytes a ring algorithm moves over each rank's link for one call (see the module docstring)."""
-    if n <= 1:
-        return 0
-    if kind == "all_reduce":
-        return round(2 * (n - 1) * payload / n)
-    if kind == "all_gather":
-        return (n - 1) * payload
-    if kind in ("reduce_scatter", "all_to_all"):
-        return round((n - 1) * payload / n)
-    if kind == "barrier":
-        return 0
-    return payload
+    """Bytes a ring algorithm moves over each rank's link for one call, whole bytes (mtds.ring)."""
+    return round(ring.payload_link_bytes(kind, payload, n))
 
 
 def _nbytes(obj) -> int:
@@ -210,8 +202,8 @@ class CommTracer:
         elif kind == "all_to_all":
             pairs = [to(r, nbytes / n) for r in ranks if r != me]
         else:
-            ring = "all_reduce" if (kind == "reduce_scatter" and backend == "gloo") else kind
-            pairs = [to(ranks[(ranks.index(me) + 1) % n], bus_bytes(ring, nbytes, n) if bus is None else bus)]
+            pairs = [to(ranks[(ranks.index(me) + 1) % n],
+                        bus_bytes(ring.as_run(kind, backend), nbytes, n) if bus is None else bus)]
         return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
     def reset(self) -> None:
