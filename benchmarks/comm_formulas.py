@@ -19,6 +19,7 @@ Ring bus bytes (what crosses a link): mtds.ring (all-reduce 2 (n-1)/n x payload,
 from __future__ import annotations
 
 from mtds import ring
+from mtds.model_config import padded_vocab_size
 from mtds.plan.model_spec import ModelSpec
 
 FP32 = 4
@@ -56,7 +57,7 @@ def pp_bytes(hidden: int, micro_batch: int, seq: int, micro_batches: int) -> int
 
 def expected_rows(shape, tp: int, pp: int, dp: int, micro_batches: int, stage: int = 0) -> list[dict]:
     """One row per traffic kind the layout introduces: what the formula says a rank moves per step."""
-    padded_vocab = -(-shape.vocab // (128 * tp)) * 128 * tp
+    padded_vocab = padded_vocab_size(shape.vocab, tp)
     P = params_per_rank(shape.layers, shape.hidden, padded_vocab, shape.seq, tp, pp, stage)
     b, s, h, l, m = shape.micro_batch, shape.seq, shape.hidden, shape.layers, micro_batches
     rows = []

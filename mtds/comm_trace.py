@@ -135,7 +135,7 @@ class CommTracer:
     # (kind, group, peer) -> [calls, payload bytes, bus bytes of _BUS_FROM_INNER kinds]; what the wrappers add to
     counts: dict = field(default_factory=dict, repr=False)
     _placement: dict = field(default_factory=dict, repr=False)   # group -> (global ranks, backend)
-    _sizes: dict = field(default_factory=dict, repr=False)       # group -> number of ranks
+    _ranks_in: dict = field(default_factory=dict, repr=False)    # group -> number of ranks
 
     def name_group(self, group, name: str) -> None:
         """Label a process group (e.g. "tp", "dp", "pp") so stats are reported per role."""
@@ -176,9 +176,9 @@ class CommTracer:
         self.counts.clear()          # the same dict: the wrappers hold it
 
     def _size(self, group) -> int:
-        if group not in self._sizes:
-            self._sizes[group] = _group_size(group)
-        return self._sizes[group]
+        if group not in self._ranks_in:
+            self._ranks_in[group] = _group_size(group)
+        return self._ranks_in[group]
 
     def _peer(self, group, peer):
         """A peer counted as ``(group rank,)`` (``group_dst=`` / ``group_src=``) as a global rank."""

@@ -11,7 +11,6 @@ imports this module, not that one: no circle).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,9 +99,8 @@ class ModelConfig:
         return (self.num_heads + 2 * self.kv_heads) * self.head_dim
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
-        """Megatron's padding: a multiple of make_vocab_size_divisible_by * t (same as VocabParallelEmbedding)."""
-        step = self.make_vocab_size_divisible_by * tp_size
-        return int(math.ceil(self.vocab_size / step) * step)
+        """Megatron's padding of the vocabulary at t = tp_size (:func:`padded_vocab_size`)."""
+        return padded_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
 
     @property
     def num_global_layers(self) -> int:
@@ -111,6 +109,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Megatron pads the vocabulary up to a multiple of ``multiple * t`` so every shard is equal and aligned:
+    ceil(V / (multiple t)) x multiple t. The one definition: the embedding (mtds.tp), the model config, the
+    planner and the benchmarks use it."""
+    step = multiple * tp_size
+    return -(-vocab_size // step) * step
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
