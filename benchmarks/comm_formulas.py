@@ -14,29 +14,35 @@ micro batch b, sequence s, hidden h, layers l, padded vocabulary V, m micro-batc
 * DP (textbook): all-reduce of the rank's gradients, 4 P.  DeepSpeed ZeRO-1 instead all-reduces the
   gradients and then all-gathers the updated parameter partitions: payload 4 P + 4 P / d, ring bus
   bytes 2 (d-1)/d 4P + (d-1)/d 4P = 1.5 x 4P at d = 2 (vs 1.0 x for plain DP).
-Ring bus bytes (what crosses a link): all-reduce 2 (n-1)/n x payload, all-gather (n-1) x shard.
+Ring bus bytes (what crosses a link): mtds.ring (all-reduce 2 (n-1)/n x payload, all-gather (n-1) x shard).
 """
 from __future__ import annotations
+
+from mtds import ring
+from mtds.model_config import padded_vocab_size
+from mtds.plan.model_spec import ModelSpec
 
 FP32 = 4
 
 
 def params_per_rank(layers: int, hidden: int, padded_vocab: int, positions: int, tp: int = 1, pp: int = 1,
                     stage: int = 0) -> int:
-    """Parameters one rank holds. Per layer 12h^2/t + 7h/t sharded + 6h replicated (out-proj and
-    fc_out biases, two LayerNorms); embedding V h / t + positions x h; final LayerNorm 2h. With p = 2
-    stages the blocks split evenly, the last stage holds the final norm and a tied embedding copy."""
+    """Parameters one rank holds, from the planner's count (mtds.plan.model_spec): per layer 12h^2/t + 7h/t
+    sharded + 6h replicated (out-proj and fc_out biases, two LayerNorms); embedding V h / t + positions x h;
+    final LayerNorm 2h. With p = 2 stages the blocks split evenly, the last stage holds the final norm and a
+    tied embedding copy."""
+    spec = ModelSpec(layers=layers, hidden=hidden, heads=1, vocab=padded_vocab, seq=positions)
     h, t = hidden, tp
-    layer = 12 * h * h // t + 7 * h // t + 6 * h
+    layer = int(spec.sharded_params_per_layer()) // t + int(spec.replicated_params_per_layer())
     embedding = padded_vocab * h // t + positions * h
     if pp == 1:
-        return embedding + layers * layer + 2 * h
+        return embedding + layers * layer + spec.norm_params
     per_stage = layers // pp
     total = per_stage * layer
     if stage == 0:
         total += embedding
     if stage == pp - 1:
-        total += embedding + 2 * h
+        total += embedding + spec.norm_params
     return total
 
 
@@ -49,21 +55,9 @@ def pp_bytes(hidden: int, micro_batch: int, seq: int, micro_batches: int) -> int
     return FP32 * micro_batches * micro_batch * seq * hidden
 
 
-def ring_bus_bytes(kind: str, payload: int, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if kind == "all_gather":
-        return (n - 1) * payload          # payload is this rank's shard
-    if kind == "reduce_scatter":
-        return (n - 1) / n * payload      # payload is the full input
-    return float(payload)                 # point to point
-
-
 def expected_rows(shape, tp: int, pp: int, dp: int, micro_batches: int, stage: int = 0) -> list[dict]:
     """One row per traffic kind the layout introduces: what the formula says a rank moves per step."""
-    padded_vocab = -(-shape.vocab // (128 * tp)) * 128 * tp
+    padded_vocab = padded_vocab_size(shape.vocab, tp)
     P = params_per_rank(shape.layers, shape.hidden, padded_vocab, shape.seq, tp, pp, stage)
     b, s, h, l, m = shape.micro_batch, shape.seq, shape.hidden, shape.layers, micro_batches
     rows = []
@@ -87,10 +81,10 @@ def expected_rows(shape, tp: int, pp: int, dp: int, micro_batches: int, stage: i
     if dp > 1:
         rows.append({"traffic": "all_reduce/dp", "formula": "4 P (textbook DP gradient all-reduce)",
                      "expected_bytes": FP32 * P, "exact": False,
-                     "bus_bytes": ring_bus_bytes("all_reduce", FP32 * P, dp)})
+                     "bus_bytes": ring.payload_link_bytes("all_reduce", FP32 * P, dp)})
         rows.append({"traffic": "all_gather/dp", "formula": "4 P / d (ZeRO-1 parameter all-gather)",
                      "expected_bytes": FP32 * P // dp, "exact": False,
-                     "bus_bytes": ring_bus_bytes("all_gather", FP32 * P // dp, dp)})
+                     "bus_bytes": ring.payload_link_bytes("all_gather", FP32 * P // dp, dp)})
     for row in rows:
         row["params_per_rank"] = P
     return rows

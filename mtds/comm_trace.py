@@ -4,15 +4,22 @@
 ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (DeepSpeed 0.19's comm backend calls
 ``distributed_c10d._all_gather_base`` and ``distributed_c10d.all_gather_into_tensor`` directly). It
 must be installed before DeepSpeed sets up communication (DeepSpeed keeps its own references to the
-functions it found). The cost per call is a few dict updates, so it can stay on during benchmarks.
+functions it found).
+
+Cost per call: each function gets its own wrapper, made once with its kind and argument positions fixed.
+A call adds its payload's bytes (``Tensor.nbytes``: numel x element size) to one counter per active tracer, keyed by
+(kind, group, peer); nothing else happens on that path. Group sizes, names, bus bytes and the
+intra/inter-node split are worked out from the counters by ``summary()``. Measured:
+benchmarks/bench_comm_trace.py (docs/benchmarks.md).
 
 Payload bytes are the bytes of the tensor a rank contributes (all-reduce: the tensor; all-gather:
 the input shard; reduce-scatter: the full input; send/recv/broadcast: the tensor). Bus bytes are
-what a ring algorithm puts on each rank's link (Thakur et al. 2005; NCCL's "busbw" convention),
-rounded to whole bytes per call, for a group of n ranks:
+what a ring algorithm puts on each rank's link, ``mtds.ring.payload_link_bytes`` (Thakur et al. 2005;
+NCCL's "busbw" convention), of the summed payload of a (kind, group), rounded to whole bytes:
   all-reduce 2(n-1)/n x payload; all-gather (n-1) x shard = (n-1)/n x the full tensor;
   reduce-scatter and all-to-all (n-1)/n x payload; broadcast, reduce, gather, scatter, p2p: payload.
-A collective over a group of one rank moves nothing and is not counted at all.
+A collective over a group of one rank moves nothing and is not counted at all. Group names are read
+when the summary is made, so a group named after its first call is reported under its name.
 
 Also counted: ``batch_isend_irecv`` (each P2POp as a send or recv in its group), the coalesced
 collectives (one call, the summed tensors) and the object collectives (``all_gather_object``,
@@ -33,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from mtds import ring
 
 _NAMESPACES = (dist, c10d)
 
@@ -72,32 +80,24 @@ _TRACED: dict[str, tuple[str, int, int | None]] = {
     "broadcast_object_list": ("broadcast_object_list", 2, None),
     "gather_object": ("gather_object", 3, None),
     "scatter_object_list": ("scatter_object_list", 3, None),
-    "batch_isend_irecv": ("p2p_batch", 0, None),      # special-cased: one record per P2POp
+    "batch_isend_irecv": ("p2p_batch", 0, None),      # one count per P2POp
 }
 # kind -> position of the peer (send/recv) or root (broadcast, gather, scatter) argument
 _PEER_POSITION = {"send": 1, "recv": 1, "broadcast": 1, "broadcast_object_list": 1, "gather": 2, "gather_object": 2,
                   "scatter": 2, "scatter_object_list": 2}
 _KWARG_NAMES = ("tensor", "tensors", "input_tensor", "input_tensor_list", "input_list", "input")
+# kinds whose bus bytes are those of the calls they run inside, summed as they happen
+_BUS_FROM_INNER = {kind for kind, _, payload in _TRACED.values() if payload is None}
 
 
 def bus_bytes(kind: str, payload: int, n: int) -> int:
-    """Bytes a ring algorithm moves over each rank's link for one call (see the module docstring)."""
-    if n <= 1:
-        return 0
-    if kind == "all_reduce":
-        return round(2 * (n - 1) * payload / n)
-    if kind == "all_gather":
-        return (n - 1) * payload
-    if kind in ("reduce_scatter", "all_to_all"):
-        return round((n - 1) * payload / n)
-    if kind == "barrier":
-        return 0
-    return payload
+    """Bytes a ring algorithm moves over each rank's link for one call, whole bytes (mtds.ring)."""
+    return round(ring.payload_link_bytes(kind, payload, n))
 
 
 def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return obj.nbytes           # numel x element size (of a view: its own elements, not the storage's)
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(o) for o in obj)
     return 0
@@ -126,14 +126,16 @@ class CollectiveStats:
     inter_bytes: int = 0     # sent to peers on other nodes
 
 
-@dataclass
+@dataclass(eq=False)        # tracers are told apart by identity (install / uninstall)
 class CommTracer:
     """Install with ``with CommTracer() as tracer:`` or ``tracer.install()``; read ``tracer.summary()``."""
 
     group_names: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=lambda: defaultdict(CollectiveStats))
     ranks_per_node: int | None = None      # set: split sent bytes into intra-/inter-node (module docstring)
+    # (kind, group, peer) -> [calls, payload bytes, bus bytes of _BUS_FROM_INNER kinds]; what the wrappers add to
+    counts: dict = field(default_factory=dict, repr=False)
     _placement: dict = field(default_factory=dict, repr=False)   # group -> (global ranks, backend)
+    _ranks_in: dict = field(default_factory=dict, repr=False)    # group -> number of ranks
 
     def name_group(self, group, name: str) -> None:
         """Label a process group (e.g. "tp", "dp", "pp") so stats are reported per role."""
@@ -147,19 +149,22 @@ class CommTracer:
 
     def install(self) -> "CommTracer":
         """Start counting. The first install in a process puts wrappers on ``torch.distributed`` and
-        ``distributed_c10d``; they stay (DeepSpeed may have cached them) and report to whichever
+        ``distributed_c10d``; they stay (DeepSpeed may have cached them) and count for whichever
         tracers are active."""
         for name, spec in _TRACED.items():
             wrapper = _installed_wrapper(name, spec)
-            if wrapper is not None and self not in wrapper._mtds_tracers:
-                wrapper._mtds_tracers.append(self)
+            if wrapper is not None and not any(sink is self.counts for sink in wrapper._mtds_tracers):
+                wrapper._mtds_tracers.append(self.counts)
         return self
 
     def uninstall(self) -> None:
         for name in _TRACED:
             current = getattr(dist, name, None) or getattr(c10d, name, None)
-            if current is not None and self in getattr(current, "_mtds_tracers", ()):
-                current._mtds_tracers.remove(self)
+            sinks = getattr(current, "_mtds_tracers", ())
+            for i, sink in enumerate(sinks):
+                if sink is self.counts:
+                    del sinks[i]
+                    break
 
     def __enter__(self) -> "CommTracer":
         return self.install()
@@ -167,26 +172,45 @@ class CommTracer:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def record(self, kind: str, group, nbytes: int, bus: int | None = None, group_size: int | None = None,
-               peer: int | None = None) -> None:
-        n = _group_size(group) if group_size is None else group_size
-        if n <= 1:
-            return   # a group of one moves nothing
-        label = self._group_label(group)
-        entry = self.stats[(kind, label)]
-        if entry.calls and entry.group_size != n:   # an unnamed label mixing group sizes: keep them apart
-            entry = self.stats[(kind, f"{label}{n}")]
-        entry.calls += 1
-        entry.bytes += nbytes
-        entry.bus_bytes += bus_bytes(kind, nbytes, n) if bus is None else bus
-        entry.group_size = n
-        if self.ranks_per_node:
-            intra, inter = self._split(kind, group, nbytes, bus, peer)
-            entry.intra_bytes += intra
-            entry.inter_bytes += inter
+    def reset(self) -> None:
+        self.counts.clear()          # the same dict: the wrappers hold it
+
+    def _size(self, group) -> int:
+        if group not in self._ranks_in:
+            self._ranks_in[group] = _group_size(group)
+        return self._ranks_in[group]
+
+    def _peer(self, group, peer):
+        """A peer counted as ``(group rank,)`` (``group_dst=`` / ``group_src=``) as a global rank."""
+        if isinstance(peer, tuple):
+            return dist.get_global_rank(group, peer[0]) if group is not None else peer[0]
+        return peer
+
+    def stats(self) -> dict[tuple[str, str], CollectiveStats]:
+        """{(kind, group label): totals}, from the counters (see the module docstring)."""
+        out: dict[tuple[str, str], CollectiveStats] = {}
+        first_size: dict[tuple[str, str], int] = {}
+        for (kind, group, peer), (calls, nbytes, inner_bus) in list(self.counts.items()):
+            n = self._size(group)
+            if n <= 1:
+                continue   # a group of one moves nothing
+            label = self._group_label(group)
+            if first_size.setdefault((kind, label), n) != n:   # an unnamed label mixing group sizes: keep apart
+                label = f"{label}{n}"
+            entry = out.setdefault((kind, label), CollectiveStats())
+            explicit = inner_bus if kind in _BUS_FROM_INNER else None
+            entry.calls += calls
+            entry.bytes += nbytes
+            entry.bus_bytes += bus_bytes(kind, nbytes, n) if explicit is None else explicit
+            entry.group_size = n
+            if self.ranks_per_node:
+                intra, inter = self._split(kind, group, nbytes, explicit, self._peer(group, peer))
+                entry.intra_bytes += intra
+                entry.inter_bytes += inter
+        return out
 
     def _split(self, kind: str, group, nbytes: int, bus: int | None, peer: int | None) -> tuple[int, int]:
-        """(intra-node, inter-node) bytes this rank sends for one call (see the module docstring)."""
+        """(intra-node, inter-node) bytes this rank sends for these calls (see the module docstring)."""
         if group not in self._placement:
             g = None if group is dist.GroupMember.WORLD else group
             self._placement[group] = (dist.get_process_group_ranks(g) if g is not None
@@ -210,12 +234,9 @@ class CommTracer:
         elif kind == "all_to_all":
             pairs = [to(r, nbytes / n) for r in ranks if r != me]
         else:
-            ring = "all_reduce" if (kind == "reduce_scatter" and backend == "gloo") else kind
-            pairs = [to(ranks[(ranks.index(me) + 1) % n], bus_bytes(ring, nbytes, n) if bus is None else bus)]
+            pairs = [to(ranks[(ranks.index(me) + 1) % n],
+                        bus_bytes(ring.as_run(kind, backend), nbytes, n) if bus is None else bus)]
         return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-
-    def reset(self) -> None:
-        self.stats.clear()
 
     def summary(self) -> dict[str, dict[str, int]]:
         """``{"all_reduce/tp": {"calls": n, "bytes": payload, "bus_bytes": b, "group_size": g}, ...}``
@@ -223,15 +244,15 @@ class CommTracer:
         placed = ("intra_bytes", "inter_bytes") if self.ranks_per_node else ()
         return {f"{kind}/{group}": {"calls": s.calls, "bytes": s.bytes, "bus_bytes": s.bus_bytes,
                                     "group_size": s.group_size, **{k: getattr(s, k) for k in placed}}
-                for (kind, group), s in sorted(self.stats.items())}
+                for (kind, group), s in sorted(self.stats().items())}
 
     def total_bytes(self, group: str | None = None) -> int:
         """Payload bytes of every call (in ``group`` if given)."""
-        return sum(s.bytes for (kind, g), s in self.stats.items() if group in (None, g) and kind != "barrier")
+        return sum(s.bytes for (kind, g), s in self.stats().items() if group in (None, g) and kind != "barrier")
 
     def total_bus_bytes(self, group: str | None = None) -> int:
         """Ring bus bytes of every call (in ``group`` if given): what this rank's links carry."""
-        return sum(s.bus_bytes for (kind, g), s in self.stats.items() if group in (None, g))
+        return sum(s.bus_bytes for (kind, g), s in self.stats().items() if group in (None, g))
 
 
 def label_deepspeed_groups(tracer: CommTracer, engine) -> None:
@@ -242,14 +263,30 @@ def label_deepspeed_groups(tracer: CommTracer, engine) -> None:
         tracer.name_group(group, axis)
 
 
-_local = threading.local()   # depth of traced calls on this thread, and the outer call's inner bytes
+# What this thread is inside: absent/None at top level; _NESTED inside a call that counts its own
+# payload (calls it makes are not counted); a [bytes, bus] list inside an object collective or a barrier
+# (calls it makes add to it).
+_local = threading.local()
+_NESTED = object()
 
 
-def _peer(group, peer, group_peer):
-    """The global rank of a p2p peer or broadcast source given as a global or a group rank."""
-    if peer is None and group_peer is not None:
-        return dist.get_global_rank(group, group_peer) if group is not None else group_peer
-    return peer
+def _count(sinks: list, key: tuple, nbytes: int, bus: int = 0) -> None:
+    for counts in sinks:
+        entry = counts.get(key)
+        if entry is None:
+            counts[key] = entry = [0, 0, 0]
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += bus
+
+
+def _add_to_outer(outer, kind: str, group_pos: int, payload_pos: int | None, args, kwargs) -> None:
+    """A traced call made inside an object collective: its bytes go to the outer call (rare path)."""
+    if isinstance(outer, list) and payload_pos is not None:
+        group = _argument(args, kwargs, group_pos, ("group",))
+        nbytes = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES))
+        outer[0] += nbytes
+        outer[1] += bus_bytes(kind, nbytes, _group_size(group))
 
 
 def _installed_wrapper(name: str, spec):
@@ -260,55 +297,113 @@ def _installed_wrapper(name: str, spec):
         original = next((f for f in functions if f is not None), None)
         if original is None:
             return None
-        wrapper = _wrap(*spec, original)
+        kind, group_pos, payload_pos = spec
+        make = _wrap_batch if kind == "p2p_batch" else _wrap_inner if payload_pos is None else _wrap_tensor
+        wrapper = make(kind, group_pos, payload_pos, original)
     for ns, current in zip(_NAMESPACES, functions):
         if current is not None and current is not wrapper and not hasattr(current, "_mtds_tracers"):
             setattr(ns, name, wrapper)
     return wrapper
 
 
-def _wrap(kind: str, group_pos: int, payload_pos: int | None, original):
-    tracers: list[CommTracer] = []
+def _peer_reader(kind: str):
+    """args, kwargs -> the global rank of the peer / root, or ``(group rank,)``; None for other kinds."""
+    position = _PEER_POSITION.get(kind)
+    if position is None:
+        return None
+
+    def peer(args, kwargs):
+        if len(args) > position and args[position] is not None:
+            return args[position]
+        if not kwargs:
+            return None
+        value = kwargs.get("dst", kwargs.get("src"))
+        if value is not None:
+            return value
+        value = kwargs.get("group_dst", kwargs.get("group_src"))
+        return None if value is None else (value,)
+    return peer
+
+
+def _wrap_tensor(kind: str, group_pos: int, payload_pos: int, original):
+    """A collective whose payload is one of its arguments: the hot path."""
+    sinks: list[dict] = []
+    read_peer = _peer_reader(kind)
+    Tensor = torch.Tensor
 
     @functools.wraps(original)
     def traced(*args, **kwargs):
-        if not tracers:
+        if not sinks:
             return original(*args, **kwargs)
         outer = getattr(_local, "inner", None)
         if outer is not None:
-            # Called from inside a traced call: let the outer call account for these bytes.
             result = original(*args, **kwargs)
-            if payload_pos is not None:
-                group = _argument(args, kwargs, group_pos, ("group",))
-                n = _group_size(group)
-                nbytes = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES))
-                outer[0] += nbytes
-                outer[1] += bus_bytes(kind, nbytes, n)
+            _add_to_outer(outer, kind, group_pos, payload_pos, args, kwargs)
             return result
+        _local.inner = _NESTED
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _local.inner = None
+        payload = args[payload_pos] if len(args) > payload_pos else _argument(args, kwargs, None, _KWARG_NAMES)
+        nbytes = payload.nbytes if isinstance(payload, Tensor) else _nbytes(payload)   # numel x element size
+        group = args[group_pos] if len(args) > group_pos else kwargs.get("group")
+        key = (kind, group, read_peer(args, kwargs) if read_peer else None)
+        for counts in sinks:          # _count, inlined: this is the path every collective takes
+            entry = counts.get(key)
+            if entry is None:
+                counts[key] = entry = [0, 0, 0]
+            entry[0] += 1
+            entry[1] += nbytes
+        return result
+
+    traced._mtds_tracers = sinks
+    return traced
+
+
+def _wrap_inner(kind: str, group_pos: int, payload_pos: None, original):
+    """Object collectives and barrier: bytes and bus bytes are those of the calls they make."""
+    sinks: list[dict] = []
+    read_peer = _peer_reader(kind)
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        if not sinks:
+            return original(*args, **kwargs)
+        if getattr(_local, "inner", None) is not None:
+            return original(*args, **kwargs)
         _local.inner = inner = [0, 0]
         try:
             result = original(*args, **kwargs)
         finally:
             _local.inner = None
-        if kind == "p2p_batch":
-            ops = _argument(args, kwargs, 0, ("p2p_op_list",)) or ()
-            for op in ops:
-                op_kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
-                for tracer in tracers:
-                    tracer.record(op_kind, op.group, _nbytes(op.tensor), peer=_peer(op.group, op.peer, getattr(op, "group_peer", None)))
-            return result
         group = _argument(args, kwargs, group_pos, ("group",))
-        if payload_pos is None:
-            nbytes, bus = inner            # object collectives (and barrier: nothing inside)
-        else:
-            nbytes, bus = _nbytes(_argument(args, kwargs, payload_pos, _KWARG_NAMES)), None
-        peer = None
-        if kind in _PEER_POSITION:     # dst / src: a global rank (or group_dst / group_src)
-            peer = _peer(group, _argument(args, kwargs, _PEER_POSITION[kind], ("dst", "src")),
-                         kwargs.get("group_dst", kwargs.get("group_src")))
-        for tracer in tracers:
-            tracer.record(kind, group, nbytes, bus, peer=peer)
+        _count(sinks, (kind, group, read_peer(args, kwargs) if read_peer else None), inner[0], inner[1])
         return result
 
-    traced._mtds_tracers = tracers
+    traced._mtds_tracers = sinks
+    return traced
+
+
+def _wrap_batch(kind: str, group_pos: int, payload_pos: None, original):
+    """``batch_isend_irecv``: one count per P2POp, as a send or a recv in its group."""
+    sinks: list[dict] = []
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        if not sinks or getattr(_local, "inner", None) is not None:
+            return original(*args, **kwargs)
+        _local.inner = _NESTED
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _local.inner = None
+        for op in _argument(args, kwargs, 0, ("p2p_op_list",)) or ():
+            op_kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
+            group_peer = getattr(op, "group_peer", None)
+            peer = op.peer if op.peer is not None or group_peer is None else (group_peer,)
+            _count(sinks, (op_kind, op.group, peer), _nbytes(op.tensor))
+        return result
+
+    traced._mtds_tracers = sinks
     return traced

@@ -66,13 +66,14 @@ def read_rows(path: str, *, tokenizer: str | None, seq_length: int) -> list[list
 # ---- model ----------------------------------------------------------------------------------------
 def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None, device=None):
     """This rank's layers with weights from a checkpoint or HF dir, in eval mode, on ``device``."""
-    from mtds.hf.init import load_checkpoint_into_stages, load_hf_into_stages
+    from mtds.hf.init import load_hf_into_stages
     from mtds.pipe import build_model
+    from mtds.reshard.load import load_checkpoint_into_stages
     from mtds.tp import model_parallel_seed
     tracker = model_parallel_seed(0, groups.tp_rank)
     model = build_model(cfg, groups, seed=0, rng_tracker=tracker)
     if ckpt is not None:
-        load_checkpoint_into_stages(model, ckpt, cfg, groups)
+        load_checkpoint_into_stages(model, ckpt, cfg, groups.tp_group)
     else:
         load_hf_into_stages(model, hf, cfg, groups)
     return model.to(device).eval() if device is not None else model.eval()

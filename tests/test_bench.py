@@ -45,3 +45,13 @@ def test_tp_bytes_match_formula_exactly():
     # global batch 2b at d = 1: m = 2 micro-batches per step
     assert tp_row["measured_bytes"] == tp_row["expected_bytes"] == tp_bytes(2, 64, 2, 32, 2)
     assert layout["comm_raw"][0] == layout["comm_raw"][1]                 # both TP ranks move the same
+
+
+def test_comm_trace_overhead_bench_times_every_way_and_the_tracer_counts_every_call():
+    # the benchmark's rank body on a pooled world of 2: three timings per collective and round, and the
+    # counting tracer saw each of its calls (a tracer that skipped calls would look cheap)
+    from benchmarks.bench_comm_trace import KINDS, WAYS, check_counts, time_rank
+    from mtds.testing import spawn
+    for result in spawn(time_rank, 2, 40, 3):
+        check_counts(result, 40, 3)
+        assert all(len(result["times"][k][w]) == 3 and min(result["times"][k][w]) > 0 for k in KINDS for w in WAYS)

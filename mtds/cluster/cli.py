@@ -16,6 +16,8 @@ import sys
 import tempfile
 import textwrap
 
+from mtds import ring
+
 from .cluster import Cluster, ClusterSpec, status
 from .launch import failure_summary, launch, node_commands, node_env, printable, write_hostfile
 from .netns import ClusterError, remove_namespaces
@@ -97,9 +99,8 @@ def cmd_run(args) -> int:
 
 def ring_allreduce_node_bytes(spec: ClusterSpec, nbytes: int) -> float:
     """Bytes each node's link sends in a ring all-reduce over all ranks (ranks numbered node by node):
-    every ring edge carries 2 (n-1)/n x nbytes, and exactly one edge leaves each node."""
-    n = spec.world
-    return 2 * (n - 1) / n * nbytes if spec.nodes > 1 else 0.0
+    every ring edge carries 2 (n-1)/n x nbytes (mtds.ring), and exactly one edge leaves each node."""
+    return ring.all_reduce(nbytes, spec.world) if spec.nodes > 1 else 0.0
 
 
 def cmd_selftest(args) -> int:

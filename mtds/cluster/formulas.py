@@ -1,25 +1,21 @@
 """Bytes a node's link must send per training step, from the model and the layout (2 or more nodes,
 ranks numbered node by node, as DeepSpeed's launcher does).
 
-Ring collectives (Thakur et al. 2005): over a ring of n ranks each edge carries 2 (n-1)/n x S for an
-all-reduce of S bytes and (n-1)/n x S for an all-gather (S = gathered size). When a group's ranks sit
-node by node, exactly one edge of its ring leaves each node, so a node's link carries one edge per group
-that spans nodes. gloo implements reduce-scatter as an all-reduce followed by taking the shard (measured
-on the emulated cluster: 1.50 x S per node at 2 x 2 ranks, the all-reduce's volume), NCCL as a ring
-reduce-scatter ((n-1)/n x S).
+Ring collectives put mtds.ring.link_bytes on every edge of the ring (all-reduce 2 (n-1)/n x S,
+all-gather and reduce-scatter (n-1)/n x S; gloo runs reduce-scatter as an all-reduce, mtds.ring.as_run).
+When a group's ranks sit node by node, exactly one edge of its ring leaves each node, so a node's link
+carries one edge per group that spans nodes.
 """
 from __future__ import annotations
+
+from mtds import ring
 
 
 def ring_edge_bytes(kind: str, nbytes: float, n: int, backend: str = "gloo") -> float:
     """Bytes on one ring edge for a collective over n ranks; nbytes is the full (unsharded) size."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo"):
-        return 2 * (n - 1) / n * nbytes
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    raise ValueError(f"unknown collective {kind!r}")
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"unknown collective {kind!r}")
+    return ring.link_bytes(ring.as_run(kind, backend), nbytes, n)
 
 
 def ptdp_link_bytes(*, microbatches: int, micro_batch: int, seq: int, hidden: int, vocab: int, tp: int,

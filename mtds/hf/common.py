@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 
 
 class UnsupportedHFConfig(ValueError):

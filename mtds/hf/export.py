@@ -7,8 +7,8 @@ from typing import Mapping
 
 import torch
 
-from mtds.config import ModelConfig
 from mtds.model.shard import full_state
+from mtds.model_config import ModelConfig
 
 from .registry import hf_config_dict, layers_to_hf_state
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 
 from .common import require, require_export
 from .table import WeightMap

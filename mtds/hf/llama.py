@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 
 from .common import read_rope, require, require_export, rope_to_hf
 from .table import WeightMap

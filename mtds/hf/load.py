@@ -7,8 +7,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from mtds.config import ModelConfig
 from mtds.model.shard import load_full_state
+from mtds.model_config import ModelConfig
 
 from .checkpoint import HFCheckpoint
 from .common import UnsupportedHFConfig

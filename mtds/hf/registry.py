@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 
 from . import gpt2, llama, neox
 from .common import UnsupportedHFConfig

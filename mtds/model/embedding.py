@@ -10,7 +10,7 @@ import contextlib
 import torch
 from torch import nn
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, scatter_to_sequence_parallel_region
 from mtds.tp.layers import tp_world_and_rank
 

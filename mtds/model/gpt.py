@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 from mtds.tp import MODEL_PARALLEL_RNG, RNGTracker, gather_vocab_parallel_logits
 from mtds.tp.random import TP_SEED_OFFSET
 

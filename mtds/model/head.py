@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 from mtds.tp import mark_tensor_parallel, parallel_lm_logits, shard_rows, vocab_parallel_cross_entropy
 from mtds.tp.layers import tp_world_and_rank
 

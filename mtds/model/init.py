@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 
 # A large prime stride keeps per-layer streams apart for any realistic base seed.
 _LAYER_STRIDE = 1_000_003

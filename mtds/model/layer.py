@@ -6,7 +6,7 @@ import contextlib
 import torch
 from torch import nn
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 
 from .attention import SelfAttention
 from .init import seeded

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtds.config import ModelConfig
+from mtds.model_config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear
 
 from .init import normal_init, output_init

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from mtds import ring
 from mtds.plan.hardware import DEFAULT_PROFILE
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)
@@ -122,8 +123,8 @@ def fit_ring_all_reduce(times: dict[int, float], n: int) -> tuple[float, float]:
         big = max(times)
         slope = times[big] / big
     intercept = max(intercept, min(ys) * 0.5, 1e-7)
-    busbw = 2.0 * (n - 1) / n / slope / 1e9
-    return busbw, intercept / (2 * (n - 1))
+    busbw = ring.all_reduce(1.0, n) / slope / 1e9        # link bytes per byte of S, per second
+    return busbw, intercept / ring.steps("all_reduce", n)
 
 
 def measure_all_reduce(group=None, sizes=ALLREDUCE_SIZES, calls: int = 20, repeats: int = 3) -> tuple[float, float, dict]:

@@ -1,7 +1,7 @@
 """Alpha-beta cost of ring collectives and point-to-point messages.
 
-Ring algorithms (Patarasuk & Yuan 2009; Thakur et al. 2005) on n ranks with per-GPU link
-bandwidth B and per-step latency alpha, for a buffer of S bytes per rank:
+A ring collective over n ranks with per-GPU link bandwidth B and per-step latency alpha takes
+mtds.ring.link_bytes / B + mtds.ring.steps x alpha:
     all-reduce      2 (n-1)/n * S / B + 2 (n-1) alpha
     all-gather      (n-1)/n * S / B + (n-1) alpha     (S = gathered size)
     reduce-scatter  (n-1)/n * S / B + (n-1) alpha     (S = input size)
@@ -11,6 +11,7 @@ n ranks with stride k spans n*k consecutive GPUs.
 """
 from __future__ import annotations
 
+from mtds import ring
 from mtds.plan.hardware import Cluster
 
 
@@ -18,19 +19,23 @@ def _bw(cluster: Cluster, n: int, stride: int) -> float:
     return cluster.link_gbps(n * stride) * 1e9
 
 
-def all_reduce(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+def ring_time(kind: str, nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    """Seconds of one ring collective of ``kind`` on the link a group of n ranks with this stride uses."""
     if n <= 1:
         return 0.0
-    return 2.0 * (n - 1) / n * nbytes / _bw(cluster, n, stride) + 2 * (n - 1) * cluster.calib.hop_latency_s
+    return ring.link_bytes(kind, nbytes, n) / _bw(cluster, n, stride) + ring.steps(kind, n) * cluster.calib.hop_latency_s
+
+
+def all_reduce(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    return ring_time("all_reduce", nbytes, n, stride, cluster)
 
 
 def all_gather(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
-    if n <= 1:
-        return 0.0
-    return (n - 1) / n * nbytes / _bw(cluster, n, stride) + (n - 1) * cluster.calib.hop_latency_s
+    return ring_time("all_gather", nbytes, n, stride, cluster)
 
 
-reduce_scatter = all_gather  # same volume and steps as all-gather on a ring
+def reduce_scatter(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    return ring_time("reduce_scatter", nbytes, n, stride, cluster)
 
 
 def p2p(nbytes: float, cross_node: bool, cluster: Cluster) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtds import metrics
+from mtds.model_config import padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,8 @@ class ModelSpec:
         return 3 if self.gated_mlp else 2
 
     def padded_vocab(self, tp: int) -> int:
-        """Megatron vocabulary padding: ceil(V / (128 t)) * 128 t."""
-        unit = self.vocab_multiple * tp
-        return -(-self.vocab // unit) * unit
+        """Megatron vocabulary padding: ceil(V / (128 t)) * 128 t (mtds.model_config.padded_vocab_size)."""
+        return padded_vocab_size(self.vocab, tp, self.vocab_multiple)
 
     @property
     def params(self) -> float:

@@ -20,20 +20,18 @@ biases) are summed over TP: one flat all-reduce under ZeRO-0/1, one per tensor p
 ZeRO-2/3 (DeepSpeed reduces each gradient as backward produces it).
 
 Bytes are those of the full tensor S (all-reduce: the buffer; all-gather: the gathered result;
-reduce-scatter: the input); a ring moves 2(n-1)/n S per rank for an all-reduce and (n-1)/n S for the
-other two, the "bus bytes" of mtds.comm_trace.
+reduce-scatter: the input); what a ring moves per rank (mtds.ring: 2(n-1)/n S for an all-reduce,
+(n-1)/n S for the other two) is the "bus bytes" of mtds.comm_trace.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtds import ring
 from mtds.plan import comm, compute
 from mtds.plan.candidate import Layout, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.model_spec import ModelSpec
-
-_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
-
 
 @dataclass(frozen=True)
 class Collective:
@@ -44,11 +42,10 @@ class Collective:
 
     def bus_bytes(self, n: int) -> float:
         """Bytes on each rank's link for all ``calls`` on a ring of n ranks."""
-        return self.calls * _RING_FACTOR[self.kind] * (n - 1) / n * self.nbytes if n > 1 else 0.0
+        return self.calls * ring.link_bytes(self.kind, self.nbytes, n)
 
     def time(self, n: int, cluster: Cluster) -> float:
-        one = comm.all_reduce if self.kind == "all_reduce" else comm.all_gather   # reduce-scatter costs as all-gather
-        return self.calls * one(self.nbytes, n, 1, cluster)
+        return self.calls * comm.ring_time(self.kind, self.nbytes, n, 1, cluster)
 
 
 def layer_collectives(model: ModelSpec, layout: Layout, work: Workload) -> list[Collective]:
@@ -83,7 +80,7 @@ def layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluste
 def end_collectives(model: ModelSpec, layout: Layout, work: Workload, stage: str) -> list[Collective]:
     """The embedding (stage "first"), the LM head and loss (stage "last"), or both ("all", p = 1);
     one micro-batch."""
-    s, b, h, t = model.seq, layout.microbatch, model.hidden, layout.tp
+    s, b, h = model.seq, layout.microbatch, model.hidden
     activation = s * b * h * work.bytes_per_value
     out = []
     if stage in ("first", "all"):

@@ -207,3 +207,9 @@ def complete_tags(root: str) -> list[tuple[int, str]]:
         except IncompleteCheckpoint:
             pass
     return out
+
+
+def resolve_tag_dir(path: str) -> str:
+    """A checkpoint root (holding global_stepN/ folders) -> its newest complete checkpoint; a tag folder ->
+    itself if complete. Anything else is a one-line CheckpointFormatError."""
+    return find_complete(path)[0]

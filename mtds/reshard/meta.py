@@ -57,9 +57,3 @@ class CheckpointMeta:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 
-
-def resolve_tag_dir(path: str) -> str:
-    """A checkpoint root (holding global_stepN/ folders) -> its newest complete checkpoint; a tag folder ->
-    itself if complete. Anything else is a one-line CheckpointFormatError."""
-    from .complete import find_complete
-    return find_complete(path)[0]

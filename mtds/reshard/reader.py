@@ -11,21 +11,12 @@ from typing import Iterable, Iterator
 
 import torch
 
-from mtds.config import ModelConfig
-from mtds.hf.registry import weight_table
-from mtds.hf.table import rows_by_layer
-
+from .complete import resolve_tag_dir
 from .dsformat import ModuleStateReader, has_layer_files, layer_file, mp_rank_file
 from .errors import CheckpointFormatError
-from .meta import CheckpointMeta, resolve_tag_dir
-from .spec import unshard
+from .meta import CheckpointMeta
+from .spec import layer_names, unshard
 from .zero3 import Zero3StateReader, expected_zero3_files
-
-
-def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
-    """{global layer: parameter names} of the model mtds builds for cfg (from the HF weight table,
-    which lists every parameter exactly once)."""
-    return {layer: [row.name for row in rows] for layer, rows in rows_by_layer(weight_table(cfg)).items()}
 
 
 class MtdsCheckpoint:

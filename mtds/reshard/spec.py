@@ -25,6 +25,24 @@ class Split:
 REPLICATED = Split(None)
 
 
+def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
+    """{global layer: its parameter names} of the model mtds builds for cfg (0 embedding, 1..L blocks,
+    L+1 final norm, L+2 the untied head), in the order the modules register them."""
+    norm = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
+    linear = ["weight", "bias"] if cfg.linear_bias else ["weight"]
+    qkv = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
+    block = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
+             + [f"attention.out_proj.{n}" for n in linear] + [f"post_attention_norm.{n}" for n in norm]
+             + [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear])
+    names = {0: ["word_embeddings.weight"] + (["position_embeddings.weight"] if cfg.position_embedding == "learned"
+                                              else [])}
+    names.update({i: list(block) for i in range(1, cfg.num_layers + 1)})
+    names[cfg.num_layers + 1] = [f"norm.{n}" for n in norm]
+    if not cfg.tie_word_embeddings:
+        names[cfg.num_layers + 2] = ["weight"]
+    return names
+
+
 def split_of(cfg: ModelConfig, layer: int, name: str) -> Split:
     """Split of parameter ``name`` inside global layer ``layer`` (0 emb, 1..L blocks, L+1 norm, L+2 head)."""
     L = cfg.num_layers

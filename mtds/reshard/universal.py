@@ -15,8 +15,9 @@ import shutil
 
 from mtds.config import ModelConfig
 
+from .complete import resolve_tag_dir
 from .errors import CheckpointFormatError
-from .meta import LATEST, CheckpointMeta, resolve_tag_dir
+from .meta import LATEST, CheckpointMeta
 from .names import ds_name, parse
 
 UNIVERSAL_SUFFIX = "_universal"

@@ -29,8 +29,7 @@ from .dsformat import ModuleStateReader, load_file, mp_rank_file
 from .errors import CheckpointFormatError
 from .meta import CheckpointMeta
 from .names import ds_name, parse
-from .reader import layer_names
-from .spec import Split, shard, split_of, unshard
+from .spec import Split, layer_names, shard, split_of, unshard
 
 STATES = ("exp_avg", "exp_avg_sq")
 PARAM_NAMES_KEY = "mtds_param_names"   # client_state: this rank's parameter names in optimizer order

@@ -2,6 +2,7 @@
 
 - :mod:`mtds.testing.ranks` -- the entry point, fresh processes, the pool switch.
 - :mod:`mtds.testing.pool` -- one live pool of ranks per world size.
+- :mod:`mtds.testing.rank_setup` -- what both need to start a rank, join the group and leave.
 - :mod:`mtds.testing.reset` -- what a pooled rank puts back between bodies.
 """
 from mtds.testing.ranks import RankFailure, close_pools, device, free_port, pool_stats, spawn, use_pools

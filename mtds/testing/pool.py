@@ -4,12 +4,12 @@ Starting a rank costs far more than most test bodies: it imports torch, DeepSpee
 and joins a process group (seconds each, times the world size, on two cores). A :class:`RankPool`
 pays that once per world size for the whole session, like DeepSpeed's ``reuse_dist_env`` test
 environment: its ranks start from a forkserver that has those imports done (``spawn`` on CUDA, see
-:func:`mtds.testing.ranks.start_context`), join one process group,
+:func:`mtds.testing.rank_setup.start_context`), join one process group,
 then loop -- take a body, run it, meet at a barrier, put the process back as a fresh one was
 (:class:`mtds.testing.reset.ProcessState`), report.
 
 A body that raises, hangs past its timeout, or kills its process fails its call with one
-:class:`~mtds.testing.ranks.RankFailure` carrying every rank's traceback (ranks that did not report are
+:class:`~mtds.testing.rank_setup.RankFailure` carrying every rank's traceback (ranks that did not report are
 asked for their Python stacks with ``faulthandler`` first) and the tail of each rank's log; the pool
 is then torn down and the next call starts a new one, so a failure never leaks into the next test.
 
@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from mtds.testing.ranks import PORT_IN_USE, RankFailure, free_port, join_group, leave, start_context
+from mtds.testing.rank_setup import PORT_IN_USE, RankFailure, free_port, join_group, leave, start_context
 
 GROUP_TIMEOUT_S = 1800     # gloo's own limit; the caller's timeout (much shorter) kills a hung body first
 START_TIMEOUT_S = 300

@@ -16,37 +16,19 @@ rank r on GPU r; a world larger than the GPUs present is skipped when run under 
 """
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
+from mtds.testing.rank_setup import (PORT_IN_USE, PRELOAD, RankFailure, free_port, join_group, leave,
+                                     rank_environment, start_context)
 
-
-class RankFailure(RuntimeError):
-    """One or more ranks failed or timed out; the message carries their tracebacks."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_environment(rank: int, world: int, port: int, device: str) -> dict[str, str]:
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""     # gloo ranks: training must not pick a GPU it can see
-    return env
-
+__all__ = ["spawn", "use_pools", "close_pools", "pool_stats", "device", "RankFailure", "free_port", "PRELOAD",
+           "PORT_IN_USE", "rank_environment", "start_context", "join_group", "leave"]
 
 DEVICES = ("cpu", "cuda")
 fresh_ranks_started = 0               # ranks started by fresh spawns in this process (for the suite's summary)
@@ -81,25 +63,7 @@ def device() -> str:
     return _pool_device or os.environ.get("MTDS_TEST_DEVICE", "cpu")
 
 
-# Imported once in the forkserver, so every rank it forks starts with them (pooled ranks import the
-# rest of mtds themselves before the state they are reset to is taken).
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers",
-           "mtds.training"]
-
-
-def start_context(dev: str):
-    """How ranks start. CPU: forked from a forkserver with :data:`PRELOAD` imported (a new rank costs a
-    fork, not seconds of imports). CUDA: ``spawn`` -- importing DeepSpeed asks torch for the device count,
-    which initialises the CUDA driver, and a CUDA-initialised process must not fork."""
-    if dev == "cuda":
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 PORT_ATTEMPTS = 3              # rendezvous ports tried before a port clash counts as a failure
-PORT_IN_USE = "EADDRINUSE"
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
@@ -157,33 +121,6 @@ class _CallersFd:
 
 def _detach(dup) -> int:
     return dup.detach()
-
-
-def join_group(rank: int, world: int, port: int, dev: str, timeout_s: float, env: dict[str, str] | None = None,
-               threads: int | None = None):
-    """This process becomes rank ``rank``: its environment, its BLAS threads (``threads``, else
-    OMP_NUM_THREADS or 1), its GPU, the default group."""
-    os.environ.update(rank_environment(rank, world, port, dev))
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)     # mtds.training reads it when it sets up gloo
-    os.environ.update(env or {})
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    if dev == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if dev == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def leave(results, code: int) -> None:
-    """Exit a rank: the queue's feeder thread must deliver before ``os._exit`` or the parent never hears
-    from us; ``os._exit`` itself avoids gloo's random abort at interpreter exit."""
-    results.close()
-    results.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,

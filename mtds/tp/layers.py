@@ -6,13 +6,14 @@ tensor-parallel size. That is what lets runs at different layouts be compared st
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from mtds.model_config import padded_vocab_size
 
 from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
@@ -167,12 +168,6 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}"
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
-    """Megatron pads the vocabulary to a multiple of ``multiple * t`` so every shard is equal and aligned."""
-    step = multiple * tp_size
-    return int(math.ceil(vocab_size / step) * step)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -186,7 +186,7 @@ def _choose(directory: str, log, device) -> tuple[str, str, CheckpointMeta | Non
 def _check_model(meta: CheckpointMeta, model_cfg: ModelConfig | None, directory: str) -> None:
     if model_cfg is None:
         return
-    from mtds.hf.init import check_same_model
+    from mtds.reshard.load import check_same_model
     try:
         check_same_model(model_cfg, meta.model_config, directory)
     except ValueError as err:
@@ -328,7 +328,7 @@ def _load_weights_only(engine, directory: str, tag: str, meta: CheckpointMeta, g
                               f"mtds-convert hf-to-mtds --tp {layout.tp} --pp {layout.pp}")
     # Another layout: every rank reads its layers from the logical tensors, then the optimizer's
     # fp32 master copy (ZeRO-1/2, bf16) is refreshed from the new module weights.
-    from mtds.hf.init import load_checkpoint_into_stages
-    load_checkpoint_into_stages(engine.module, os.path.join(directory, tag), model_cfg, groups)
+    from mtds.reshard.load import load_checkpoint_into_stages
+    load_checkpoint_into_stages(engine.module, os.path.join(directory, tag), model_cfg, groups.tp_group)
     refresh_master_weights(engine)
     return 0, {}

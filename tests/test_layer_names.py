@@ -1,0 +1,33 @@
+"""The checkpoint reader's list of every layer's parameters (mtds.reshard.spec.layer_names, derived from the
+ModelConfig alone so that mtds checkpoints load without the HF tables) is the list a real model holds,
+and the one each HF weight table maps, for every architecture switch the config has."""
+import dataclasses
+
+import pytest
+
+from mtds.config import ModelConfig
+from mtds.hf.registry import weight_table
+from mtds.hf.table import rows_by_layer
+from mtds.model import GPTModel
+from mtds.reshard.spec import layer_names
+
+GPT2 = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, max_position_embeddings=8)
+NEOX = dataclasses.replace(GPT2, architecture="gpt_neox", position_embedding="rotary", rotary_percent=0.25,
+                           parallel_residual=True, tie_word_embeddings=False, activation="gelu")
+LLAMA = dataclasses.replace(GPT2, architecture="llama", position_embedding="rotary", normalization="rmsnorm",
+                            activation="swiglu", qkv_bias=False, linear_bias=False, num_kv_heads=1,
+                            tie_word_embeddings=False, ffn_hidden_size=24)
+QWEN_LIKE = dataclasses.replace(LLAMA, qkv_bias=True, tie_word_embeddings=True)   # bias on QKV only
+
+
+@pytest.mark.parametrize("cfg", [GPT2, NEOX, LLAMA, QWEN_LIKE], ids=["gpt2", "neox", "llama", "qkv-bias-only"])
+def test_layer_names_are_the_parameters_the_model_holds(cfg):
+    model = GPTModel(cfg)
+    held = {layer: [name for name, _ in module.named_parameters()] for layer, module in model.global_layers().items()}
+    assert layer_names(cfg) == held
+
+
+@pytest.mark.parametrize("cfg", [GPT2, NEOX, LLAMA], ids=["gpt2", "neox", "llama"])
+def test_layer_names_are_what_the_hf_tables_map(cfg):
+    mapped = {layer: sorted(row.name for row in rows) for layer, rows in rows_by_layer(weight_table(cfg)).items()}
+    assert {layer: sorted(names) for layer, names in layer_names(cfg).items()} == mapped
