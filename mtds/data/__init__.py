@@ -16,8 +16,9 @@ from .errors import DataError
 from .packed import PackedDataset, build_packed_dataset
 from .split import build_train_eval, split_train_eval
 from .stream import MicroBatchStream
+from .streams import build_streams
 from .tokenizer import check_vocab, load_tokenizer
 
 __all__ = ["DataError", "load_tokenizer", "check_vocab", "check_seq_length",
            "build_packed_dataset", "PackedDataset", "split_train_eval", "build_train_eval",
-           "MicroBatchStream", "SHIPPED_CORPUS", "SHIPPED_TOKENIZER"]
+           "MicroBatchStream", "build_streams", "SHIPPED_CORPUS", "SHIPPED_TOKENIZER"]

@@ -15,7 +15,7 @@ from .format import DTYPE_CODES, HEADER, HEADER_SIZE, MAGIC, VERSION, bin_path, 
 class IndexedDataset:
     """`ds[i]` is sequence i as a read-only numpy view of the .bin (the index's dtype).
 
-    Attributes: dtype, sequence_lengths (int32[S]), sequence_pointers (int64[S]),
+    Attributes: ids (the whole .bin, memory-mapped), dtype, sequence_lengths (int32[S]), sequence_pointers (int64[S]),
     document_indices (int64[D]), num_tokens.
     """
 
@@ -54,7 +54,7 @@ class IndexedDataset:
             raise DataError(f"{binf} is shorter than its index says ({bin_size} bytes, expected "
                             f"{end}); it was cut short — re-run the preprocessing")
         # An empty file cannot be mapped; nothing would be read from it anyway.
-        self._bin = np.memmap(binf, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
+        self.ids = np.memmap(binf, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
         self.num_tokens = end // self.dtype.itemsize
 
     def __len__(self) -> int:
@@ -74,7 +74,7 @@ class IndexedDataset:
             raise IndexError(f"sequence {i} out of range for {n} sequences")
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         stop = start - offset + int(self.sequence_lengths[i]) if length is None else start + length
-        return self._bin[start:stop]
+        return self.ids[start:stop]
 
     def document_lengths(self) -> np.ndarray:
         """Tokens per document (sums its sequences), int64[num_documents]."""
