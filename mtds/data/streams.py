@@ -66,13 +66,12 @@ def _packed(cfg, tokenizer, dist):
 def _indexed(cfg, model_cfg, batch, logger):
     from .indexed.blend import parse_blend
     from .indexed.blended import build_blended
-    from .indexed.checks import check_token_ids
     blend = parse_blend(cfg.data_path)
     eval_blend = parse_blend(cfg.eval_data_path, "--eval-data-path") if cfg.eval_data_path else None
     hold_out = eval_blend is None and cfg.eval_split > 0
     B = batch.global_batch
     common = dict(seq_length=cfg.seq_length, seed=cfg.seed, builder=_local_rank() == 0,
-                  log=logger.info)
+                  log=logger.info, vocab_size=model_cfg.vocab_size)
     train = build_blended(blend, num_samples=max(cfg.steps, 1) * B,
                           split=(cfg.eval_split, "train") if hold_out else None, **common)
     evaluation = None
@@ -82,8 +81,7 @@ def _indexed(cfg, model_cfg, batch, logger):
     for ds, what in ((train, "train"), (evaluation, "eval")):
         if ds is None:
             continue
-        for part, src in zip(ds.parts, ds.sources):
-            check_token_ids(part.dataset, model_cfg.vocab_size)
+        for src in ds.sources:
             logger.info(f"data ({what}): {src['prefix']}: {src['documents']:,} documents, {src['tokens']:,} "
                         f"tokens, weight {src['weight']:.3f}, {src['samples']:,} samples = "
                         f"{src['epochs']} epochs")

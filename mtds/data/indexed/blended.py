@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .blend import blending_index
-from .checks import check_fills_a_sample
+from .checks import check_fills_a_sample, check_token_ids
 from .index_cache import cache_key, load_or_build, prefix_identity
 from .reader import IndexedDataset
 from .samples import PackedSamples, build_indices
@@ -50,8 +50,12 @@ def split_documents(num_documents: int, split, seed: int) -> np.ndarray:
 
 
 def build_blended(blend, *, seq_length: int, num_samples: int, seed: int, builder: bool,
-                  cache_dir=None, split=None, log=print, wait_timeout: float = 3600.0) -> BlendedSamples:
+                  cache_dir=None, split=None, log=print, wait_timeout: float = 3600.0,
+                  vocab_size=None) -> BlendedSamples:
     datasets = [IndexedDataset(prefix) for _, prefix in blend]
+    if vocab_size is not None:
+        for ds in datasets:
+            check_token_ids(ds, vocab_size)
     weights = [w for w, _ in blend]
     parts_docs, parts_lengths = [], []
     for ds in datasets:

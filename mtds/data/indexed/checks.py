@@ -24,5 +24,6 @@ def check_token_ids(dataset, vocab_size: int) -> None:
 
 def check_fills_a_sample(dataset, tokens: int, seq_length: int, what: str) -> None:
     if tokens < seq_length + 1:
+        hint = " (or --eval-split 0, or --eval-data-path)" if what else ""
         raise DataError(f"{dataset.prefix}{what} has {tokens} tokens, fewer than one sample of "
-                        f"seq_length + 1 = {seq_length + 1}; use more data or a shorter --seq-length")
+                        f"seq_length + 1 = {seq_length + 1}; use more data or a shorter --seq-length{hint}")
