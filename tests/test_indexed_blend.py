@@ -176,3 +176,22 @@ def test_eod_mask_loss():
                                            eod_mask_id=eod))
     assert labels.tolist() == [[6, eod, -100, 8], [-100, 9, eod, -100]]
     assert inputs.tolist() == [[5, 6, eod, 7], [eod, 9, 9, eod]]
+
+
+def test_resume_continues_the_blend(tmp_path):
+    a = write(tmp_path / "a", docs_in(0, 40, 5))
+    ds = build_blended([(1.0, a)], num_samples=64, seq_length=8, seed=1, builder=True,
+                       cache_dir=str(tmp_path / "c"), log=lambda _: None)
+
+    def stream():
+        return MicroBatchStream(ds, global_batch_size=8, micro_batch_size=4, shuffle=False)
+    first = stream()
+    for _ in range(5):   # two steps and a half: the state counts completed global batches
+        next(first)
+    resumed = stream()
+    resumed.load_state_dict(first.state_dict())
+    reference = stream()
+    for _ in range(4):
+        next(reference)
+    for _ in range(3):
+        assert torch.equal(next(resumed)[0], next(reference)[0])
