@@ -69,25 +69,26 @@ def test_indices_match_the_epoch_stream(tmp_path):
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     stream = np.concatenate([np.arange(starts[d], starts[d] + lengths[d]) for d in order])
     ends = np.cumsum(lengths[order])
-    for j, (pos, off) in enumerate(idx["sample_index"]):
+    shuffle = idx["shuffle_index"]
+    assert len(shuffle) == 30 and len(set(shuffle)) == 30 and shuffle.max() <= (len(stream) - 1) // s - 1
+    for j, (pos, off) in zip(shuffle, idx["sample_index"]):
         assert ends[pos] - lengths[order[pos]] + off == j * s and off < lengths[order[pos]]
-    assert len(idx["sample_index"]) == (len(stream) - 1) // s
     starts_of = np.concatenate([[0], np.cumsum(lengths)])
     ds = IndexedDataset(write(tmp_path / "d", [np.arange(starts_of[i], starts_of[i + 1]) for i in range(7)]))
     samples = PackedSamples(ds, np.arange(7), lengths, idx, s)
     for i in range(len(samples)):   # sample i is the stream's window at its shuffled position
-        j = idx["shuffle_index"][i]
+        j = shuffle[i]
         assert np.array_equal(samples[i], stream[j * s:j * s + s + 1])
-    shuffle = idx["shuffle_index"]
-    assert sorted(shuffle) == list(range(len(shuffle)))
-    epoch_of = np.arange(len(shuffle)) * s // lengths.sum()
-    assert np.array_equal(epoch_of[shuffle], epoch_of)   # samples only move within their epoch
-    assert not np.array_equal(shuffle, np.arange(len(shuffle)))
+    epoch_of = shuffle * s // lengths.sum()
+    assert np.all(np.diff(epoch_of) >= 0)   # samples only move within their epoch ...
+    for e in range(3):   # ... and every full epoch gives all its windows
+        assert sorted(shuffle[epoch_of == e]) == list(range(-(-e * 37 // s), -(-(e + 1) * 37 // s)))
+    assert not np.array_equal(shuffle[:10], np.arange(10))   # epoch 0 is shuffled
     exact = build_indices(lengths, s, num_samples=37, seed=seed)   # 37 * 4 = 4 epochs of 37 tokens, less one
-    assert exact["epochs"] == 5 and len(exact["sample_index"]) >= 37
+    assert exact["epochs"] == 5 and len(exact["sample_index"]) == 37
     longer = build_indices(lengths, s, num_samples=60, seed=seed)
-    first = np.searchsorted(epoch_of, idx["epochs"] - 1)   # all but the last epoch are unchanged
-    assert np.array_equal(longer["shuffle_index"][:first], shuffle[:first])
+    full = np.count_nonzero(epoch_of < idx["epochs"] - 1)   # all but the last epoch are unchanged
+    assert full > 0 and np.array_equal(longer["shuffle_index"][:full], shuffle[:full])
 
 
 def test_blend_samples_shares_cache_and_split(tmp_path):

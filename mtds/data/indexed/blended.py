@@ -78,8 +78,9 @@ def build_blended(blend, *, seq_length: int, num_samples: int, seed: int, builde
             needed = int(np.count_nonzero(which == k))
             idx = build_indices(lengths, seq_length, max(needed, 1), seed)
             epochs.append(round(needed * seq_length / int(lengths.sum()), 3))
-            for name in ("doc_index", "sample_index", "shuffle_index"):
-                arrays[f"ds{k}_{name}"] = idx[name][:needed] if name == "shuffle_index" else idx[name]
+            arrays[f"ds{k}_doc_index"] = idx["doc_index"]
+            for name in ("sample_index", "shuffle_index"):   # max(needed, 1) above: never an empty build
+                arrays[f"ds{k}_{name}"] = idx[name][:needed]
         return arrays, {"epochs": epochs, "num_samples": num_samples}
 
     built = load_or_build(directory, build, builder=builder, log=log, timeout=wait_timeout)

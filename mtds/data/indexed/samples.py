@@ -6,15 +6,16 @@ lengths L (T tokens in all):
   epochs        E = the fewest with (E*T - 1) // s >= num_samples
   doc_index     E permutations of the documents, epoch e's seeded by (seed, e), back to back:
                 the token stream is their concatenation (every document once per epoch)
-  sample_index  sample j starts at stream token j*s: (position in doc_index, offset in that
-                document), found for all samples at once with searchsorted on the cumulative
-                lengths (vectorized numpy, no per-token loop)
-  shuffle_index the samples of each epoch (by their first token) permuted among themselves,
-                seeded by (seed, e) too
+  shuffle_index which stream windows are used, in order: window j = stream[j*s : j*s + s + 1]
+                (consecutive windows share a boundary token, as in mtds.data.packed). Each epoch's
+                windows (by first token) are permuted among themselves; the last epoch, when
+                only part of it is needed, gives a seeded random choice of its windows
+  sample_index  (position in doc_index, offset in that document) where each used window starts,
+                for all of them at once by searchsorted on the cumulative lengths (vectorized)
 
-Sample j is stream[j*s : j*s + s + 1]; consecutive samples share a boundary token as in
-mtds.data.packed. Shuffling within epochs (not across all of them) keeps the order of every
-epoch but the last built one independent of E: a longer run repeats a shorter one's first epochs.
+Only the samples asked for are materialized, so a corpus far larger than the run needs costs its
+document count, not its token count. Shuffling within epochs keeps every epoch but the last one
+independent of E: a longer run repeats a shorter one's first epochs.
 """
 import numpy as np
 
@@ -29,32 +30,34 @@ def epochs_needed(total_tokens: int, seq_length: int, num_samples: int) -> int:
 
 def build_indices(doc_lengths: np.ndarray, seq_length: int, num_samples: int, seed: int) -> dict:
     """doc_lengths: int64 per document (the documents this split uses, by position).
-    Returns {"doc_index", "sample_index", "shuffle_index", "epochs"}; sample i of the dataset
-    is built sample shuffle_index[i]."""
+    Returns {"doc_index", "shuffle_index", "sample_index", "epochs"}, the last two of num_samples rows."""
     lengths = np.asarray(doc_lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    epochs = epochs_needed(total, seq_length, num_samples)
+    total, s = int(lengths.sum()), seq_length
+    epochs = epochs_needed(total, s, num_samples)
     n_docs = len(lengths)
     doc_dtype = np.int32 if n_docs < 2 ** 31 else np.int64
     doc_index = np.concatenate([np.random.default_rng([seed, 0, e]).permutation(n_docs).astype(doc_dtype)
                                 for e in range(epochs)])
-    ends = np.cumsum(lengths[doc_index])                  # stream position where each entry ends
-    n_built = (epochs * total - 1) // seq_length
-    starts = np.arange(n_built, dtype=np.int64) * seq_length
-    where = np.searchsorted(ends, starts, side="right")   # first entry ending after the start
-    sample_index = np.stack([where, starts - (ends[where] - lengths[doc_index[where]])], axis=1)
-    return {"doc_index": doc_index, "sample_index": sample_index,
-            "shuffle_index": _shuffle(starts // total, epochs, seed), "epochs": epochs}
-
-
-def _shuffle(sample_epoch: np.ndarray, epochs: int, seed: int) -> np.ndarray:
-    """A permutation of the samples that only moves samples within their epoch."""
-    bounds = np.searchsorted(sample_epoch, np.arange(epochs + 1))
-    out = np.arange(len(sample_epoch), dtype=np.int64)
+    n_built = (epochs * total - 1) // s                    # windows that fit in E epochs
+    first = -(-np.arange(epochs + 1, dtype=np.int64) * total // s)   # first window of each epoch
+    chosen, remaining = [], num_samples
     for e in range(epochs):
-        lo, hi = bounds[e], bounds[e + 1]
-        out[lo:hi] = lo + np.random.default_rng([seed, 1, e]).permutation(hi - lo)
-    return out
+        lo, hi = int(first[e]), min(int(first[e + 1]), n_built)
+        rng = np.random.default_rng([seed, 1, e])
+        if hi - lo <= remaining:
+            chosen.append(lo + rng.permutation(hi - lo))
+        else:   # the last, partly used epoch: a seeded choice without drawing a permutation of all
+            chosen.append(lo + rng.choice(hi - lo, remaining, replace=False))
+        remaining -= len(chosen[-1])
+        if remaining == 0:
+            break
+    shuffle_index = np.concatenate(chosen).astype(np.int64)
+    ends = np.cumsum(lengths[doc_index])                  # stream position where each entry ends
+    starts = shuffle_index * s
+    where = np.searchsorted(ends, starts, side="right")   # first entry ending after the start
+    offsets = starts - (ends[where] - lengths[doc_index[where]])
+    return {"doc_index": doc_index, "shuffle_index": shuffle_index,
+            "sample_index": np.stack([where, offsets], axis=1), "epochs": epochs}
 
 
 class PackedSamples:
@@ -70,15 +73,14 @@ class PackedSamples:
         self.doc_lengths = np.asarray(doc_lengths)
         self.doc_index = indices["doc_index"]
         self.sample_index = indices["sample_index"]
-        self.shuffle_index = indices["shuffle_index"]
         seqs = dataset.document_indices[:-1][self.documents]
         self.doc_start = dataset.sequence_pointers[seqs] // dataset.dtype.itemsize
 
     def __len__(self) -> int:
-        return len(self.shuffle_index)
+        return len(self.sample_index)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        pos, offset = (int(v) for v in self.sample_index[int(self.shuffle_index[i])])
+        pos, offset = (int(v) for v in self.sample_index[i])
         need, parts = self.seq_length + 1, []
         while need > 0:
             doc = int(self.doc_index[pos])
