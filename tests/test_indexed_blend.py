@@ -63,7 +63,8 @@ def test_indices_match_the_epoch_stream(tmp_path):
     s, seed = 4, 7
     idx = build_indices(lengths, s, num_samples=30, seed=seed)
     order = idx["doc_index"]
-    assert idx["epochs"] == 4 and len(order) == 4 * len(lengths)   # ceil((30*4 + 1) / 37)
+    assert idx["epochs"] == 4   # the fewest whose windows (one per 4 tokens started) number 30
+    assert 4 * 7 < len(order) < 5 * 7   # and as much of a 5th as the last window reaches into
     for e in range(idx["epochs"]):   # each epoch is every document once
         assert sorted(order[e * 7:(e + 1) * 7]) == list(range(7))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -75,7 +76,7 @@ def test_indices_match_the_epoch_stream(tmp_path):
         assert ends[pos] - lengths[order[pos]] + off == j * s and off < lengths[order[pos]]
     starts_of = np.concatenate([[0], np.cumsum(lengths)])
     ds = IndexedDataset(write(tmp_path / "d", [np.arange(starts_of[i], starts_of[i + 1]) for i in range(7)]))
-    samples = PackedSamples(ds, np.arange(7), lengths, idx, s)
+    samples = PackedSamples(ds, starts_of[:-1], lengths, idx, s)
     for i in range(len(samples)):   # sample i is the stream's window at its shuffled position
         j = shuffle[i]
         assert np.array_equal(samples[i], stream[j * s:j * s + s + 1])
@@ -84,11 +85,11 @@ def test_indices_match_the_epoch_stream(tmp_path):
     for e in range(3):   # ... and every full epoch gives all its windows
         assert sorted(shuffle[epoch_of == e]) == list(range(-(-e * 37 // s), -(-(e + 1) * 37 // s)))
     assert not np.array_equal(shuffle[:10], np.arange(10))   # epoch 0 is shuffled
-    exact = build_indices(lengths, s, num_samples=37, seed=seed)   # 37 * 4 = 4 epochs of 37 tokens, less one
-    assert exact["epochs"] == 5 and len(exact["sample_index"]) == 37
-    longer = build_indices(lengths, s, num_samples=60, seed=seed)
-    full = np.count_nonzero(epoch_of < idx["epochs"] - 1)   # all but the last epoch are unchanged
-    assert full > 0 and np.array_equal(longer["shuffle_index"][:full], shuffle[:full])
+    exact = build_indices(lengths, s, num_samples=38, seed=seed)   # 4 epochs start 37 windows: one more
+    assert exact["epochs"] == 5 and len(exact["sample_index"]) == 38
+    longer = build_indices(lengths, s, num_samples=60, seed=seed)   # a longer run begins the same way
+    for name in ("shuffle_index", "sample_index"):
+        assert np.array_equal(longer[name][:30], idx[name])
 
 
 def test_blend_samples_shares_cache_and_split(tmp_path):
@@ -118,9 +119,15 @@ def test_blend_samples_shares_cache_and_split(tmp_path):
     assert len(os.listdir(tmp_path / "cache")) == 2
     train = build_blended([(1.0, a)], num_samples=500, split=(0.2, "train"), **kw)
     held = build_blended([(1.0, a)], num_samples=50, split=(0.2, "eval"), **kw)
-    assert train.sources[0]["documents"] == 48 and held.sources[0]["documents"] == 12
+    whole = IndexedDataset(a).num_tokens
+    assert train.sources[0]["tokens"] + held.sources[0]["tokens"] == whole
+    assert held.sources[0]["tokens"] == round(0.2 * whole)
+    assert train.sources[0]["documents"] + held.sources[0]["documents"] == 61   # one document cut in two
     seen = [{int(t) for n in range(len(d)) for t in d[n]} for d in (train, held)]
-    assert not seen[0] & seen[1]   # no document in both
+    assert not seen[0] & seen[1]   # no token in both
+    one = write(tmp_path / "one", [np.arange(1000)])   # a single document still gives both parts
+    held = build_blended([(1.0, one)], num_samples=40, split=(0.1, "eval"), **kw)
+    assert {int(t) for n in range(len(held)) for t in held[n]} == set(range(900, 1000))
 
 
 def test_waiters_wait_on_the_file(tmp_path):
@@ -181,8 +188,9 @@ def test_eod_mask_loss():
 
 def test_resume_continues_the_blend(tmp_path):
     a = write(tmp_path / "a", docs_in(0, 40, 5))
-    ds = build_blended([(1.0, a)], num_samples=64, seq_length=8, seed=1, builder=True,
-                       cache_dir=str(tmp_path / "c"), log=lambda _: None)
+    b = write(tmp_path / "b", docs_in(20_000, 9, 6))
+    kw = dict(seq_length=8, seed=1, builder=True, cache_dir=str(tmp_path / "c"), log=lambda _: None)
+    ds = build_blended([(1.0, a)], num_samples=64, **kw)
 
     def stream():
         return MicroBatchStream(ds, global_batch_size=8, micro_batch_size=4, shuffle=False)
@@ -196,3 +204,9 @@ def test_resume_continues_the_blend(tmp_path):
         next(reference)
     for _ in range(3):
         assert torch.equal(next(resumed)[0], next(reference)[0])
+    longer = build_blended([(0.6, a), (0.4, b)], num_samples=96, **kw)   # more --steps on resume
+    shorter = build_blended([(0.6, a), (0.4, b)], num_samples=64, **kw)
+    assert all(torch.equal(longer[n], shorter[n]) for n in range(64))
+    grown = MicroBatchStream(longer, global_batch_size=8, micro_batch_size=4, shuffle=False)
+    grown.load_state_dict(MicroBatchStream(shorter, global_batch_size=8, micro_batch_size=4,
+                                           shuffle=False).state_dict())

@@ -132,7 +132,10 @@ class MicroBatchStream:
         the data must not, or the stream would not be the same one (strict=False skips
         that check)."""
         if strict:
-            for field in ("seed", "num_samples", "shuffle"):
+            # A dataset whose first n samples do not depend on its length (indexed blends) may
+            # grow: a run resumed with more --steps continues the same order.
+            grows = getattr(self.dataset, "grows_by_prefix", False) and not self.shuffle
+            for field in ("seed", "shuffle") if grows else ("seed", "num_samples", "shuffle"):
                 mine = getattr(self, field) if field != "num_samples" else len(self.dataset)
                 if field in state and state[field] != mine:
                     raise DataError(f"checkpoint data state has {field}={state[field]} but this "

@@ -4,9 +4,10 @@
                        num_samples=steps * B, seed=1234, builder=local_rank == 0)
     ds[n]   # LongTensor of seq_length + 1 ids: sample dataset_sample_index[n] of dataset dataset_index[n]
 
-`split` = (fraction, part) holds documents out: a seeded `fraction` of each dataset's documents
-is the "eval" part, the rest "train" (as Megatron's --split, by documents, so no document is in
-both).
+`split` = (fraction, part) holds data out: each dataset's documents in a seeded order, cut at
+`fraction` of its tokens from the end; what lies after the cut is the "eval" part, the rest "train".
+Whole documents, except the one the cut falls in (split in two), so the fraction is exact even for a
+dataset of one document, and no token is in both parts.
 """
 import os
 
@@ -23,6 +24,8 @@ _VERSION = 1
 
 
 class BlendedSamples:
+    grows_by_prefix = True   # its first n samples are the same whatever its length (see samples.py)
+
     def __init__(self, parts, dataset_index, dataset_sample_index, seq_length, sources):
         self.parts, self.seq_length, self.sources = parts, seq_length, sources
         self.dataset_index, self.dataset_sample_index = dataset_index, dataset_sample_index
@@ -37,16 +40,29 @@ class BlendedSamples:
         return torch.from_numpy(part[int(self.dataset_sample_index[n])].astype(np.int64))
 
 
-def split_documents(num_documents: int, split, seed: int) -> np.ndarray:
-    """Document ids of this part, ascending."""
+def split_pieces(dataset, split, seed: int):
+    """(starts, lengths) in the .bin of the documents (or pieces of one) that make up this part."""
+    lengths = dataset.document_lengths()
+    starts = dataset.sequence_pointers[dataset.document_indices[:-1]] // dataset.dtype.itemsize
     if split is None:
-        return np.arange(num_documents)
+        return np.asarray(starts, dtype=np.int64), lengths
     fraction, part = split
-    n_eval = int(round(fraction * num_documents))
-    if fraction > 0:
-        n_eval = max(1, n_eval)
-    order = np.random.default_rng([seed, 2]).permutation(num_documents)
-    return np.sort(order[:n_eval] if part == "eval" else order[n_eval:])
+    order = np.random.default_rng([seed, 2]).permutation(len(lengths))
+    ends = np.cumsum(lengths[order])
+    cut = int(round(int(ends[-1]) * (1.0 - fraction))) if len(ends) else 0
+    k = int(np.searchsorted(ends, cut, side="right"))   # the document the cut falls in (if any)
+    head = cut - (int(ends[k - 1]) if k else 0)
+    if part == "train":
+        docs = order[:k]
+        piece = (starts[order[k]], head) if k < len(order) else None
+    else:
+        docs = order[k + 1:]
+        piece = (starts[order[k]] + head, lengths[order[k]] - head) if k < len(order) else None
+    rows = [(int(a), int(b)) for a, b in zip(starts[docs], lengths[docs])]
+    if piece is not None and piece[1] > 0:   # the document the cut falls in: its head or its tail
+        rows.append((int(piece[0]), int(piece[1])))
+    out = np.array(sorted(rows), dtype=np.int64).reshape(-1, 2)   # file order: reads stay local
+    return out[:, 0], out[:, 1]
 
 
 def build_blended(blend, *, seq_length: int, num_samples: int, seed: int, builder: bool,
@@ -57,12 +73,11 @@ def build_blended(blend, *, seq_length: int, num_samples: int, seed: int, builde
         for ds in datasets:
             check_token_ids(ds, vocab_size)
     weights = [w for w, _ in blend]
-    parts_docs, parts_lengths = [], []
+    parts_starts, parts_lengths = [], []
     for ds in datasets:
-        docs = split_documents(ds.num_documents, split, seed)
-        lengths = ds.document_lengths()[docs]
+        starts, lengths = split_pieces(ds, split, seed)
         check_fills_a_sample(ds, int(lengths.sum()), seq_length, f" ({split[1]} part)" if split else "")
-        parts_docs.append(docs)
+        parts_starts.append(starts)
         parts_lengths.append(lengths)
     key = cache_key({"v": _VERSION, "sources": [prefix_identity(ds) for ds in datasets], "weights": weights,
                      "seq_length": seq_length, "seed": seed, "num_samples": num_samples,
@@ -87,8 +102,8 @@ def build_blended(blend, *, seq_length: int, num_samples: int, seed: int, builde
     parts, sources = [], []
     for k, ds in enumerate(datasets):
         indices = {name: built[f"ds{k}_{name}"] for name in ("doc_index", "sample_index", "shuffle_index")}
-        parts.append(PackedSamples(ds, parts_docs[k], parts_lengths[k], indices, seq_length))
-        sources.append({"prefix": ds.prefix, "weight": weights[k], "documents": len(parts_docs[k]),
+        parts.append(PackedSamples(ds, parts_starts[k], parts_lengths[k], indices, seq_length))
+        sources.append({"prefix": ds.prefix, "weight": weights[k], "documents": len(parts_starts[k]),
                         "tokens": int(parts_lengths[k].sum()), "samples": len(indices["shuffle_index"]),
                         "epochs": built["meta"]["epochs"][k]})
     return BlendedSamples(parts, built["dataset_index"], built["dataset_sample_index"], seq_length, sources)

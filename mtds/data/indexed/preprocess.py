@@ -10,6 +10,7 @@ import collections
 import glob
 import os
 import re
+import resource
 import time
 
 import numpy as np
@@ -152,7 +153,11 @@ def preprocess(input_path, prefix, *, json_keys=("text",), tokenizer=None, worke
     seconds = time.perf_counter() - start
     summary = {k: {"prefix": prefixes[k], "documents": writers[k].num_documents,
                    "tokens": writers[k].num_tokens} for k in keys}
-    for k, s in summary.items():
+    if pool is not None:   # joined workers count in RUSAGE_CHILDREN: the largest one's peak
+        summary["worker_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        log(f"peak RSS of the largest worker {summary['worker_peak_rss_mib']:.0f} MiB")
+    for k in keys:
+        s = summary[k]
         log(f"{s['prefix']}: {s['documents']:,} documents, {s['tokens']:,} tokens ({dtype}) in "
             f"{seconds:.1f} s, {s['tokens'] / max(seconds, 1e-9):,.0f} tokens/s")
     summary["seconds"] = seconds

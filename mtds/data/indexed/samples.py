@@ -1,56 +1,61 @@
 """Packed GPT samples over an indexed dataset: document, sample and shuffle indices (Megatron's scheme).
 
-For `num_samples` samples of s = seq_length (+1 shared boundary token) from documents with
-lengths L (T tokens in all):
+Documents with lengths L (T tokens in all), s = seq_length:
 
-  epochs        E = the fewest with (E*T - 1) // s >= num_samples
-  doc_index     E permutations of the documents, epoch e's seeded by (seed, e), back to back:
+  doc_index     epoch permutations of the documents, epoch e's seeded by (seed, e), back to back:
                 the token stream is their concatenation (every document once per epoch)
-  shuffle_index which stream windows are used, in order: window j = stream[j*s : j*s + s + 1]
-                (consecutive windows share a boundary token, as in mtds.data.packed). Each epoch's
-                windows (by first token) are permuted among themselves; the last epoch, when
-                only part of it is needed, gives a seeded random choice of its windows
+  windows       window j = stream[j*s : j*s + s + 1] (consecutive windows share a boundary token,
+                as in mtds.data.packed); epoch e owns the windows starting in [e*T, (e+1)*T)
+  shuffle_index which windows are used, in order: epoch by epoch, each epoch's windows in a
+                permutation seeded by (seed, e); the last epoch contributes a prefix of its own
   sample_index  (position in doc_index, offset in that document) where each used window starts,
                 for all of them at once by searchsorted on the cumulative lengths (vectorized)
 
 Only the samples asked for are materialized, so a corpus far larger than the run needs costs its
-document count, not its token count. Shuffling within epochs keeps every epoch but the last one
-independent of E: a longer run repeats a shorter one's first epochs.
+document count, not its token count. Nothing depends on how many samples are asked for, so the
+first n samples of a longer build are the n samples of a shorter one: a run resumed with more
+--steps continues the same order.
 """
 import numpy as np
 
 from ..errors import DataError
 
 
+def _first_window(epoch, total: int, s: int):
+    """Index of the first window starting in `epoch` (works on arrays)."""
+    return -(-np.asarray(epoch, dtype=np.int64) * total // s)
+
+
 def epochs_needed(total_tokens: int, seq_length: int, num_samples: int) -> int:
+    """The fewest epochs whose windows number at least num_samples."""
     if total_tokens < 1:
         raise DataError("an indexed dataset with no tokens cannot give samples")
-    return max(1, -(-(num_samples * seq_length + 1) // total_tokens))
+    epochs = max(1, (num_samples - 1) * seq_length // total_tokens)
+    while _first_window(epochs, total_tokens, seq_length) < num_samples:
+        epochs += 1
+    return epochs
 
 
 def build_indices(doc_lengths: np.ndarray, seq_length: int, num_samples: int, seed: int) -> dict:
-    """doc_lengths: int64 per document (the documents this split uses, by position).
+    """doc_lengths: int64 per document (the documents this part uses, by position).
     Returns {"doc_index", "shuffle_index", "sample_index", "epochs"}, the last two of num_samples rows."""
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     total, s = int(lengths.sum()), seq_length
+    if total < s + 1:   # callers check first, with a message naming the data
+        raise DataError(f"{total} tokens cannot fill one sample of {s + 1}")
     epochs = epochs_needed(total, s, num_samples)
     n_docs = len(lengths)
     doc_dtype = np.int32 if n_docs < 2 ** 31 else np.int64
-    doc_index = np.concatenate([np.random.default_rng([seed, 0, e]).permutation(n_docs).astype(doc_dtype)
-                                for e in range(epochs)])
-    n_built = (epochs * total - 1) // s                    # windows that fit in E epochs
-    first = -(-np.arange(epochs + 1, dtype=np.int64) * total // s)   # first window of each epoch
+    perms = [np.random.default_rng([seed, 0, e]).permutation(n_docs).astype(doc_dtype) for e in range(epochs + 1)]
+    # The last window of an epoch reaches up to s tokens into the next: keep just enough of it.
+    perms[-1] = perms[-1][:int(np.searchsorted(np.cumsum(lengths[perms[-1]]), s + 1)) + 1]
+    doc_index = np.concatenate(perms)
+    first = _first_window(np.arange(epochs + 1), total, s)
     chosen, remaining = [], num_samples
     for e in range(epochs):
-        lo, hi = int(first[e]), min(int(first[e + 1]), n_built)
-        rng = np.random.default_rng([seed, 1, e])
-        if hi - lo <= remaining:
-            chosen.append(lo + rng.permutation(hi - lo))
-        else:   # the last, partly used epoch: a seeded choice without drawing a permutation of all
-            chosen.append(lo + rng.choice(hi - lo, remaining, replace=False))
+        order = first[e] + np.random.default_rng([seed, 1, e]).permutation(int(first[e + 1] - first[e]))
+        chosen.append(order[:remaining])
         remaining -= len(chosen[-1])
-        if remaining == 0:
-            break
     shuffle_index = np.concatenate(chosen).astype(np.int64)
     ends = np.cumsum(lengths[doc_index])                  # stream position where each entry ends
     starts = shuffle_index * s
@@ -63,18 +68,16 @@ def build_indices(doc_lengths: np.ndarray, seq_length: int, num_samples: int, se
 class PackedSamples:
     """Sample i (i < num_samples) of one indexed dataset as a numpy array of seq_length + 1 ids.
 
-    `documents` maps a document position (doc_index value) to the document id in `dataset`;
-    document tokens are contiguous in the .bin, starting at `doc_start[id]`.
+    Document d (a doc_index value) is the token range [doc_start[d], doc_start[d] + doc_lengths[d])
+    of the .bin: a whole document, or the piece of one that a train/eval cut leaves to this part.
     """
 
-    def __init__(self, dataset, documents, doc_lengths, indices, seq_length: int):
+    def __init__(self, dataset, doc_start, doc_lengths, indices, seq_length: int):
         self.dataset, self.seq_length = dataset, seq_length
-        self.documents = np.asarray(documents)
+        self.doc_start = np.asarray(doc_start)
         self.doc_lengths = np.asarray(doc_lengths)
         self.doc_index = indices["doc_index"]
         self.sample_index = indices["sample_index"]
-        seqs = dataset.document_indices[:-1][self.documents]
-        self.doc_start = dataset.sequence_pointers[seqs] // dataset.dtype.itemsize
 
     def __len__(self) -> int:
         return len(self.sample_index)

@@ -1,0 +1,170 @@
+"""Indexed-data numbers for docs/data.md (a benchmark, not a test).
+
+  python benchmarks/bench_indexed.py preprocess --mb 25 100 --workers 1 2   # tokens/s, peak RSS vs corpus size
+  python benchmarks/bench_indexed.py big --gb 26                            # a dataset larger than RAM
+  python benchmarks/bench_indexed.py blend                                  # shares, epochs, dp=1 vs dp=2
+
+`preprocess` writes jsonl corpora of the given sizes (lines of the shipped corpus in a seeded order,
+14 lines per document) and runs mtds-preprocess on each; `big` writes random token ids straight
+into PREFIX.bin/.idx, times start-up (index + sample indices) and reading, and deletes the files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _corpus(path: str, megabytes: float) -> int:
+    from mtds.data import SHIPPED_CORPUS
+    lines = []
+    for name in sorted(os.listdir(SHIPPED_CORPUS)):
+        if name.endswith(".txt"):
+            lines += open(os.path.join(SHIPPED_CORPUS, name), encoding="utf-8").read().splitlines()
+    rng, written, docs = np.random.default_rng(0), 0, 0
+    with open(path, "w") as f:
+        while written < megabytes * 1e6:
+            start = rng.integers(0, len(lines) - 14, size=4096)
+            for s in start:
+                line = json.dumps({"text": "\n".join(lines[s:s + 14])}) + "\n"
+                f.write(line)
+                written += len(line)
+                docs += 1
+    return docs
+
+
+def preprocess(args) -> None:
+    work = tempfile.mkdtemp(prefix="bench-pp-", dir=args.dir)
+    try:
+        for mb in args.mb:
+            corpus = os.path.join(work, f"c{mb}.jsonl")
+            docs = _corpus(corpus, mb)
+            for workers in args.workers:
+                out = os.path.join(work, f"o{mb}w{workers}")
+                t = time.perf_counter()
+                run = subprocess.run([sys.executable, "-m", "mtds.cli.preprocess", "--input", corpus,
+                                      "--output-prefix", out, "--workers", str(workers), "--no-progress",
+                                      "--append-eod"], capture_output=True, text=True, check=True)
+                wall = time.perf_counter() - t
+                tokens = int(re.search(r"([\d,]+) tokens \(", run.stdout).group(1).replace(",", ""))
+                main_rss = float(re.search(r"peak RSS (\d+) MiB \(main", run.stdout).group(1))
+                worker = re.search(r"largest worker (\d+) MiB", run.stdout)
+                print(f"| {mb} MB ({docs:,} docs, {tokens / 1e6:.1f} M tokens) | {workers} | {wall:.1f} | "
+                      f"{tokens / wall:,.0f} | {main_rss:.0f} | {worker.group(1) if worker else '-'} |", flush=True)
+                for ext in (".bin", ".idx"):
+                    os.remove(out + "_text_document" + ext)
+            os.remove(corpus)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _read_rate(ds, seq: int, n: int = 4000) -> float:
+    from mtds.data import MicroBatchStream
+    stream = MicroBatchStream(ds, global_batch_size=16, micro_batch_size=16, shuffle=False)
+    t = time.perf_counter()
+    for _ in range(n // 16):
+        next(stream)
+    return n * seq / (time.perf_counter() - t)
+
+
+def big(args) -> None:
+    from mtds.data.indexed import IndexedWriter
+    from mtds.data.indexed.blended import build_blended
+    work = tempfile.mkdtemp(prefix="bench-big-", dir=args.dir)
+    try:
+        prefix, rng = os.path.join(work, "random"), np.random.default_rng(0)
+        tokens = int(args.gb * 1e9 / 2)
+        t = time.perf_counter()
+        with IndexedWriter(prefix, np.uint16) as w:
+            done = 0
+            while done < tokens:
+                lengths = rng.integers(200, 4000, size=25_000)
+                flat = rng.integers(0, 8192, size=int(lengths.sum()), dtype=np.uint16)
+                w.add_documents(flat, lengths)
+                done += len(flat)
+        print(f"wrote {args.gb:.1f} GB ({done / 1e9:.2f} B tokens, {w.num_documents:,} documents) in "
+              f"{time.perf_counter() - t:.0f} s; RSS {_rss_mib():.0f} MiB", flush=True)
+        small = os.path.join(work, "small")
+        with IndexedWriter(small, np.uint16) as w:
+            lengths = rng.integers(200, 4000, size=2000)
+            w.add_documents(rng.integers(0, 8192, size=int(lengths.sum()), dtype=np.uint16), lengths)
+        for name, p in (("big", prefix), ("small", small)):
+            for attempt in ("cold", "cached"):
+                before = _rss_mib()
+                t = time.perf_counter()
+                ds = build_blended([(1.0, p)], seq_length=args.seq, num_samples=args.samples, seed=1,
+                                   builder=True, cache_dir=os.path.join(work, "cache"), log=lambda _: None)
+                start_up = time.perf_counter() - t
+                print(f"{name} ({attempt} indices): start-up {start_up:.2f} s, RSS {before:.0f} -> "
+                      f"{_rss_mib():.0f} MiB", flush=True)
+            rate = _read_rate(ds, args.seq)
+            print(f"{name}: reads {rate:,.0f} tokens/s into micro-batches; RSS {_rss_mib():.0f} MiB; "
+                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB", flush=True)
+            del ds
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def blend(args) -> None:
+    from mtds.data import MicroBatchStream
+    from mtds.data.indexed import IndexedWriter
+    from mtds.data.indexed.blended import build_blended
+    work = tempfile.mkdtemp(prefix="bench-blend-", dir=args.dir)
+    try:
+        rng, pairs = np.random.default_rng(0), []
+        for k, (weight, docs) in enumerate(((0.5, 3000), (0.3, 400), (0.2, 50))):
+            p = os.path.join(work, f"src{k}")
+            with IndexedWriter(p, np.uint16) as w:
+                lengths = rng.integers(50, 800, size=docs)
+                w.add_documents(np.full(int(lengths.sum()), k, dtype=np.uint16), lengths)
+            pairs.append((weight, p))
+        ds = build_blended(pairs, seq_length=128, num_samples=10_000, seed=1, builder=True,
+                           cache_dir=os.path.join(work, "cache"), log=lambda _: None)
+        for k, src in enumerate(ds.sources):
+            share = np.mean([int(ds[n][0]) == k for n in range(len(ds))])
+            print(f"| {os.path.basename(src['prefix'])} | {src['weight']:.2f} | {share:.4f} | {src['documents']:,} | "
+                  f"{src['tokens']:,} | {src['epochs']} |")
+        one = MicroBatchStream(ds, global_batch_size=16, micro_batch_size=2, shuffle=False)
+        two = [MicroBatchStream(ds, global_batch_size=16, micro_batch_size=2, dp_rank=r, dp_size=2, shuffle=False)
+               for r in range(2)]
+        same = all(np.array_equal(one.global_batch_indices(16 * k),
+                                  np.concatenate([s.rank_indices(16 * k) for s in two])) for k in range(625))
+        print(f"dp=1 vs dp=2: the same samples in all 625 global batches: {same}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="where to write the temporary data [system temp]")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("preprocess")
+    a.add_argument("--mb", type=float, nargs="+", default=[25, 100])
+    a.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    b = sub.add_parser("big")
+    b.add_argument("--gb", type=float, default=26)
+    b.add_argument("--seq", type=int, default=1024)
+    b.add_argument("--samples", type=int, default=20_000)
+    sub.add_parser("blend")
+    args = ap.parse_args()
+    {"preprocess": preprocess, "big": big, "blend": blend}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
