@@ -87,6 +87,7 @@ def test_indices_match_the_epoch_stream(tmp_path):
     assert not np.array_equal(shuffle[:10], np.arange(10))   # epoch 0 is shuffled
     exact = build_indices(lengths, s, num_samples=38, seed=seed)   # 4 epochs start 37 windows: one more
     assert exact["epochs"] == 5 and len(exact["sample_index"]) == 38
+    assert build_indices(lengths, s, num_samples=37, seed=seed)["epochs"] == 4   # exactly 4 epochs' windows
     longer = build_indices(lengths, s, num_samples=60, seed=seed)   # a longer run begins the same way
     for name in ("shuffle_index", "sample_index"):
         assert np.array_equal(longer[name][:30], idx[name])
