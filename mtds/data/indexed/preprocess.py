@@ -4,7 +4,8 @@ The main process reads documents and cuts them into chunks; workers tokenize chu
 process writes their ids in input order. At most 2 chunks per worker are in flight, so memory is
 bounded by the chunk size and the worker count, never by the corpus. Output, per json key, is
 `PREFIX_{key}_document.{bin,idx}` (Megatron's preprocess_data.py naming, so its training scripts
-carry over); `--shard i/N` writes `PREFIX_{key}_document.shard-i-of-N` and `merge_shards` joins them.
+carry over); `--shard i/N` takes every N-th document from the i-th on into `PREFIX_{key}_document.shard-i-of-N`,
+and `merge_shards` joins the shards in shard order.
 """
 import collections
 import glob
@@ -96,16 +97,18 @@ def _encode(chunk):
 
 
 def _chunks(docs, shard):
+    """Shard i of N takes documents i, i+N, i+2N, ... (balanced even for a few large documents)."""
     index, n = shard
-    chunk, chars, number = [], 0, 0
-    for doc in docs:
+    chunk, chars = [], 0
+    for number, doc in enumerate(docs):
+        if number % n != index:
+            continue
         chunk.append(doc)
         chars += sum(len(t) for t in doc.values())
         if len(chunk) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
-            if number % n == index:
-                yield chunk
-            chunk, chars, number = [], 0, number + 1
-    if chunk and number % n == index:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
         yield chunk
 
 
