@@ -117,8 +117,31 @@ def big(args) -> None:
             print(f"{name}: reads {rate:,.0f} tokens/s into micro-batches; RSS {_rss_mib():.0f} MiB; "
                   f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB", flush=True)
             del ds
+            if args.train_steps:
+                _train(name, p, args.train_steps, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _train(name: str, prefix: str, steps: int, work: str) -> None:
+    """train.py on one rank (gpt2-tiny, seq 128): start-up to the first step, tokens/s, peak RSS."""
+    log = os.path.join(work, f"{name}.jsonl")
+    t = time.perf_counter()
+    run = subprocess.run([sys.executable, "train.py", "--deepspeed_config", "ds_configs/cpu_fp32.json",
+                          "--steps", str(steps), "--data-path", prefix, "--eval-split", "0", "--no-progress",
+                          "--log-jsonl", log], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(29500 + os.getpid() % 1000)))
+    wall = time.perf_counter() - t
+    if run.returncode:
+        print(f"{name}: train.py failed: {run.stderr.strip().splitlines()[-1]}")
+        return
+    rows = [json.loads(line) for line in open(log) if '"step"' in line]
+    rates = sorted(r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r)
+    step_time = sum(r.get("step_time_s", 0) for r in rows)
+    print(f"{name}: train.py {steps} steps in {wall:.1f} s (start-up and exit {wall - step_time:.1f} s); "
+          f"median {rates[len(rates) // 2]:,.0f} tokens/s; peak RSS {rows[-1]['peak_mem_gib'] * 1024:.0f} MiB",
+          flush=True)
 
 
 def blend(args) -> None:
@@ -161,6 +184,7 @@ def main() -> None:
     b.add_argument("--gb", type=float, default=26)
     b.add_argument("--seq", type=int, default=1024)
     b.add_argument("--samples", type=int, default=20_000)
+    b.add_argument("--train-steps", type=int, default=20, help="train.py steps on each dataset (0: none)")
     sub.add_parser("blend")
     args = ap.parse_args()
     {"preprocess": preprocess, "big": big, "blend": blend}[args.cmd](args)

@@ -152,3 +152,12 @@ def test_bad_input(tmp_path, jsonl, capsys):
     assert IndexedDataset(out + "_text_document").num_tokens > 0
     assert "no shards of" in cli_error(capsys, ["--merge", "--output-prefix", out])
     assert "unrecognized arguments" in cli_error(capsys, ["--output-prefix", out, "--split-sentences"])
+
+
+def test_backend_and_hf_encoders_agree(tok, texts):
+    """Workers encode with the Rust backend alone; a slow tokenizer goes through transformers: same ids."""
+    chunk = [{"text": t} for t in texts]
+    fast = pp._Encoder(pp.encoder_spec(tok, None), ["text"], True)(chunk)["text"]
+    slow = pp._Encoder(("name", None, tok.eos_token_id), ["text"], True)(chunk)["text"]
+    assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])
+    assert list(np.split(fast[0], np.cumsum(fast[1])[:-1])[6]) == expected(tok, texts)[6]

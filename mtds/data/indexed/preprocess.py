@@ -65,31 +65,56 @@ _ENCODER = None   # per worker process: set once by the pool initializer, read b
 
 
 class _Encoder:
-    def __init__(self, tokenizer, keys, append_eod):
-        from ..tokenizer import load_tokenizer
-        self.tok = load_tokenizer(tokenizer)
+    """Token ids of documents, as `tok(texts, add_special_tokens=False, split_special_tokens=True)`.
+
+    A fast tokenizer travels as its Rust backend's JSON: workers then need only `tokenizers`
+    (no transformers, no torch: ~0.1 s and tens of MB each instead of seconds and ~300 MB).
+    """
+
+    def __init__(self, spec, keys, append_eod):
+        kind, payload, self.eos = spec
+        if kind == "backend":
+            from tokenizers import Tokenizer
+            self.backend = Tokenizer.from_str(payload)
+            # split_special_tokens: a literal "<|endoftext|>" in a text stays text, so EOD
+            # ids appear only where --append-eod puts them.
+            self.backend.encode_special_tokens = True
+            self.tok = None
+        else:   # a slow (python) tokenizer: load it by name
+            from ..tokenizer import load_tokenizer
+            self.tok = load_tokenizer(payload)
         self.keys, self.append_eod = keys, append_eod
+
+    def _ids(self, texts):
+        if self.tok is None:
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        return self.tok(texts, add_special_tokens=False, split_special_tokens=True,
+                        return_attention_mask=False, verbose=False)["input_ids"]
 
     def __call__(self, chunk):
         """{key: (ids int32 back to back, lengths)} for the non-empty documents of `chunk`."""
         out = {}
         for key in self.keys:
             texts = [doc[key] for doc in chunk if doc[key]]
-            # split_special_tokens: a literal "<|endoftext|>" in a text stays text, so EOD
-            # ids appear only where --append-eod puts them.
-            ids = self.tok(texts, add_special_tokens=False, split_special_tokens=True,
-                           return_attention_mask=False, verbose=False)["input_ids"] if texts else []
+            ids = self._ids(texts) if texts else []
             if self.append_eod:
-                ids = [seq + [self.tok.eos_token_id] for seq in ids]
+                ids = [seq + [self.eos] for seq in ids]
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
             flat = np.fromiter((t for seq in ids for t in seq), dtype=np.int32, count=int(lengths.sum()))
             out[key] = flat, lengths
         return out
 
 
-def _init_worker(tokenizer, keys, append_eod):
+def encoder_spec(tok, name):
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return ("backend", backend.to_str(), tok.eos_token_id)
+    return ("name", name, tok.eos_token_id)
+
+
+def _init_worker(spec, keys, append_eod):
     global _ENCODER
-    _ENCODER = _Encoder(tokenizer, keys, append_eod)
+    _ENCODER = _Encoder(spec, keys, append_eod)
 
 
 def _encode(chunk):
@@ -122,6 +147,7 @@ def preprocess(input_path, prefix, *, json_keys=("text",), tokenizer=None, worke
     keys = list(dict.fromkeys(json_keys))
     shard = shard or (0, 1)
     tok = load_tokenizer(tokenizer)   # validates it before any worker starts
+    spec = encoder_spec(tok, tokenizer)
     dtype = dtype_for_vocab(len(tok))
     prefixes = {k: output_prefix(prefix, k, shard) for k in keys}
     for p in prefixes.values():
@@ -135,10 +161,10 @@ def preprocess(input_path, prefix, *, json_keys=("text",), tokenizer=None, worke
         if workers > 1:
             import multiprocessing
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # no Rust thread pool in forks
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer, keys, append_eod))
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec, keys, append_eod))
             results = _ordered(pool, _chunks(docs, shard), 2 * workers)
         else:
-            encoder = _Encoder(tokenizer, keys, append_eod)
+            encoder = _Encoder(spec, keys, append_eod)
             results = map(encoder, _chunks(docs, shard))
         _write_all(results, writers, keys[0], show_progress)
         if writers[keys[0]].num_documents == 0 and shard[1] == 1:
