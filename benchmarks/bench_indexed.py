@@ -1,7 +1,7 @@
 """Indexed-data numbers for docs/data.md (a benchmark, not a test).
 
   python benchmarks/bench_indexed.py preprocess --mb 25 100 --workers 1 2   # tokens/s, peak RSS vs corpus size
-  python benchmarks/bench_indexed.py big --gb 26                            # a dataset larger than RAM
+  python benchmarks/bench_indexed.py big --gb 28                            # a dataset larger than RAM
   python benchmarks/bench_indexed.py blend                                  # shares, epochs, dp=1 vs dp=2
 
 `preprocess` writes jsonl corpora of the given sizes (lines of the shipped corpus in a seeded order,
@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -69,9 +68,11 @@ def preprocess(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _rss_mib() -> float:
+def _rss_mib(kind: str = "VmRSS") -> float:
+    """VmRSS, or RssAnon (memory the process allocated) / RssFile (mapped page cache: the .bin's
+    pages read so far, shared and reclaimable)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(kind + ":")) / 1024
 
 
 def _read_rate(ds, seq: int, n: int = 4000) -> float:
@@ -112,13 +113,13 @@ def big(args) -> None:
                                    builder=True, cache_dir=os.path.join(work, "cache"), log=lambda _: None)
                 start_up = time.perf_counter() - t
                 print(f"{name} ({attempt} indices): start-up {start_up:.2f} s, RSS {before:.0f} -> "
-                      f"{_rss_mib():.0f} MiB", flush=True)
-            rate = _read_rate(ds, args.seq)
-            print(f"{name}: reads {rate:,.0f} tokens/s into micro-batches; RSS {_rss_mib():.0f} MiB; "
-                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB", flush=True)
-            del ds
-            if args.train_steps:
+                      f"{_rss_mib():.0f} MiB ({_rss_mib('RssAnon'):.0f} anonymous)", flush=True)
+            if args.train_steps:   # first: a child's ru_maxrss starts at its parent's RSS at fork
                 _train(name, p, args.train_steps, work)
+            rate = _read_rate(ds, args.seq)
+            print(f"{name}: reads {rate:,.0f} tokens/s into micro-batches; RSS {_rss_mib():.0f} MiB = "
+                  f"{_rss_mib('RssAnon'):.0f} anonymous + {_rss_mib('RssFile'):.0f} mapped file pages", flush=True)
+            del ds
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -127,21 +128,34 @@ def _train(name: str, prefix: str, steps: int, work: str) -> None:
     """train.py on one rank (gpt2-tiny, seq 128): start-up to the first step, tokens/s, peak RSS."""
     log = os.path.join(work, f"{name}.jsonl")
     t = time.perf_counter()
-    run = subprocess.run([sys.executable, "train.py", "--deepspeed_config", "ds_configs/cpu_fp32.json",
-                          "--steps", str(steps), "--data-path", prefix, "--eval-split", "0", "--no-progress",
-                          "--log-jsonl", log], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(29500 + os.getpid() % 1000)))
+    child = subprocess.Popen([sys.executable, "train.py", "--deepspeed_config", "ds_configs/cpu_fp32.json",
+                              "--steps", str(steps), "--data-path", prefix, "--eval-split", "0", "--no-progress",
+                              "--log-jsonl", log], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000)))
+    # The child's own peaks from /proc (its ru_maxrss would start at this process's RSS at fork).
+    peak = {"VmHWM": 0.0, "RssAnon": 0.0}
+    while child.poll() is None:
+        try:
+            with open(f"/proc/{child.pid}/status") as f:
+                for line in f:
+                    key = line.split(":")[0]
+                    if key in peak:
+                        peak[key] = max(peak[key], int(line.split()[1]) / 1024)
+        except OSError:
+            pass
+        time.sleep(0.2)
+    err = child.stderr.read()
     wall = time.perf_counter() - t
-    if run.returncode:
-        print(f"{name}: train.py failed: {run.stderr.strip().splitlines()[-1]}")
+    if child.returncode:
+        print(f"{name}: train.py failed: {err.strip().splitlines()[-1]}")
         return
     rows = [json.loads(line) for line in open(log) if '"step"' in line]
     rates = sorted(r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r)
     step_time = sum(r.get("step_time_s", 0) for r in rows)
     print(f"{name}: train.py {steps} steps in {wall:.1f} s (start-up and exit {wall - step_time:.1f} s); "
-          f"median {rates[len(rates) // 2]:,.0f} tokens/s; peak RSS {rows[-1]['peak_mem_gib'] * 1024:.0f} MiB",
-          flush=True)
+          f"median {rates[len(rates) // 2]:,.0f} tokens/s; peak RSS {peak['VmHWM']:.0f} MiB "
+          f"(anonymous {peak['RssAnon']:.0f})", flush=True)
 
 
 def blend(args) -> None:
@@ -181,7 +195,7 @@ def main() -> None:
     a.add_argument("--mb", type=float, nargs="+", default=[25, 100])
     a.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     b = sub.add_parser("big")
-    b.add_argument("--gb", type=float, default=26)
+    b.add_argument("--gb", type=float, default=28)
     b.add_argument("--seq", type=int, default=1024)
     b.add_argument("--samples", type=int, default=20_000)
     b.add_argument("--train-steps", type=int, default=20, help="train.py steps on each dataset (0: none)")
