@@ -58,11 +58,12 @@ def split_pieces(dataset, split, seed: int):
     else:
         docs = order[k + 1:]
         piece = (starts[order[k]] + head, lengths[order[k]] - head) if k < len(order) else None
-    rows = [(int(a), int(b)) for a, b in zip(starts[docs], lengths[docs])]
+    part_starts, part_lengths = starts[docs].astype(np.int64), lengths[docs]
     if piece is not None and piece[1] > 0:   # the document the cut falls in: its head or its tail
-        rows.append((int(piece[0]), int(piece[1])))
-    out = np.array(sorted(rows), dtype=np.int64).reshape(-1, 2)   # file order: reads stay local
-    return out[:, 0], out[:, 1]
+        part_starts = np.append(part_starts, piece[0])
+        part_lengths = np.append(part_lengths, piece[1])
+    in_file_order = np.argsort(part_starts, kind="stable")   # reads stay local
+    return part_starts[in_file_order], part_lengths[in_file_order]
 
 
 def build_blended(blend, *, seq_length: int, num_samples: int, seed: int, builder: bool,
