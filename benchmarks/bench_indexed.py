@@ -52,20 +52,47 @@ def preprocess(args) -> None:
             for workers in args.workers:
                 out = os.path.join(work, f"o{mb}w{workers}")
                 t = time.perf_counter()
-                run = subprocess.run([sys.executable, "-m", "mtds.cli.preprocess", "--input", corpus,
-                                      "--output-prefix", out, "--workers", str(workers), "--no-progress",
-                                      "--append-eod"], capture_output=True, text=True, check=True)
+                child = subprocess.Popen([sys.executable, "-m", "mtds.cli.preprocess", "--input", corpus,
+                                          "--output-prefix", out, "--workers", str(workers), "--no-progress",
+                                          "--append-eod"], stdout=subprocess.PIPE, text=True)
+                main_peak, worker_peak = _poll_peaks(child)
                 wall = time.perf_counter() - t
-                tokens = int(re.search(r"([\d,]+) tokens \(", run.stdout).group(1).replace(",", ""))
-                main_rss = float(re.search(r"peak RSS (\d+) MiB \(main", run.stdout).group(1))
-                worker = re.search(r"largest worker (\d+) MiB", run.stdout)
-                print(f"| {mb} MB ({docs:,} docs, {tokens / 1e6:.1f} M tokens) | {workers} | {wall:.1f} | "
-                      f"{tokens / wall:,.0f} | {main_rss:.0f} | {worker.group(1) if worker else '-'} |", flush=True)
+                stdout = child.stdout.read()
+                tokens = int(re.search(r"([\d,]+) tokens \(", stdout).group(1).replace(",", ""))
+                print(f"| {mb:.0f} MB ({docs:,} docs, {tokens / 1e6:.1f} M tokens) | {workers} | {wall:.1f} | "
+                      f"{tokens / wall:,.0f} | {main_peak:.0f} | {worker_peak:.0f} |" if workers > 1 else
+                      f"| {mb:.0f} MB ({docs:,} docs, {tokens / 1e6:.1f} M tokens) | {workers} | {wall:.1f} | "
+                      f"{tokens / wall:,.0f} | {main_peak:.0f} | - |", flush=True)
                 for ext in (".bin", ".idx"):
                     os.remove(out + "_text_document" + ext)
             os.remove(corpus)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _status(pid, key: str) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def _poll_peaks(child):
+    """Peak RSS (VmHWM, the process's own) of a child and of the largest of its children, polled
+    until it exits (ru_maxrss would start at the parent's RSS at fork)."""
+    main = workers = 0.0
+    while child.poll() is None:
+        main = max(main, _status(child.pid, "VmHWM"))
+        try:
+            with open(f"/proc/{child.pid}/task/{child.pid}/children") as f:
+                kids = f.read().split()
+        except OSError:
+            kids = []
+        for kid in kids:
+            workers = max(workers, _status(kid, "VmHWM"))
+        time.sleep(0.2)
+    return main, workers
 
 
 def _rss_mib(kind: str = "VmRSS") -> float:

@@ -63,8 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written (no .idx left behind)", file=sys.stderr, flush=True)
         sys.exit(130)
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    log(f"peak RSS {rss_mib:.0f} MiB (main process)")
+    log(f"peak RSS {_peak_rss_mib():.0f} MiB (main process)")
+
+
+def _peak_rss_mib() -> float:
+    """This process's own peak (VmHWM); ru_maxrss would include the launching process's RSS at fork."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

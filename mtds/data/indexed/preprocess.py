@@ -11,7 +11,6 @@ import collections
 import glob
 import os
 import re
-import resource
 import time
 
 import numpy as np
@@ -182,9 +181,6 @@ def preprocess(input_path, prefix, *, json_keys=("text",), tokenizer=None, worke
     seconds = time.perf_counter() - start
     summary = {k: {"prefix": prefixes[k], "documents": writers[k].num_documents,
                    "tokens": writers[k].num_tokens} for k in keys}
-    if pool is not None:   # joined workers count in RUSAGE_CHILDREN: the largest one's peak
-        summary["worker_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        log(f"peak RSS of the largest worker {summary['worker_peak_rss_mib']:.0f} MiB")
     for k in keys:
         s = summary[k]
         log(f"{s['prefix']}: {s['documents']:,} documents, {s['tokens']:,} tokens ({dtype}) in "
