@@ -16,7 +16,7 @@ from mtds.data.indexed.blended import build_blended
 from mtds.data.indexed.checks import check_token_ids
 from mtds.data.indexed.index_cache import load_or_build
 from mtds.data.indexed.reader import IndexedDataset
-from mtds.data.indexed.samples import PackedSamples, build_indices
+from mtds.data.indexed.samples import PackedSamples, build_indices, permuted
 
 
 def write(prefix, docs, dtype=np.uint16):
@@ -211,3 +211,12 @@ def test_resume_continues_the_blend(tmp_path):
     grown = MicroBatchStream(longer, global_batch_size=8, micro_batch_size=4, shuffle=False)
     grown.load_state_dict(MicroBatchStream(shorter, global_batch_size=8, micro_batch_size=4,
                                            shuffle=False).state_dict())
+
+
+def test_permuted_is_a_prefix_stable_permutation():
+    for n in (1, 2, 3, 37, 1000, 65_537):
+        assert sorted(permuted(np.arange(n), n, (1, n))) == list(range(n))
+    full = permuted(np.arange(5000), 5000, (7,))
+    assert np.array_equal(permuted(np.arange(40), 5000, (7,)), full[:40])   # no need to build the rest
+    assert abs(np.mean(np.abs(np.diff(full))) - 5000 / 3) < 100   # |step| of a random permutation: n/3
+    assert not np.array_equal(full, permuted(np.arange(5000), 5000, (8,)))

@@ -7,7 +7,9 @@ Documents with lengths L (T tokens in all), s = seq_length:
   windows       window j = stream[j*s : j*s + s + 1] (consecutive windows share a boundary token,
                 as in mtds.data.packed); epoch e owns the windows starting in [e*T, (e+1)*T)
   shuffle_index which windows are used, in order: epoch by epoch, each epoch's windows in a
-                permutation seeded by (seed, e); the last epoch contributes a prefix of its own
+                pseudo-random permutation keyed by (seed, e); the last epoch contributes a prefix of
+                its own. The permutation is a Feistel network (cycle-walked onto the window count),
+                evaluated only at the positions used: O(samples used), not O(windows in the epoch)
   sample_index  (position in doc_index, offset in that document) where each used window starts,
                 for all of them at once by searchsorted on the cumulative lengths (vectorized)
 
@@ -24,6 +26,37 @@ from ..errors import DataError
 def _first_window(epoch, total: int, s: int):
     """Index of the first window starting in `epoch` (works on arrays)."""
     return -(-np.asarray(epoch, dtype=np.int64) * total // s)
+
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def permuted(positions: np.ndarray, n: int, key) -> np.ndarray:
+    """Entries `positions` of a keyed pseudo-random permutation of range(n), without building it.
+
+    A 4-round Feistel network is a bijection of [0, 2^bits); values that land at or beyond n walk
+    the cycle again until they fall inside, which keeps it a bijection of [0, n). The first m
+    entries therefore do not depend on how many are asked for.
+    """
+    if n <= 1:
+        return np.zeros(len(positions), dtype=np.int64)
+    bits = max(2, int(n - 1).bit_length())
+    bits += bits % 2
+    half, mask = np.uint64(bits // 2), np.uint64((1 << (bits // 2)) - 1)
+    keys = np.random.default_rng(list(key)).integers(0, 2 ** 63, size=4, dtype=np.uint64)
+    out = np.asarray(positions, dtype=np.uint64).copy()
+    todo = np.ones(len(out), dtype=bool)
+    with np.errstate(over="ignore"):
+        while todo.any():
+            x = out[todo]
+            left, right = x >> half, x & mask
+            for k in keys:
+                mixed = (right + k) * _MULT
+                left, right = right, left ^ ((mixed ^ (mixed >> np.uint64(29))) & mask)
+            x = (left << half) | right
+            out[todo] = x
+            todo[todo] = x >= np.uint64(n)
+    return out.astype(np.int64)
 
 
 def epochs_needed(total_tokens: int, seq_length: int, num_samples: int) -> int:
@@ -53,9 +86,10 @@ def build_indices(doc_lengths: np.ndarray, seq_length: int, num_samples: int, se
     first = _first_window(np.arange(epochs + 1), total, s)
     chosen, remaining = [], num_samples
     for e in range(epochs):
-        order = first[e] + np.random.default_rng([seed, 1, e]).permutation(int(first[e + 1] - first[e]))
-        chosen.append(order[:remaining])
-        remaining -= len(chosen[-1])
+        size = int(first[e + 1] - first[e])
+        take = min(size, remaining)
+        chosen.append(first[e] + permuted(np.arange(take, dtype=np.int64), size, (seed, 1, e)))
+        remaining -= take
     shuffle_index = np.concatenate(chosen).astype(np.int64)
     ends = np.cumsum(lengths[doc_index])                  # stream position where each entry ends
     starts = shuffle_index * s
