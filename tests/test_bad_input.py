@@ -62,6 +62,7 @@ def make_inputs(tmp: str) -> dict:
         f.write(bytes(range(256)) * 64)
     p["garbage"] = os.path.join(tmp, "garbage.jsonl")
     p["few"] = _ds(tmp, "few.txt", "To be, or not to be, that is the question.\n" * 20)
+    _indexed_inputs(tmp, p)
     os.makedirs(os.path.join(tmp, "notok"), exist_ok=True)
     p["notok"] = os.path.join(tmp, "notok")
     os.makedirs(os.path.join(tmp, "noweights"), exist_ok=True)
@@ -84,6 +85,26 @@ def make_inputs(tmp: str) -> dict:
                 f.write(b"0123456789")
         p[name] = os.path.join(tmp, name)
     return p
+
+
+def _indexed_inputs(tmp: str, p: dict) -> None:
+    """Megatron indexed datasets: a good one and broken copies of it."""
+    import numpy as np
+
+    from mtds.data.indexed import IndexedWriter
+    for name, dtype, ids in (("idx", np.uint16, np.arange(2000) % 8000), ("idxbig", np.int32, [5, 9000, 7] * 100),
+                             ("idxtiny", np.uint16, [1, 2, 3])):
+        p[name] = os.path.join(tmp, name)
+        with IndexedWriter(p[name], dtype) as w:
+            w.add_document(ids)
+    for name, cut in (("idxmagic", None), ("idxshort", 1000)):
+        p[name] = os.path.join(tmp, name)
+        data = open(p["idx"] + ".bin", "rb").read()
+        index = open(p["idx"] + ".idx", "rb").read()
+        with open(p[name] + ".bin", "wb") as f:
+            f.write(data[:cut] if cut else data)
+        with open(p[name] + ".idx", "wb") as f:
+            f.write(index if cut else b"NOTMEGA\0\0" + index[9:])
 
 
 # (id, argv with {name} placeholders for make_inputs' paths, text the error line must contain)
@@ -117,6 +138,17 @@ RUN_CASES = [
     ("data-binary-garbage", ["--deepspeed_config", CPU, "--data", "{garbage}"], "garbage.jsonl"),
     ("data-too-few-for-a-batch", ["--deepspeed_config", CPU, "--data", "{few}", "--eval-split", "0"],
      "global batch"),
+    ("data-path-missing-prefix", ["--deepspeed_config", CPU, "--data-path", "/no/such/prefix"], "does not exist"),
+    ("data-path-odd-blend", ["--deepspeed_config", CPU, "--data-path", "0.3", "{idx}", "0.7"], "weight prefix pairs"),
+    ("data-path-negative-weight", ["--deepspeed_config", CPU, "--data-path", "-0.3", "{idx}", "1", "{idx}"],
+     "must be a positive number"),
+    ("data-path-and-data", ["--deepspeed_config", CPU, "--data-path", "{idx}", "--data", "{few}"], "keep one"),
+    ("data-path-not-megatron", ["--deepspeed_config", CPU, "--data-path", "{idxmagic}"], "is not a Megatron index"),
+    ("data-path-bin-truncated", ["--deepspeed_config", CPU, "--data-path", "{idxshort}"], "shorter than its index says"),
+    ("data-path-token-above-vocab", ["--deepspeed_config", CPU, "--data-path", "{idxbig}"],
+     "holds token id 9000, outside the model's vocabulary of 8192"),
+    ("data-path-too-small", ["--deepspeed_config", CPU, "--data-path", "{idxtiny}", "--eval-split", "0"],
+     "fewer than one sample"),
     # tokenizers
     ("tokenizer-missing-dir", ["--deepspeed_config", CPU, "--tokenizer", "/no/such/tokenizer"], "tokenizer"),
     ("tokenizer-dir-without-files", ["--deepspeed_config", CPU, "--tokenizer", "{notok}"], "tokenizer"),

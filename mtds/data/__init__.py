@@ -10,14 +10,27 @@
 
 Every error is a DataError with a one-line message.
 """
-from .assets import SHIPPED_CORPUS, SHIPPED_TOKENIZER
-from .checks import check_seq_length
-from .errors import DataError
-from .packed import PackedDataset, build_packed_dataset
-from .split import build_train_eval, split_train_eval
-from .stream import MicroBatchStream
-from .tokenizer import check_vocab, load_tokenizer
+import importlib
+
+# Resolved on first use (PEP 562): mtds-preprocess's worker processes import mtds.data.indexed and
+# must not pay for torch and datasets, which the training-side modules pull in.
+_HOMES = {"SHIPPED_CORPUS": "assets", "SHIPPED_TOKENIZER": "assets", "check_seq_length": "checks",
+          "DataError": "errors", "PackedDataset": "packed", "build_packed_dataset": "packed",
+          "build_train_eval": "split", "split_train_eval": "split", "MicroBatchStream": "stream",
+          "build_streams": "streams", "check_vocab": "tokenizer", "load_tokenizer": "tokenizer"}
 
 __all__ = ["DataError", "load_tokenizer", "check_vocab", "check_seq_length",
            "build_packed_dataset", "PackedDataset", "split_train_eval", "build_train_eval",
-           "MicroBatchStream", "SHIPPED_CORPUS", "SHIPPED_TOKENIZER"]
+           "MicroBatchStream", "build_streams", "SHIPPED_CORPUS", "SHIPPED_TOKENIZER"]
+
+
+def __getattr__(name):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

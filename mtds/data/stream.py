@@ -31,12 +31,16 @@ class MicroBatchStream:
     Stages that need neither inputs nor labels (middle pipeline stages) read no
     data and get zero tensors of the right shape; when only one of the two is
     needed, the other is a zero tensor too.
+
+    `eod_mask_id` (--eod-mask-loss): labels at positions whose input is that token are -100, the
+    ignore index of the loss, as Megatron's loss mask: no loss on guessing a new document's first
+    token from the end of the previous one.
     """
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 1234, consumed_samples: int = 0,
                  need_inputs: bool = True, need_labels: bool = True, shuffle: bool = True,
-                 name: str = "training"):
+                 name: str = "training", eod_mask_id=None):
         B, b, d = global_batch_size, micro_batch_size, dp_size
         if min(B, b, d) < 1 or B % d or (B // d) % b:
             raise DataError(f"global batch size {B} must be a multiple of micro batch size {b} "
@@ -51,6 +55,7 @@ class MicroBatchStream:
         self.global_batch_size, self.micro_batch_size = B, b
         self.dp_rank, self.dp_size = dp_rank, d
         self.seed, self.shuffle = seed, shuffle
+        self.eod_mask_id = eod_mask_id
         self.need_inputs, self.need_labels = need_inputs, need_labels
         self.consumed_samples = int(consumed_samples)
         self.samples_per_epoch = (len(dataset) // B) * B
@@ -106,6 +111,8 @@ class MicroBatchStream:
             block = torch.stack([self.dataset[int(i)] for i in ids])
             inputs = block[:, :-1].contiguous() if self.need_inputs else torch.zeros(b, s, dtype=torch.long)
             labels = block[:, 1:].contiguous() if self.need_labels else torch.zeros(b, s, dtype=torch.long)
+            if self.need_labels and self.eod_mask_id is not None:
+                labels[block[:, :-1] == self.eod_mask_id] = -100
         else:
             inputs = labels = torch.zeros(b, s, dtype=torch.long)
         self._micro += 1
@@ -125,7 +132,10 @@ class MicroBatchStream:
         the data must not, or the stream would not be the same one (strict=False skips
         that check)."""
         if strict:
-            for field in ("seed", "num_samples", "shuffle"):
+            # A dataset whose first n samples do not depend on its length (indexed blends) may
+            # grow: a run resumed with more --steps continues the same order.
+            grows = getattr(self.dataset, "grows_by_prefix", False) and not self.shuffle
+            for field in ("seed", "shuffle") if grows else ("seed", "num_samples", "shuffle"):
                 mine = getattr(self, field) if field != "num_samples" else len(self.dataset)
                 if field in state and state[field] != mine:
                     raise DataError(f"checkpoint data state has {field}={state[field]} but this "

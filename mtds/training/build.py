@@ -73,42 +73,10 @@ def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
 
 
 def build_data(cfg: TrainConfig, world: World, batch: BatchPlan, logger: StepLogger):
-    """The training stream and a factory of evaluation streams; each rank reads only what its stages need."""
-    from mtds.data import (MicroBatchStream, build_packed_dataset, build_train_eval, check_seq_length,
-                           check_vocab, load_tokenizer)
-    model_cfg, groups = world.model_cfg, world.groups
-    check_seq_length(cfg.seq_length, model_cfg.max_position_embeddings)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    check_vocab(tokenizer, model_cfg.vocab_size)
-
-    def build(spec):
-        return build_packed_dataset(spec, tokenizer, cfg.seq_length, text_column=cfg.text_column,
-                                    num_proc=cfg.num_proc, show_progress=dist.get_rank() == 0)
-
-    # Rank 0 fills the tokenization cache; the rest wait, then read it (no concurrent writers).
-    if dist.get_rank() == 0:
-        train_ds, eval_ds = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
-        dist.barrier()
-    else:
-        dist.barrier()
-        train_ds, eval_ds = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
-    logger.info(f"data: {len(train_ds)} training samples of {cfg.seq_length + 1} tokens"
-                + (f", {len(eval_ds)} held out" if eval_ds is not None else ""))
-    needs = dict(need_inputs=groups.is_first_stage or groups.layout.pp == 1,
-                 need_labels=groups.is_last_stage or groups.layout.pp == 1
-                 or (groups.is_first_stage and cfg.pipeline_schedule == "dualpipev"))   # V: loss on rank 0
-    stream = MicroBatchStream(train_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
-                              dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, **needs)
-
-    def eval_stream():
-        if eval_ds is None:
-            return None
-        return MicroBatchStream(eval_ds, global_batch_size=batch.global_batch, micro_batch_size=batch.micro_batch,
-                                dp_rank=groups.dp_rank, dp_size=groups.layout.dp, seed=cfg.seed, shuffle=False,
-                                name="evaluation", **needs)
-
-    eval_stream()  # fail now, not at the first evaluation, if the held-out set is too small
-    return stream, eval_stream
+    """The training stream and a factory of evaluation streams (--data or --data-path: mtds.data.build_streams);
+    each rank reads only what its stages need."""
+    from mtds.data import build_streams
+    return build_streams(cfg, world.model_cfg, batch, world.groups, logger)
 
 
 def build_run_model(cfg: TrainConfig, world: World):

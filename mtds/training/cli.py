@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", help="text/json/jsonl/csv/parquet file or directory, a save_to_disk directory, or a "
                                   "datasets hub name [shipped Shakespeare corpus]")
+    g.add_argument("--data-path", nargs="+", metavar="[W] PREFIX",
+                   help="Megatron indexed data (PREFIX.bin/.idx from mtds-preprocess or Megatron): one PREFIX, or "
+                        "weight prefix pairs to blend, e.g. 0.3 A 0.7 B (instead of --data)")
+    g.add_argument("--eval-data-path", nargs="+", metavar="[W] PREFIX",
+                   help="indexed evaluation data, same syntax (default: --eval-split of each source's documents)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is the tokenizer's EOS (end of document), as Megatron's")
     g.add_argument("--text-column", default="text", help="field holding the text [text]")
     g.add_argument("--tokenizer", help="HF tokenizer name or path [shipped byte-level BPE]")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample [128]")
@@ -157,6 +164,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
         data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
+        data_path=tuple(args.data_path) if args.data_path else None,
+        eval_data_path=tuple(args.eval_data_path) if args.eval_data_path else None, eod_mask_loss=args.eod_mask_loss,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
         recompute=recompute, recompute_interval=interval,

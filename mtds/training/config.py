@@ -30,6 +30,9 @@ class TrainConfig:
     num_proc: int = 1
     eval_split: float = 0.02
     eval_data: str | None = None
+    data_path: tuple | None = None              # Megatron indexed data: (PREFIX,) or (W1, PREFIX1, W2, PREFIX2, ...)
+    eval_data_path: tuple | None = None         # same syntax, for evaluation (else --eval-split of each source is held out)
+    eod_mask_loss: bool = False                 # no loss where the input token is EOS (Megatron's --eod-mask-loss)
     eval_interval: int = 0                      # 0: evaluate only at the end
     eval_iters: int = 4                         # global batches per evaluation
     # optimisation
