@@ -44,7 +44,7 @@ def load_or_build(directory: str, build, *, builder: bool, log=print, timeout: f
     `build()` returns ({name: array}, meta) and runs only where `builder` is true."""
     if not os.path.exists(os.path.join(directory, "meta.json")):
         if builder:
-            _build(directory, build)
+            _build_index_files(directory, build)
         else:
             _wait(directory, log, timeout, poll)
     with open(os.path.join(directory, "meta.json")) as f:
@@ -58,7 +58,7 @@ def _marker(directory: str, kind: str) -> str:
     return directory.rstrip("/") + f".{kind}"
 
 
-def _build(directory: str, build) -> None:
+def _build_index_files(directory: str, build) -> None:
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     with open(_marker(directory, "building"), "w") as f:
