@@ -7,17 +7,9 @@ import pytest
 from mtds.pipe.exchange import (ACT, GRAD, POLICIES, Compute, Message, Post, Transfer, colour, exchange_program,
                                 group_names)
 from mtds.pipe.nccl_sim import MismatchedTransfer, NcclDeadlock, simulate_programs, simulate_schedule_nccl
-from mtds.pipe.schedules import SCHEDULES, Action, check_microbatches, forward_actions, schedule_actions
+from mtds.pipe.schedules import SCHEDULES, Action, forward_actions, schedule_actions
 from mtds.pipe.simulate import simulate_schedule
-
-
-def supported(name, p, v, m):
-    try:
-        check_microbatches(name, p, v, m)
-        return True
-    except ValueError:
-        return False
-
+from tests.test_pipe_schedules import supported
 
 GRID = [(name, p, v, m) for name in SCHEDULES for p in (2, 3, 4) for v in (1, 2, 3)
         for m in sorted({1, p, 2 * p, 2 * p + 1, 3 * p + 1, 4 * p}) if supported(name, p, v, m)]

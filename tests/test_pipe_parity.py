@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.training_helpers import (STEPS, TINY, assert_same_up_to_norm_order, ds_config, hf_reference, max_rel_diff,
+from tests.training_helpers import (TINY, assert_same_up_to_norm_order, ds_config, hf_reference, max_rel_diff,
                                     run_layouts, train_config)
 
 REL_TOL = 1e-5
