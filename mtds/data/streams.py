@@ -11,6 +11,7 @@ import os
 from .checks import check_seq_length
 from .errors import DataError
 from .packed import build_packed_dataset
+from .rank_zero_first import local_rank_zero_first
 from .split import build_train_eval
 from .stream import MicroBatchStream
 from .tokenizer import check_vocab, load_tokenizer
@@ -53,14 +54,9 @@ def _packed(cfg, tokenizer, dist):
         return build_packed_dataset(spec, tokenizer, cfg.seq_length, text_column=cfg.text_column,
                                     num_proc=cfg.num_proc, show_progress=dist.get_rank() == 0)
 
-    # Rank 0 fills the tokenization cache; the rest wait, then read it (no concurrent writers).
-    if dist.get_rank() == 0:
-        out = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
-        dist.barrier()
-    else:
-        dist.barrier()
-        out = build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed)
-    return out
+    # Local rank 0 fills the tokenization cache; the node's other ranks wait on the store, then read it.
+    return local_rank_zero_first(lambda: build_train_eval(build, cfg.data, cfg.eval_data, cfg.eval_split, cfg.seed),
+                                 what="the token cache")
 
 
 def _indexed(cfg, model_cfg, batch, logger):
