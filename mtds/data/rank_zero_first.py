@@ -11,12 +11,13 @@ building the same cache is wasted work, never a torn file.
 """
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
 import time
 
 import torch.distributed as dist
+
+from mtds.safety.store import rendezvous_store
 
 from .errors import DataError
 
@@ -32,8 +33,7 @@ def local_rank_zero_first(build, *, what: str, log=print, poll_s: float = 0.5, r
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), 1)
     key = f"mtds/data/{next(_runs)}/node{rank // local_world}"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = rendezvous_store(60.0)
     if local_rank == 0:
         try:
             out = build()

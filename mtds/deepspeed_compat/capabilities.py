@@ -146,7 +146,7 @@ def _resolve(owner: str):
 
 def _problem(obj, target: Target) -> str | None:
     """Why ``obj`` does not provide ``target`` (None: it does)."""
-    for i, part in enumerate(target.attr.split(".")):
+    for part in target.attr.split("."):
         if part == "__init__" and not inspect.isclass(obj):
             return "is not a class"
         if not hasattr(obj, part):

@@ -97,7 +97,7 @@ def stage_backward(engine, outputs: torch.Tensor, grad: torch.Tensor) -> None:
         outputs.backward(gradient=grad)
     finally:
         engine._running_engine_backward = False
-    if engine.using_bf16_optimizer and not engine._config.bfloat16_config.immediate_grad_update:
+    if engine.using_bf16_optimizer and not bf16_immediate_grad_update(engine):
         engine.optimizer.update_hp_grads(clear_lp_grads=False)
 
 

@@ -20,12 +20,9 @@ GOAL_SPEEDUP, GOAL_MFU = 1.0, 0.45      # the GPU checklist's goals: reported be
 
 
 def _peak_memory(device) -> dict:
-    import torch
-    if device.type == "cuda":
-        return {"allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
-                "reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
-    import resource
-    return {"allocated_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, "reserved_gib": None}
+    from mtds.training.distributed import peak_memory_gib
+    allocated, reserved = peak_memory_gib(device)
+    return {"allocated_gib": allocated, "reserved_gib": reserved}
 
 
 def _device():

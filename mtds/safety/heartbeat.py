@@ -14,7 +14,6 @@ and keep its sockets open, so the peers would wait in a collective it will never
 """
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
 import sys
@@ -22,6 +21,8 @@ import threading
 import time
 
 import torch.distributed as dist
+
+from .store import rendezvous_store
 
 
 FAILED = "failed:"
@@ -53,9 +54,7 @@ class Heartbeat:
         if self.timeout_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
             return self
         rank, world = dist.get_rank(), dist.get_world_size()
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=max(self.timeout_s, 10)))
-        self.attach(store, f"mtds/heartbeat/{next(self._runs)}/", rank, world)
+        self.attach(rendezvous_store(max(self.timeout_s, 10)), f"mtds/heartbeat/{next(self._runs)}/", rank, world)
         self._thread = threading.Thread(target=self._beat, daemon=True, name="mtds-heartbeat")
         self._thread.start()
         return self
