@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from mtds.model_config import ModelConfig
-from mtds.tp import mark_tensor_parallel, parallel_lm_logits, shard_rows, vocab_parallel_cross_entropy
+from mtds.tp import mark_tensor_parallel, parallel_lm_logits, vocab_parallel_cross_entropy
+from mtds.tp.init_shard import build_shard
 from mtds.tp.layers import tp_world_and_rank
 
 from .init import normal_init, seeded
@@ -30,10 +31,10 @@ class LMHead(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         t, rank = tp_world_and_rank(tp_group)
-        full = torch.zeros(cfg.padded_vocab_size(t), cfg.hidden_size)
-        with seeded(seed, cfg.num_layers + 2):
-            normal_init(cfg.init_std)(full[:cfg.vocab_size])   # full table, then slice: independent of t
-        self.weight = nn.Parameter(shard_rows(full, 0, t, rank))
+        with seeded(seed, cfg.num_layers + 2):   # this rank's rows of the full table's fill: independent of t
+            shard = build_shard((cfg.padded_vocab_size(t), cfg.hidden_size), 0, t, rank, normal_init(cfg.init_std),
+                                valid_rows=cfg.vocab_size)
+        self.weight = nn.Parameter(shard)
         mark_tensor_parallel(self.weight, 0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

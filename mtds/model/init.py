@@ -1,7 +1,7 @@
 """Layout-independent initialisation: every global layer draws from its own seeded stream.
 
-A layer's weights depend only on (seed, global layer index, cfg): the tp layers fill the *full*
-tensor and keep their slice, and each layer re-seeds, so neither t nor the pipeline split (which
+A layer's weights depend only on (seed, global layer index, cfg): the tp layers keep the slice of
+the *full* tensor's fill (built chunk by chunk, mtds/tp/init_shard.py), and each layer re-seeds, so neither t nor the pipeline split (which
 layers a stage builds, in which order) changes a single initial weight.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 
 from mtds.model_config import ModelConfig
+from mtds.tp.init_shard import NormalInit
 
 # A large prime stride keeps per-layer streams apart for any realistic base seed.
 _LAYER_STRIDE = 1_000_003
@@ -35,9 +36,8 @@ def seeded(seed: int, global_layer_index: int) -> Iterator[None]:
 
 
 def normal_init(std: float) -> Callable[[torch.Tensor], None]:
-    def init(tensor: torch.Tensor) -> None:
-        torch.nn.init.normal_(tensor, mean=0.0, std=std)
-    return init
+    """normal_(0, std); as a ``NormalInit`` the tp layers can build each shard without the full matrix."""
+    return NormalInit(std)
 
 
 def output_init(cfg: ModelConfig) -> Callable[[torch.Tensor], None]:

@@ -1,8 +1,9 @@
 """Tensor-parallel layers (Megatron names): column/row parallel linear and vocab-parallel embedding.
 
-Initialisation is layout independent: each layer fills the *full* (unsharded) weight with its
-``init_method`` and keeps only this rank's slice, so the model a seed produces is the same for every
-tensor-parallel size. That is what lets runs at different layouts be compared step by step.
+Initialisation is layout independent: each rank's slice holds exactly the values a fill of the *full*
+(unsharded) weight with its ``init_method`` would give, so the model a seed produces is the same for every
+tensor-parallel size. That is what lets runs at different layouts be compared step by step. The full
+weight is never built for ``normal_`` inits: ``init_shard.build_shard`` fills it chunk by chunk.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mtds.model_config import padded_vocab_size
 from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
+from .init_shard import NormalInit, build_shard
 from .sequence_grads import mark_sequence_parallel, shared_by_sequence_shards
 from .sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
 from .weight_grad_store import linear_with_deferred_weight_grad
@@ -31,8 +33,7 @@ def tp_world_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def default_init(tensor: torch.Tensor) -> None:
-    nn.init.normal_(tensor, mean=0.0, std=0.02)
+default_init = NormalInit(std=0.02)
 
 
 def mark_tensor_parallel(param: torch.Tensor, partition_dim: int, segments: Sequence[int] | None = None) -> None:
@@ -68,11 +69,9 @@ def unshard_rows(shards: Sequence[torch.Tensor], dim: int, segments: Sequence[in
 
 
 def _sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitMethod | None,
-                       segments: Sequence[int] | None, dtype, device) -> nn.Parameter:
+                       segments: Sequence[int] | None, dtype, device, valid_rows: int | None = None) -> nn.Parameter:
     world, rank = tp_world_and_rank(group)
-    full = torch.empty(*shape, dtype=torch.float32)
-    (init_method or default_init)(full)
-    local = shard_rows(full, dim, world, rank, segments)
+    local = build_shard(shape, dim, world, rank, init_method or default_init, segments, valid_rows)
     param = nn.Parameter(local.to(dtype=dtype or torch.get_default_dtype(), device=device))
     mark_tensor_parallel(param, dim, segments)
     return param
@@ -189,12 +188,9 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = self.padded_vocab_size // world
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
 
-        def init_padded(full: torch.Tensor) -> None:
-            (init_method or default_init)(full[:vocab_size])
-            full[vocab_size:].zero_()
-
-        self.weight = _sharded_parameter((self.padded_vocab_size, embedding_dim), 0, group, init_padded,
-                                         None, dtype, device)
+        # Padding rows are zero and draw nothing from the generator.
+        self.weight = _sharded_parameter((self.padded_vocab_size, embedding_dim), 0, group, init_method,
+                                         None, dtype, device, valid_rows=vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None or dist.get_world_size(self.group) == 1:
