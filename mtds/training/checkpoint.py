@@ -36,6 +36,7 @@ from mtds.reshard.store import commit, prune, write_manifest
 from mtds.reshard.universal import ensure_universal, universal_dir, universal_info
 from mtds.reshard.zero0 import PARAM_NAMES_KEY, load_universal_into_zero0
 from mtds.safety.durable import DurableCheckpointEngine
+from mtds.safety.leader import leader_first
 from mtds.safety.loading import safe_load, verify_loadable
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"   # deepspeed.checkpoint.constants
@@ -164,13 +165,10 @@ def _choose(directory: str, log, device) -> tuple[str, str, CheckpointMeta | Non
             problem = [str(err), False]
         except ValueError as err:           # UnsafeCheckpointError: the file would run code
             problem = [_one_line(err), True]
-        first_bad = torch.tensor([rank if problem else world], dtype=torch.int64, device=device)
-        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
-        if int(first_bad) == world:
+        problem = _first_problem(problem, device)
+        if problem is None:
             break
-        found = [problem]
-        dist.broadcast_object_list(found, src=int(first_bad))
-        (reason, unsafe), = found
+        reason, unsafe = problem
         if unsafe:
             raise CheckpointError(reason)
         rejected[tag_dir] = reason
@@ -181,6 +179,18 @@ def _choose(directory: str, log, device) -> tuple[str, str, CheckpointMeta | Non
         return root, tag, CheckpointMeta.load(tag_dir)
     except CheckpointFormatError:
         return root, tag, None          # saved without model_cfg: DeepSpeed's own checks only
+
+
+def _first_problem(problem, device):
+    """The problem of the lowest rank that found one (every rank gets it), or None if none did."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_bad = torch.tensor([rank if problem is not None else world], dtype=torch.int64, device=device)
+    dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+    if int(first_bad) == world:
+        return None
+    found = [problem]
+    dist.broadcast_object_list(found, src=int(first_bad))
+    return found[0]
 
 
 def _check_model(meta: CheckpointMeta, model_cfg: ModelConfig | None, directory: str) -> None:
@@ -228,7 +238,7 @@ def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConf
     if same_layout:
         path, state = _deepspeed_load(engine, directory, tag)
     else:
-        path, state = _load_resharded(engine, directory, tag, meta, groups)
+        path, state = _load_resharded(engine, directory, tag, meta, groups, log)
     step = int(state.get("mtds_step", engine.global_steps))
     own = rank_manifest(os.path.join(directory, tag), dist.get_rank())
     if same_layout and meta is not None and meta.dp == groups.layout.dp and os.path.isfile(own):
@@ -265,7 +275,37 @@ def _deepspeed_load(engine, directory: str, tag: str, **kwargs) -> tuple[str, di
     return path, state
 
 
-def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, groups: ParallelGroups):
+def _convert_then_verify(directory: str, tag: str, device, log) -> None:
+    """Rank 0 converts the checkpoint to universal once (DeepSpeed's converter; mtds.reshard.zero0 for
+    ZeRO-0) while the other ranks wait on the rendezvous store -- not in a collective, whose timeout a
+    large conversion would outlast. Then every rank verifies a byte-balanced share of the universal files
+    with the safe unpickler (DeepSpeed's universal loader uses a plain torch.load) and the ranks agree."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def convert() -> None:
+        try:
+            ensure_universal(directory, tag)
+        except ValueError as err:       # CheckpointFormatError
+            raise CheckpointError(_one_line(err)) from None
+
+    leader_first(convert, leader=rank == 0, scope="universal", error=CheckpointError, rank=rank,
+                 waiting_for=f"rank 0 to convert {tag} in {directory} to a universal checkpoint",
+                 failure=f"rank 0 could not convert {tag} in {directory} to a universal checkpoint",
+                 log=lambda line: log(f"checkpoint: {line}"))
+    universal = universal_dir(directory, tag)
+    files = {path: (os.path.getsize(path), None)
+             for path in glob.glob(os.path.join(universal, "**", "*.pt"), recursive=True)}
+    problem = None
+    try:
+        verify_loadable(sorted(share(files, rank, world)))
+    except ValueError as err:           # UnsafeCheckpointError, UnreadableFileError
+        problem = _one_line(err)
+    problem = _first_problem(problem, device)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, groups: ParallelGroups, log):
     """Another layout: a universal checkpoint (converted once by rank 0; ZeRO-0 checkpoints by
     mtds.reshard.zero0 in DeepSpeed's format), loaded by DeepSpeed into ZeRO-1/2 engines and by us into
     ZeRO-0 ones (DeepSpeed cannot)."""
@@ -273,16 +313,7 @@ def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, grou
     if target_zero == 0 and _precision(engine) != "fp32":
         raise CheckpointError(f"resharding into a {_precision(engine)} run without ZeRO is not supported: use "
                               f"ZeRO-1 (any layout) or resume at tp={meta.tp} pp={meta.pp}")
-    error = [None]
-    if dist.get_rank() == 0:
-        try:
-            # DeepSpeed's universal loader unpickles these files with a plain torch.load: verify first.
-            verify_loadable(glob.glob(os.path.join(ensure_universal(directory, tag), "**", "*.pt"), recursive=True))
-        except ValueError as err:       # CheckpointFormatError, UnsafeCheckpointError, UnreadableFileError
-            error[0] = _one_line(err)
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(error[0])
+    _convert_then_verify(directory, tag, engine.device, log)
     universal = universal_dir(directory, tag)
     if target_zero == 0:
         return _load_universal_zero0(engine, universal, os.path.join(directory, tag), meta, groups)
