@@ -16,7 +16,7 @@ import sys
 _CASE = r"""
 import json, resource, sys, time, torch
 from mtds.tp.init_shard import NormalInit, build_shard
-from mtds.tp.layers import shard_rows
+from mtds.tp import shard_rows
 rows, cols, tp, dim, how = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 torch.manual_seed(0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

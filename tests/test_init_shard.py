@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtds.tp import init_shard
 from mtds.tp.init_shard import NormalInit, build_shard
-from mtds.tp.layers import shard_rows
+from mtds.tp import shard_rows
 
 
 def full_fill_then_slice(shape, dim, world, rank, init, segments=None, valid_rows=None):

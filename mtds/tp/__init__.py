@@ -1,7 +1,8 @@
 """Megatron-style tensor parallelism: mappings, layers, vocab-parallel cross entropy, RNG tracker."""
 from .cross_entropy import gather_vocab_parallel_logits, vocab_parallel_cross_entropy
+from .init_shard import shard_rows
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tensor_parallel,
-                     padded_vocab_size, parallel_lm_logits, shard_rows, unshard_rows)
+                     padded_vocab_size, parallel_lm_logits, unshard_rows)
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,

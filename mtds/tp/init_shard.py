@@ -27,6 +27,20 @@ _GROUP = 16
 DEFAULT_CHUNK_ELEMENTS = 16 * 1024 * 1024      # 64 MiB of float32 per chunk
 
 
+def shard_rows(full: torch.Tensor, dim: int, world: int, rank: int,
+               segments: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``; each segment (e.g. q|k|v) is split separately."""
+    segments = list(segments) if segments else [full.shape[dim]]
+    if sum(segments) != full.shape[dim]:
+        raise ValueError(f"segments {segments} do not add up to dim {dim} of size {full.shape[dim]}")
+    pieces = []
+    for part in full.split(segments, dim=dim):
+        if part.shape[dim] % world:
+            raise ValueError(f"size {part.shape[dim]} is not divisible by tensor parallel size {world}")
+        pieces.append(part.chunk(world, dim=dim)[rank])
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
 class NormalInit:
     """``normal_(mean, std)`` as an init method mtds can fill chunk by chunk (see the module docstring).
 
@@ -86,8 +100,6 @@ def build_shard(shape: Sequence[int], dim: int, world: int, rank: int, init, seg
     """This rank's float32 shard (``dim`` split ``world`` ways, each segment separately) of the tensor
     that ``init(full)`` would fill, where rows ``valid_rows:`` of dim 0 are zero and not drawn (the
     vocabulary padding). Bit-identical to filling the full tensor and slicing, for every ``world``."""
-    from .layers import shard_rows    # layers imports this module
-
     shape = tuple(shape)
     rows = shape[0]
     valid = rows if valid_rows is None else valid_rows
@@ -119,4 +131,4 @@ def build_shard(shape: Sequence[int], dim: int, world: int, rank: int, init, seg
     return out
 
 
-__all__ = ["NormalInit", "build_shard", "kept_row_ranges", "DEFAULT_CHUNK_ELEMENTS"]
+__all__ = ["NormalInit", "build_shard", "shard_rows", "kept_row_ranges", "DEFAULT_CHUNK_ELEMENTS"]

@@ -44,20 +44,6 @@ def mark_tensor_parallel(param: torch.Tensor, partition_dim: int, segments: Sequ
     param.partition_segments = tuple(segments) if segments else None
 
 
-def shard_rows(full: torch.Tensor, dim: int, world: int, rank: int,
-               segments: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's slice of ``full`` along ``dim``; each segment (e.g. q|k|v) is split separately."""
-    segments = list(segments) if segments else [full.shape[dim]]
-    if sum(segments) != full.shape[dim]:
-        raise ValueError(f"segments {segments} do not add up to dim {dim} of size {full.shape[dim]}")
-    pieces = []
-    for part in full.split(segments, dim=dim):
-        if part.shape[dim] % world:
-            raise ValueError(f"size {part.shape[dim]} is not divisible by tensor parallel size {world}")
-        pieces.append(part.chunk(world, dim=dim)[rank])
-    return torch.cat(pieces, dim=dim).contiguous()
-
-
 def unshard_rows(shards: Sequence[torch.Tensor], dim: int, segments: Sequence[int] | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_rows` given every rank's slice (rank order)."""
     world = len(shards)
