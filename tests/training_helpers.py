@@ -3,14 +3,13 @@ the single-process HuggingFace reference (GPT2LMHeadModel + torch.optim.AdamW on
 from __future__ import annotations
 
 import functools
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 
 from mtds.config import ModelConfig
 from mtds.testing import spawn
+from mtds.testing.hf_reference import Reference, hf_with_mtds_weights, lr_factor, mtds_batches, train_reference
 
 TINY = ModelConfig(vocab_size=8192, hidden_size=64, num_layers=4, num_heads=4, max_position_embeddings=64)
 SEQ = 32
@@ -72,13 +71,6 @@ def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout:
     return spawn(_run_all, world, configs, force_fp16, timeout=timeout)
 
 
-@dataclass(frozen=True)
-class Reference:
-    """Per-step losses and pre-clip global gradient norms of the single-process reference."""
-    losses: list[float]
-    grad_norms: list[float]
-
-
 def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
     """HF GPT2LMHeadModel with mtds's initial weights, trained by :func:`train_hf`; computed once per
     test session for each set of arguments (several test modules compare against the same one)."""
@@ -87,14 +79,7 @@ def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: st
 
 @functools.lru_cache(maxsize=None)
 def _hf_reference(cfg, steps: int, clip: float, optimizer: str) -> Reference:
-    from transformers import GPT2LMHeadModel
-
-    from mtds.hf import hf_config_from_model_config, model_to_hf_state
-    from mtds.model import GPTModel
-
-    ours = GPTModel(cfg, seed=SEED)
-    hf = GPT2LMHeadModel(hf_config_from_model_config(cfg))
-    hf.load_state_dict(model_to_hf_state(ours), strict=False)
+    hf = hf_with_mtds_weights(cfg, SEED)
     threads = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))      # the ranks wait meanwhile: use every core
     try:
@@ -108,53 +93,18 @@ def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> lis
 
 
 def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
-    """The reference loop: torch AdamW (or plain SGD), mtds's batches (same seed and order), the LR
-    schedule written out in closed form, clipping; records each step's pre-clip global grad norm."""
-    from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
-
-    hf.train()
+    """The reference loop (mtds.testing.hf_reference, shared with mtds.gpucheck): torch AdamW (or plain
+    SGD), mtds's batches, warm-up 2 then cosine to lr/10 at ``steps``, clipping; pre-clip norms."""
     if optimizer == "sgd":
         base_lr = SGD_LR
         opt = torch.optim.SGD(hf.parameters(), lr=base_lr)
     else:
         base_lr = LR
         opt = torch.optim.AdamW(hf.parameters(), lr=base_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: reference_lr_factor(s, base_lr, base_lr / 10, 2, steps))
-    dataset = build_packed_dataset(None, load_tokenizer(None), SEQ, show_progress=False)
+    floor = (base_lr / 10) / base_lr
     B, b = BATCH["train_batch_size"], BATCH["train_micro_batch_size_per_gpu"]
-    stream = MicroBatchStream(dataset, global_batch_size=B, micro_batch_size=b, seed=SEED)
-    losses, norms = [], []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(B // b):
-            input_ids, labels = next(stream)
-            logits = hf(input_ids=input_ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            (loss / (B // b)).backward()
-            total += loss.item() / (B // b)
-        # The norm in float64: torch's fp32 clip_grad_norm_ total is off by ~2e-5 relative here (one
-        # 0.5M-element embedding gradient), more than the tolerance the layouts are held to.
-        norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters()
-                                   if p.grad is not None)))
-        if clip:
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total)
-    return Reference(losses, norms)
-
-
-def reference_lr_factor(step: int, base_lr: float, min_lr: float, warmup: int, total: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from 1 to min_lr/base_lr at step ``total``
-    (written here independently of mtds.training.schedule, which tests/test_schedule.py checks)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if total <= warmup:
-        return 1.0
-    t = min(1.0, (step - warmup) / (total - warmup))
-    floor = min_lr / base_lr
-    return floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2
+    return train_reference(hf, mtds_batches(SEQ, B, b, SEED), steps=steps, micro_batches=B // b, optimizer=opt,
+                           lr_lambda=lambda s: lr_factor(s, 2, steps, floor), clip=clip)
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:

@@ -1,0 +1,77 @@
+"""The single-process HuggingFace reference every mtds layout is measured against: an HF model holding
+mtds's initial weights, trained by a plain loop -- a torch optimizer, mtds's batches (same seed and
+order), the warm-up + cosine LR schedule written out here independently of mtds.training.schedule,
+clipping -- recording each step's mean loss and pre-clip global gradient norm. Used by the test suite
+(tests/training_helpers.py) and by ``python -m mtds.gpucheck``, so both hold mtds to the same loop."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Per-step losses and pre-clip global gradient norms of the single-process reference."""
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 down to ``floor`` at step ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total <= warmup:
+        return 1.0
+    t = min(1.0, (step - warmup) / (total - warmup))
+    return floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2
+
+
+def hf_with_mtds_weights(cfg, seed: int):
+    """GPT2LMHeadModel holding the weights ``GPTModel(cfg, seed=seed)`` starts from (CPU)."""
+    from transformers import GPT2LMHeadModel
+
+    from mtds.hf import hf_config_from_model_config, model_to_hf_state
+    from mtds.model import GPTModel
+    hf = GPT2LMHeadModel(hf_config_from_model_config(cfg))
+    hf.load_state_dict(model_to_hf_state(GPTModel(cfg, seed=seed)), strict=False)
+    return hf
+
+
+def mtds_batches(seq: int, global_batch: int, micro_batch: int, seed: int) -> Iterator:
+    """mtds's training micro-batches of the shipped corpus, in mtds's order (d = 1)."""
+    from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
+    dataset = build_packed_dataset(None, load_tokenizer(None), seq, show_progress=False)
+    return iter(MicroBatchStream(dataset, global_batch_size=global_batch, micro_batch_size=micro_batch, seed=seed))
+
+
+def train_reference(hf, batches: Iterator, *, steps: int, micro_batches: int, optimizer, lr_lambda: Callable,
+                    clip: float, device="cpu") -> Reference:
+    """``steps`` optimizer steps of ``micro_batches`` micro-batches each; the mean loss and the norm are
+    summed in float64 (fp32's own sum of a 0.5M-element embedding gradient is off by ~1e-5 relative,
+    more than the tolerance the layouts are held to), parameter by parameter in order."""
+    hf.train()
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    losses, norms = [], []
+    for _ in range(steps):
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for _ in range(micro_batches):
+            input_ids, labels = (t.to(device) for t in next(batches))
+            logits = hf(input_ids=input_ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            (loss / micro_batches).backward()
+            total += loss.detach().double() / micro_batches
+        norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters()
+                                   if p.grad is not None)))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
+        optimizer.step()
+        sched.step()
+        optimizer.zero_grad()
+        losses.append(float(total))
+    return Reference(losses, norms)
+
+
+__all__ = ["Reference", "lr_factor", "hf_with_mtds_weights", "mtds_batches", "train_reference"]
