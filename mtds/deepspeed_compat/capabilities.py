@@ -103,6 +103,18 @@ CAPABILITIES = (
     Capability("sum sequence-parallel gradients before the data-parallel reduction", (
         Target(ENGINE, "allreduce_gradients", M),
         Target(BF16, "__init__", A))),
+    Capability("reduce-scatter ZeRO-1's gradients into the partition its step reads", (
+        Target(ZERO12, "reduce_gradients", ("pipeline_parallel",)),
+        Target(ZERO12, "_build_compact_grad_partition_buffer", ("group_idx",)),
+        Target(ZERO12, "get_gradient_for_reduction", ("param",)),
+        Target(ZERO12, "_clear_param_grad_only", M),
+        Target(ZERO12, "_is_muon_group", ("tensor_list",)),
+        Target(ZERO12, "is_gradient_accumulation_boundary", M),
+        *(Target(ZERO12, name, A, instance=True) for name in (
+            "bit16_groups", "bit16_groups_flat", "real_dp_process_group", "dp_process_group", "averaged_gradients",
+            "all_grad_tensors", "reduce_bucket_size", "partition_gradients", "overlap_comm", "cpu_offload",
+            "use_grad_accum_attribute", "has_moe_layers", "zenflow", "sequence_parallel_size", "reduce_scatter",
+            "communication_data_type", "dtype", "gradient_accumulation_dtype", "gradient_average")))),
     Capability("durable checkpoint writes and safe loads", (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),
     Capability("load a universal checkpoint", (

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps [0]")
     g.add_argument("--lr-decay", choices=("cosine", "linear", "constant"), default="cosine",
                    help="decay after warm-up (unless the DeepSpeed config has a scheduler) [cosine]")
+    g.add_argument("--zero1-grad-reduce", choices=("reduce-scatter", "all-reduce"), default="reduce-scatter",
+                   help="ZeRO-1's data-parallel gradient reduction: reduce-scatter, each rank summing only the "
+                        "partition it updates (2(d-1)/d x the parameters' bytes per step with the all-gather), or "
+                        "DeepSpeed's own all-reduce (3(d-1)/d) [reduce-scatter]")
 
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--save", metavar="DIR", help="checkpoint directory")
@@ -162,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         deepspeed_config=args.deepspeed_config, model=args.model or args.init_from_hf or "gpt2-tiny",
         model_overrides=overrides, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
         pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+        zero1_grad_reduce=args.zero1_grad_reduce,
         data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         data_path=tuple(args.data_path) if args.data_path else None,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class TrainConfig:
     sequence_parallel: bool = False             # split activations along the sequence over the TP group
     pipeline_schedule: str = "1f1b"             # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
     virtual_stages: int = 1                     # model chunks per pipeline rank (interleaved: >= 2)
+    zero1_grad_reduce: str = "reduce-scatter"   # ZeRO-1 gradients: reduce-scatter (mtds) | all-reduce (DeepSpeed's)
     # data
     data: str | None = None                     # None: the shipped corpus
     text_column: str = "text"
@@ -67,6 +69,8 @@ class TrainConfig:
         self._check_ranges()
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
+        if self.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
+            raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
         if self.on_nan not in ("stop", "skip"):
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
         if self.recompute not in RECOMPUTE_MODES:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from mtds.comm_trace import label_deepspeed_groups
+from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter
+from mtds.dp_reduce import reduce_scatter_sum
 from mtds.pipe.select import OWN_ENGINE
 
 from .config import TrainConfig
@@ -56,6 +58,8 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
+    if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
+        install_reduce_scatter(engine, reduce_scatter_sum)   # DeepSpeed's path stays where it cannot apply
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
     if world.tracer is not None:
