@@ -5,12 +5,16 @@ the pre-clip global gradient norm of every step, with and without sequence paral
 Clipped AdamW alone cannot see a uniform gradient-scale error (Adam's update is scale-invariant and
 clipping caps the norm), so the grad norm is compared directly and some layouts also run the
 scale-sensitive variants "noclip" (gradient_clipping 0) and "sgd" (plain SGD, no clipping): there a
-wrong scale changes the weights and so every later loss."""
+wrong scale changes the weights and so every later loss.
+
+Every ZeRO-1 layout with data parallelism also moves the data-parallel minimum, 2Ψ(d-1)/d bytes x 4 per
+rank and step by the collective tracer (gradients reduce-scattered, parameters all-gathered)."""
 import functools
 
 import pytest
 
-from tests.training_helpers import ds_config, hf_reference, max_rel_diff, run_layouts, train_config
+from tests.training_helpers import (assert_dp_bytes_at_ring_minimum, ds_config, hf_reference, max_rel_diff, run_layouts,
+                                    train_config)
 
 REL_TOL = 1e-5
 VARIANTS = {"adamw": dict(clip=0.5, optimizer="adamw"), "noclip": dict(clip=0.0, optimizer="adamw"),
@@ -26,7 +30,8 @@ LAYOUTS = {
     4: [((2, 2, 1), (0, 1), False, "adamw"), ((2, 1, 2), (0, 1, 2, 3), False, "adamw"),
         ((1, 2, 2), (0, 1), False, "adamw"), ((2, 2, 1), (0,), True, "adamw"), ((2, 1, 2), (2,), True, "adamw"),
         ((4, 1, 1), (1,), True, "adamw"),   # t=4: sums over 4 slices differ in order from the reference
-        ((1, 2, 2), (0,), False, "sgd"), ((2, 1, 2), (1,), False, "noclip")],
+        ((1, 2, 2), (0,), False, "sgd"), ((2, 1, 2), (1,), False, "noclip"),
+        ((1, 1, 4), (1,), False, "adamw")],
     8: [((2, 2, 2), (0, 1), False, "adamw"), ((2, 2, 2), (0,), False, "sgd")],
 }
 
@@ -78,6 +83,8 @@ def test_every_layout_matches_hf_reference(world):
         assert any(key.startswith("reduce_scatter/tp") for key in result.comm) == sp, (what, result.comm)
         for rank, ranks_results in enumerate(per_rank):
             assert_comm_labelled(ranks_results[index].comm, layout, f"{what} rank {rank}")
+        if zero == 1 and layout[2] > 1:
+            assert_dp_bytes_at_ring_minimum(per_rank, index, layout[2], what)
         # All ranks report the same loss and grad norm.
         for other in per_rank[1:]:
             assert other[index].losses == result.losses, what

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.training_helpers import (TINY, assert_same_up_to_norm_order, ds_config, hf_reference, max_rel_diff,
-                                    run_layouts, train_config)
+from tests.training_helpers import (TINY, assert_dp_bytes_at_ring_minimum, assert_same_up_to_norm_order, ds_config,
+                                    hf_reference, max_rel_diff, run_layouts, train_config)
 
 REL_TOL = 1e-5
 TINY8 = replace(TINY, num_layers=8)      # p·v = 8 virtual stages at (1,4,1) v=2
@@ -209,6 +209,7 @@ def test_zb_h1_four_ranks():
                                interleaved(2, 2, sequence_parallel=True, **dropout),
                                train_config(tp=2, pp=2, sequence_parallel=True, **dropout)] + mixed, force_fp16=True)
     dp0, dp1, tp1, sp, recompute, no_recompute, base, zb_sp, ilv_sp, base_sp, *mixed = per_rank[-1]   # last stage
+    assert_dp_bytes_at_ring_minimum(per_rank, 1, 2, "zb-h1 (1,2,2) ZeRO-1")
     ref = reference()
     for result, what in ((dp0, "(1,2,2) ZeRO-0"), (dp1, "(1,2,2) ZeRO-1"), (tp1, "(2,2,1) ZeRO-1"),
                          (sp, "(2,2,1) ZeRO-1 sequence parallel")):
@@ -246,6 +247,8 @@ def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
     per_rank = run_layouts(8, dpv + [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1), train_config(tp=2, pp=2),
                                      zb_h1(2, 2, zero=0, steps=SHORT), zb_h1(2, 2, zero=1, steps=SHORT)])
     dpv0, dpv1, *results, base, zb0, zb1 = per_rank[-1]
+    for index, what in ((1, "dualpipev"), (3, "interleaved"), (6, "zb-h1")):
+        assert_dp_bytes_at_ring_minimum(per_rank, index, 2, f"{what} (2,2,2) ZeRO-1")
     for zero, result in enumerate(results):
         check_parity(result, f"(2,2,2) v=2 ZeRO-{zero}", base)
     for zero, result in enumerate((dpv0, dpv1)):

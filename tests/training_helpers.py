@@ -131,3 +131,19 @@ def assert_same_up_to_norm_order(got, want, what: str, history_equal: bool = Tru
             f"{what}: losses differ before the norms do (step {first + 1})\n{got.losses}\n{want.losses}"
     diff = max_rel_diff(got.losses, want.losses)
     assert diff <= NORM_ORDER_TOL, f"{what}: losses max rel diff {diff:.2e}\n{got.losses}\n{want.losses}"
+
+
+DP_BYTES_TOL = 0.01   # DeepSpeed pads its flat partitions; the loss and norm scalars ride the same group
+
+
+def assert_dp_bytes_at_ring_minimum(per_rank: list, index: int, dp: int, what: str, factor: int = 2) -> None:
+    """ZeRO-1 (``factor`` 2): every rank's data-parallel collectives in the last step put 2Ψ(d-1)/d x 4
+    bytes on its link (mtds.ring's bus bytes, by the tracer), Ψ its trainable parameters: a gradient
+    reduce-scatter and a parameter all-gather, each (d-1)/d. DeepSpeed's all-reduce + all-gather is 3."""
+    for rank, results in enumerate(per_rank):
+        result = results[index]
+        bus = sum(v["bus_bytes"] for key, v in result.comm.items() if key.endswith("/dp"))
+        want = factor * (dp - 1) / dp * 4 * result.params
+        assert result.params > 0 and abs(bus / want - 1) <= DP_BYTES_TOL, \
+            (f"{what} rank {rank}: data-parallel bus bytes {bus} = {bus / want:.4f} x {factor}Ψ(d-1)/d "
+             f"(Ψ = {result.params}, d = {dp})", result.comm)

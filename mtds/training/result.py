@@ -14,5 +14,6 @@ class RunResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     comm: dict = field(default_factory=dict)          # bytes per collective/group, last step
     layout: str = ""
+    params: int = 0                                   # trainable parameter elements on this rank (Ψ of its part)
     final_step: int = 0
     stopped_by: str | None = None                     # SIGTERM / SIGINT when the run stopped early

@@ -66,7 +66,8 @@ class StepRecorder:
 def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
     """Steps ``start_step + 1 .. --steps`` with the run's hooks; the RunResult every rank returns."""
     cfg = built.cfg
-    result = RunResult(layout=str(built.world.layout), final_step=start_step)
+    result = RunResult(layout=str(built.world.layout), final_step=start_step,
+                       params=sum(p.numel() for p in built.engine.module.parameters() if p.requires_grad))
     recorder = StepRecorder(built)
     hooks = step_hooks(built, result, stop, start_step)
     for step in range(start_step + 1, cfg.steps + 1):
