@@ -138,11 +138,13 @@ DP_BYTES_TOL = 0.01   # DeepSpeed pads its flat partitions; the loss and norm sc
 
 def assert_dp_bytes_at_ring_minimum(per_rank: list, index: int, dp: int, what: str, factor: int = 2) -> None:
     """ZeRO-1 (``factor`` 2): every rank's data-parallel collectives in the last step put 2Ψ(d-1)/d x 4
-    bytes on its link (mtds.ring's bus bytes, by the tracer), Ψ its trainable parameters: a gradient
-    reduce-scatter and a parameter all-gather, each (d-1)/d. DeepSpeed's all-reduce + all-gather is 3."""
+    bytes on its link (mtds.ring's bus bytes, by the tracer, per direction), Ψ its trainable parameters: a
+    gradient reduce-scatter and a parameter all-gather, each (d-1)/d. DeepSpeed's all-reduce + all-gather
+    is 3."""
     for rank, results in enumerate(per_rank):
         result = results[index]
-        bus = sum(v["bus_bytes"] for key, v in result.comm.items() if key.endswith("/dp"))
+        # what the rank sends: a point-to-point ring's receives are its neighbours' sends, counted there
+        bus = sum(v["bus_bytes"] for key, v in result.comm.items() if key.endswith("/dp") and not key.startswith("recv/"))
         want = factor * (dp - 1) / dp * 4 * result.params
         assert result.params > 0 and abs(bus / want - 1) <= DP_BYTES_TOL, \
             (f"{what} rank {rank}: data-parallel bus bytes {bus} = {bus / want:.4f} x {factor}Ψ(d-1)/d "

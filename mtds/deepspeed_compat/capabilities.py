@@ -103,6 +103,8 @@ CAPABILITIES = (
     Capability("sum sequence-parallel gradients before the data-parallel reduction", (
         Target(ENGINE, "allreduce_gradients", M),
         Target(BF16, "__init__", A))),
+    # (also read, not listed: the optimizer's ``dtype`` and ``reduce_scatter`` flags -- names too generic
+    # for the boundary scan, which would then flag every ``tensor.dtype`` in mtds)
     Capability("reduce-scatter ZeRO-1's gradients into the partition its step reads", (
         Target(ZERO12, "reduce_gradients", ("pipeline_parallel",)),
         Target(ZERO12, "_build_compact_grad_partition_buffer", ("group_idx",)),
@@ -113,8 +115,10 @@ CAPABILITIES = (
         *(Target(ZERO12, name, A, instance=True) for name in (
             "bit16_groups", "bit16_groups_flat", "real_dp_process_group", "dp_process_group", "averaged_gradients",
             "all_grad_tensors", "reduce_bucket_size", "partition_gradients", "overlap_comm", "cpu_offload",
-            "use_grad_accum_attribute", "has_moe_layers", "zenflow", "sequence_parallel_size", "reduce_scatter",
-            "communication_data_type", "dtype", "gradient_accumulation_dtype", "gradient_average")))),
+            "use_grad_accum_attribute", "has_moe_layers", "zenflow", "sequence_parallel_size",
+            "communication_data_type", "gradient_accumulation_dtype", "gradient_average")),
+        Target(PIPE_MODULE, "get_tied_weights_and_groups", M),
+        Target(PIPE_ENGINE, "_INSTRUCTION_MAP", A))),
     Capability("durable checkpoint writes and safe loads", (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),
     Capability("load a universal checkpoint", (

@@ -117,11 +117,22 @@ def fold_weight_gradients(engine, run: Callable[[], None]) -> None:
         engine.optimizer.fill_grad_accum_attribute()
 
 
-def reduce_gradients(engine) -> None:
-    """End of the step: tied-weight gradients across stages, then the data-parallel reduction (ZeRO-1 /
-    BF16 optimizer / plain data parallel)."""
+def reduce_tied_gradients(engine) -> None:
+    """End of the step: the tied weights' gradients summed across the stages holding them."""
     engine._exec_reduce_tied_grads()
+
+
+def reduce_gradients(engine) -> None:
+    """End of the step, after :func:`reduce_tied_gradients`: the data-parallel reduction (ZeRO-1 / BF16
+    optimizer / plain data parallel)."""
     engine._exec_reduce_grads()
+
+
+def tied_parameters(module) -> list:
+    """The pipeline module's tied weights on this stage (their gradients are summed across stages at the
+    end of the step); none for a module without tied layers."""
+    tied = getattr(module, "get_tied_weights_and_groups", None)
+    return [weight for weight, _ in tied()] if tied is not None else []
 
 
 def optimizer_step(engine) -> None:
@@ -158,7 +169,24 @@ def wrap_instruction_handlers(engine, wrap: Callable) -> None:
             return handler(self, **kwargs)
         return run
 
-    engine._INSTRUCTION_MAP = {cls: marked(wrap(cls, fn)) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    current = engine.__dict__.get("_INSTRUCTION_MAP", type(engine)._INSTRUCTION_MAP)   # wraps compose
+    engine._INSTRUCTION_MAP = {cls: marked(wrap(cls, fn)) for cls, fn in current.items()}
+
+
+def before_tied_reduction(engine, hook: Callable[[], None]) -> None:
+    """On DeepSpeed's pipeline engines: run ``hook`` when a stage reaches its ReduceTiedGrads instruction,
+    the first one after its last backward of the step (1F1B: after the last backward's SendGrad;
+    DualPipeV likewise), before the tied-weight all-reduce waits for the other end of the pipeline."""
+    def wrap(instruction, handler):
+        if instruction.__name__ != "ReduceTiedGrads":
+            return handler
+
+        def run(self, **kwargs):
+            hook()
+            return handler(self, **kwargs)
+        return run
+
+    wrap_instruction_handlers(engine, wrap)
 
 
 def engine_groups(engine) -> list[tuple[object, str]]:

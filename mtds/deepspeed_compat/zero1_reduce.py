@@ -60,36 +60,105 @@ def _offsets(flat: torch.Tensor, params) -> list[int]:
     return offsets
 
 
-def install_reduce_scatter(engine, reduce_scatter_sum) -> bool:
-    """Replace the ZeRO-1 optimizer's ``reduce_gradients`` (see the module docstring). ``reduce_scatter_sum
-    (flat, out, group, bucket_elements=)`` sums partition r of every rank's ``flat`` into ``out``.
-    Returns False (and changes nothing) where :func:`unsupported_reason` says DeepSpeed's path stays."""
-    if unsupported_reason(engine) is not None:
-        return False
-    opt = engine.optimizer
-    book = ledger(engine)
-    book.expect(NAME)
-    layout = [_offsets(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
-    bucket = int(opt.reduce_bucket_size)
+class Zero1ReduceScatter:
+    """The reduction of one engine's ZeRO-1 optimizer, in up to two parts per step: :meth:`reduce_early`
+    (a pipeline stage's gradients that are final once its last backward ends: all but ``late`` ones), then
+    ``reduce_gradients`` at DeepSpeed's usual place (what is left: everything, when nothing ran early)."""
 
-    def reduce_gradients(pipeline_parallel=False):
-        book.mark(NAME)
+    def __init__(self, engine, reduce_scatter_sum, split_by_spans, late_params):
+        self.opt, self.book = engine.optimizer, ledger(engine)
+        self.reduce_scatter_sum, self.split_by_spans, self.late_params = reduce_scatter_sum, split_by_spans, late_params
+        opt = self.opt
+        self.layout = [_offsets(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
+        self.bucket = int(opt.reduce_bucket_size)
+        self.pending = None     # {group: (partition buffer, late ranges, late params)} after reduce_early
+        self.timeline = None    # a TimelineRecorder: reduce_early records its span (DeepSpeed's engines)
+
+    def _flat_gradients(self, i: int, params=None) -> torch.Tensor:
+        """Group i's gradients laid out as its parameters are in DeepSpeed's flat buffer (padding zero),
+        pre-divided by the data-parallel size as DeepSpeed's average_tensor does."""
+        opt = self.opt
+        grads = torch.zeros_like(opt.bit16_groups_flat[i])
+        wanted = None if params is None else {id(p) for p in params}
+        for p, offset in zip(opt.bit16_groups[i], self.layout[i]):
+            grad = opt.get_gradient_for_reduction(p)
+            if grad is not None and (wanted is None or id(p) in wanted):
+                grads.narrow(0, offset, p.numel()).copy_(grad.reshape(-1))
+        return grads.div_(torch.distributed.get_world_size(group=self.opt.dp_process_group))
+
+    def _reduce(self, i: int, grads, partition, ranges=None) -> None:
+        self.reduce_scatter_sum(grads, partition.flat_partition, self.opt.real_dp_process_group[i],
+                                bucket_elements=self.bucket, ranges=ranges)
+
+    def reduce_early(self) -> None:
+        """Reduce-scatter every gradient but the late parameters' (tied weights, whose cross-stage sum
+        comes later; sequence-parallel weights, summed over TP later)."""
+        self.book.mark(EARLY)
+        if self.timeline is None:
+            return self._reduce_early()
+        with self.timeline.record("reduce", name="early"):
+            return self._reduce_early()
+
+    def _reduce_early(self) -> None:
+        opt, late = self.opt, {id(p) for p in self.late_params()}
+        self.pending = {}
+        for i, group in enumerate(opt.bit16_groups):
+            d = torch.distributed.get_world_size(group=opt.real_dp_process_group[i])
+            size = opt.bit16_groups_flat[i].numel() // d
+            spans = [(offset, offset + p.numel()) for p, offset in zip(group, self.layout[i]) if id(p) in late]
+            now, later = self.split_by_spans(spans, d, size)
+            partition = opt._build_compact_grad_partition_buffer(i)
+            self._reduce(i, self._flat_gradients(i), partition, now)
+            self.pending[i] = (partition, later, [p for p in group if id(p) in late])
+
+    def reduce_gradients(self, pipeline_parallel=False) -> None:
+        """What DeepSpeed's ``reduce_gradients`` leaves behind, by reduce-scatter (the rest of the step's
+        reduction, when :meth:`reduce_early` ran)."""
+        self.book.mark(NAME)
+        opt = self.opt
         if not opt.is_gradient_accumulation_boundary():
             raise RuntimeError("ZeRO-1 reduce-scatter called before the accumulation boundary")
-        for i, (flat_params, group) in enumerate(zip(opt.bit16_groups_flat, opt.bit16_groups)):
-            dp_group = opt.real_dp_process_group[i]
-            grads = torch.zeros_like(flat_params)            # padding reduces as zeros, as DeepSpeed's does
-            for p, offset in zip(group, layout[i]):
-                grad = opt.get_gradient_for_reduction(p)
-                if grad is not None:
-                    grads.narrow(0, offset, p.numel()).copy_(grad.reshape(-1))
-            # DeepSpeed pre-divides by the data-parallel size, then sums (average_tensor)
-            grads.div_(torch.distributed.get_world_size(group=opt.dp_process_group))
-            partition = opt._build_compact_grad_partition_buffer(i)
-            reduce_scatter_sum(grads, partition.flat_partition, dp_group, bucket_elements=bucket)
+        pending, self.pending = self.pending, None
+        for i in range(len(opt.bit16_groups)):
+            if pending is None:
+                partition = opt._build_compact_grad_partition_buffer(i)
+                self._reduce(i, self._flat_gradients(i), partition)
+            else:
+                partition, later, late_params = pending[i]
+                if any(later):
+                    self._reduce(i, self._flat_gradients(i, late_params), partition, later)
             opt.averaged_gradients[i] = partition
             opt.all_grad_tensors[i] = None
         opt._clear_param_grad_only()
 
-    opt.reduce_gradients = reduce_gradients
-    return True
+
+EARLY = "Zero1ReduceScatter.reduce_early"
+
+
+def install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) -> Zero1ReduceScatter | None:
+    """Replace the ZeRO-1 optimizer's ``reduce_gradients`` (see the module docstring); the reducer, also
+    kept as ``engine.mtds_zero1_reduce`` for :func:`reduce_early`. ``reduce_scatter_sum`` and
+    ``split_by_spans``: ``mtds.dp_reduce``'s; ``late_params()``: the parameters whose gradients change
+    after a stage's last backward. None (nothing changed) where :func:`unsupported_reason` says
+    DeepSpeed's path stays."""
+    if unsupported_reason(engine) is not None:
+        return None
+    reducer = Zero1ReduceScatter(engine, reduce_scatter_sum, split_by_spans, late_params)
+    reducer.book.expect(NAME)
+    engine.optimizer.reduce_gradients = reducer.reduce_gradients
+    object.__setattr__(engine, "mtds_zero1_reduce", reducer)
+    return reducer
+
+
+def reduce_early(engine) -> None:
+    """A pipeline stage's last backward (or W) has ended: start its reduction (no-op without the reducer)."""
+    reducer = engine.__dict__.get("mtds_zero1_reduce")
+    if reducer is not None:
+        reducer.reduce_early()
+
+
+def attach_timeline(engine, recorder) -> None:
+    """--timeline on DeepSpeed's engines: the early reduction records its own span."""
+    reducer = engine.__dict__.get("mtds_zero1_reduce")
+    if reducer is not None:
+        reducer.timeline = recorder

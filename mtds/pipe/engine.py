@@ -26,6 +26,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from mtds.deepspeed_compat import pipeline as ds
+from mtds.deepspeed_compat.zero1_reduce import reduce_early
 from .exchange import ACT, Compute, engine_program, group_names
 from .p2p import StageP2P
 from ..tp.weight_grad_store import WeightGradStore
@@ -109,7 +110,10 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         ds.begin_batch(self, training=True)
-        self._run(engine_program(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id))
+        self._run(engine_program(self.schedule, self.num_stages, self.chunks, self.micro_batches, self.stage_id),
+                  after_computes=self._reduce_early)
+        with self._span("tied"):
+            ds.reduce_tied_gradients(self)
         with self._span("reduce"):
             ds.reduce_gradients(self)
         with self._span("step"):
@@ -136,8 +140,16 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.module.train()
         return ds.eval_output(self, reduce=reduce_output, micro_batches=micro_batches, broadcast=bcast_loss)
 
-    def _run(self, program) -> None:
-        """Walk a p2p program (``mtds.pipe.exchange.engine_program``): its computes and posts, in order."""
+    def _reduce_early(self) -> None:
+        """The data-parallel reduction of what this stage's last backward (or W) made final, while its
+        last sends are in flight and the other stages finish their cool-down (the tied weights wait for
+        the tied all-reduce, which waits for the other end of the pipeline)."""
+        with self._span("reduce"):
+            reduce_early(self)
+
+    def _run(self, program, after_computes=None) -> None:
+        """Walk a p2p program (``mtds.pipe.exchange.engine_program``): its computes and posts, in order;
+        then ``after_computes()``, then wait for the sends."""
         self._inputs, self._outputs, self._losses, self._labels = {}, {}, {}, {}
         self._outbox = {}          # Message -> tensor a compute produced, until its post sends it
         handlers = {"F": self._forward_step, "B": self._backward_step, "W": self._weight_step}
@@ -148,11 +160,13 @@ class ScheduledPipelineEngine(PipelineEngine):
             transfer = item.transfers[0]
             with self._span(transfer.op, self._local_chunk(transfer), transfer.message.micro):
                 self.p2p.post(item, self._outbox)
-        with self._span("send"):
-            self.p2p.wait_sends()
         if self.weight_grads is not None and self.weight_grads.pending():
             # DeepSpeed's gradient reduction follows: every weight gradient must be in param.grad by then.
             raise RuntimeError(f"{self.weight_grads.pending()} deferred weight gradients left after the schedule")
+        if after_computes is not None:
+            after_computes()
+        with self._span("send"):
+            self.p2p.wait_sends()
 
     def _local_chunk(self, transfer) -> int:
         """This rank's chunk that sends (or receives) ``transfer``: for the timeline."""

@@ -16,13 +16,14 @@ from functools import wraps
 import torch.distributed as dist
 
 from mtds.deepspeed_compat.pipeline import wrap_instruction_handlers
+from mtds.deepspeed_compat.zero1_reduce import attach_timeline
 
 from .timeline import TimelineRecorder, gather_events, measured_bubble, write_chrome_trace, write_gantt_png
 
 # DeepSpeed instruction class name -> timeline kind
 _KINDS = {"ForwardPass": "F", "BackwardPass": "B", "SendActivation": "send", "SendGrad": "send",
           "RecvActivation": "recv", "RecvGrad": "recv", "CommitP2P": "recv", "ReduceGrads": "reduce",
-          "ReduceTiedGrads": "reduce", "OptimizerStep": "step", "LoadMicroBatch": "other"}
+          "ReduceTiedGrads": "tied", "OptimizerStep": "step", "LoadMicroBatch": "other"}
 
 
 def _instrument_deepspeed(engine, recorder: TimelineRecorder, counters: defaultdict) -> None:
@@ -59,6 +60,7 @@ class StepTimeline:
         if hasattr(engine, "timeline"):
             engine.timeline = self.recorder
         else:
+            attach_timeline(engine, self.recorder)     # ZeRO-1's early reduction, inside ReduceTiedGrads
             self.counters = defaultdict(int)
             _instrument_deepspeed(engine, self.recorder, self.counters)
         layout = groups.layout

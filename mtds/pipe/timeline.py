@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass
 
 COMPUTE_KINDS = ("F", "B", "W")
 KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "send": "#8172B3", "recv": "#937860",
-                "reduce": "#C44E52", "step": "#DA8BC3", "other": "#8C8C8C"}
+                "reduce": "#C44E52", "tied": "#CCB974", "step": "#DA8BC3", "other": "#8C8C8C"}
 STEP_EVENT = "step"  # name of the whole-step marker event end_step() adds (kind "other")
 
 
 @dataclass(frozen=True)
 class TimelineEvent:
     rank: int
-    kind: str            # F, B, W, send, recv, reduce, step, other
+    kind: str            # F, B, W, send, recv, reduce (data parallel), tied (tied weights), step, other
     start: float         # seconds since the rank's step origin (simulation: cost units)
     end: float
     chunk: int | None = None
@@ -240,7 +240,7 @@ def write_gantt_png(events: list[TimelineEvent], path: str, title: str = "", tim
     bubbles = measured_bubble(events, step_time)
     span = max((e.end for e in events), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(min(24, 6 + 0.25 * len(events) / max(1, len(ranks))), 1 + 0.7 * len(ranks)))
-    for e in events:
+    for e in sorted(events, key=lambda e: e.start - e.end):    # longest first: a span inside another stays visible
         if e.name == STEP_EVENT:
             continue
         y = len(ranks) - 1 - ranks.index(e.rank)

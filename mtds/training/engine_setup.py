@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Callable
 
 from mtds.comm_trace import label_deepspeed_groups
-from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter
-from mtds.dp_reduce import reduce_scatter_sum
+from mtds.deepspeed_compat import pipeline as ds_pipeline
+from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
+from mtds.dp_reduce import reduce_scatter_sum, split_by_spans
 from mtds.pipe.select import OWN_ENGINE
 
 from .config import TrainConfig
@@ -51,6 +52,21 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     return engine
 
 
+def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
+    """ZeRO-1's gradients reduce-scattered (DeepSpeed's all-reduce stays where that cannot apply). On a
+    pipeline each stage starts reducing as soon as its last backward (or W) ends: mtds's engine calls
+    ``reduce_early`` itself, DeepSpeed's are hooked at their ReduceTiedGrads instruction. Late: the tied
+    weights (summed across stages after that) and the sequence-parallel weights (summed over TP)."""
+    def late_params():
+        deferred = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_grads_deferred", False)]
+        return ds_pipeline.tied_parameters(engine.module) + deferred
+
+    if install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None:
+        return
+    if cfg.pp > 1 and cfg.pipeline_schedule not in OWN_ENGINE:
+        ds_pipeline.before_tied_reduction(engine, lambda: reduce_early(engine))
+
+
 def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: str, zero_stage: int) -> None:
     """The gradient fixes this run's precision / ZeRO stage / layout need, then the tracer's group names."""
     groups = world.groups
@@ -59,7 +75,7 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
     if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
-        install_reduce_scatter(engine, reduce_scatter_sum)   # DeepSpeed's path stays where it cannot apply
+        install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
     if world.tracer is not None:
