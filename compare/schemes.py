@@ -9,6 +9,8 @@
     hf-zero3                  HF transformers model under accelerate + DeepSpeed ZeRO-3 (compare.hf_entry)
     autotp:tp=2               HF model under accelerate + DeepSpeed AutoTP (tensor_parallel.autotp_size)
     ptdp:tp=2,config=my.json  any scheme can name its own DeepSpeed config
+    zero1:grad_reduce=all-reduce
+                              ... DeepSpeed's own ZeRO-1 gradient all-reduce (train.py --zero1-grad-reduce)
     autotp:tp=2,model=llama-tiny
                               any scheme can train another model than --model (a preset, a HF config.json,
                               or llama-tiny: compare/llama_tiny.json, gpt2-tiny's shape as a Llama); the
@@ -39,10 +41,12 @@ class Scheme:
     schedule: str = "1f1b"   # train.py --pipeline-schedule (ptdp with pp > 1)
     v: int = 1               # train.py --virtual-stages (interleaved)
     model: str = ""          # another model than the run's --model (an alias of MODEL_ALIASES, preset or file)
+    grad_reduce: str = "reduce-scatter"   # train.py --zero1-grad-reduce (mtds's ZeRO-1 schemes)
 
     @property
     def name(self) -> str:
-        return self._base_name + (f"-{self.model_label}" if self.model else "")
+        return self._base_name + ("-allreduce" if self.grad_reduce == "all-reduce" else "") + \
+            (f"-{self.model_label}" if self.model else "")
 
     @property
     def model_label(self) -> str:
@@ -83,10 +87,14 @@ def parse_scheme(text: str) -> Scheme:
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("tp", "pp", "sp", "config", "schedule", "v", "model"):
+        if not eq or key not in ("tp", "pp", "sp", "config", "schedule", "v", "model", "grad_reduce"):
             raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, schedule=NAME, v=V, "
-                             f"config=FILE or model=NAME|FILE")
-        fields[key] = value if key in ("config", "schedule", "model") else int(value)
+                             f"config=FILE, model=NAME|FILE or grad_reduce=reduce-scatter|all-reduce")
+        fields[key] = value if key in ("config", "schedule", "model", "grad_reduce") else int(value)
+    if fields.get("grad_reduce", "reduce-scatter") not in ("reduce-scatter", "all-reduce") or \
+            ("grad_reduce" in fields and kind in ("zero3", "hf-zero3", "autotp")):
+        raise ValueError(f"{text!r}: grad_reduce= is reduce-scatter or all-reduce, for mtds's ZeRO-1 schemes "
+                         f"(ptdp, zero1)")
     if kind != "ptdp" and ("schedule" in fields or "v" in fields):
         raise ValueError(f"{text!r}: schedule= and v= are pipeline options of ptdp schemes")
     if "schedule" in fields or "v" in fields:

@@ -69,7 +69,7 @@ def link_formula(scheme: Scheme, model: str, seq: int, global_batch: int, micro_
         gathered = traced * world / 4 if (m > 1 and traced) else None      # fp32 values gathered in all
         return zero3_link_bytes(params=params, world=world, nodes=spec.nodes, microbatches=m, gathered=gathered)
     if scheme.kind == "zero1" or (scheme.kind == "ptdp" and scheme.tp == 1 and scheme.pp == 1):
-        return zero1_link_bytes(params=params, world=world, nodes=spec.nodes)
+        return zero1_link_bytes(params=params, world=world, nodes=spec.nodes, grad_reduce=scheme.grad_reduce)
     if scheme.kind == "ptdp" and scheme.pp == spec.nodes and scheme.tp * scheme.data_parallel(world) <= spec.ranks_per_node:
         d = scheme.data_parallel(world)
         return ptdp_link_bytes(microbatches=global_batch // (micro_batch * d), micro_batch=micro_batch, seq=seq,

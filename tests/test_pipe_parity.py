@@ -188,6 +188,25 @@ ZB_PRECISIONS = (("bf16 BF16_Optimizer fp32 accumulation", dict(zero=1, precisio
 ZB_STEPS = 2    # exact equality: a dropped or doubled W shows from the first step's norm
 
 
+@functools.lru_cache(maxsize=1)
+def zb_four_rank_runs():
+    """One 4-rank launch: the zb-h1 cases below, then the (1,2,2) ZeRO-1 overlap timelines (their folder)."""
+    out = tempfile.mkdtemp(prefix="mtds-overlap-")
+    dropout = dict(model=DROPOUT, steps=SHORT)
+    mixed = []
+    for _, kw in ZB_PRECISIONS:
+        ds = ds_config(zero=kw["zero"], precision=kw["precision"], **kw.get("ds_extra", {}))
+        mixed += [zb_h1(2, 2, steps=ZB_STEPS, **kw), train_config(tp=2, pp=2, steps=ZB_STEPS, deepspeed_config=ds)]
+    return run_layouts(4, [zb_h1(1, 2, zero=0), zb_h1(1, 2, zero=1), zb_h1(2, 2, zero=1),
+                           zb_h1(2, 2, zero=1, sequence_parallel=True),
+                           zb_h1(2, 2, recompute="full", **dropout), zb_h1(2, 2, recompute="none", **dropout),
+                           train_config(tp=2, pp=2, **dropout),
+                           zb_h1(2, 2, sequence_parallel=True, **dropout),
+                           interleaved(2, 2, sequence_parallel=True, **dropout),
+                           train_config(tp=2, pp=2, sequence_parallel=True, **dropout)] + mixed + overlap_runs(out),
+                       force_fp16=True), out
+
+
 def test_zb_h1_four_ranks():
     """ZB-H1 (B: input grads, W: the TP linears' deferred weight grads) vs HF, at (1,2,2) ZeRO-0/1 and
     (2,2,1) ZeRO-1, also with sequence parallelism (its linears deferred too: W re-gathers the input);
@@ -196,18 +215,7 @@ def test_zb_h1_four_ranks():
     (residual dropout on each rank's own stream) zb-h1 and interleaved bit-identical to 1F1B. bf16 and fp16 at (2,2,1): bit-identical to 1F1B in the same
     precision -- W's gradients reach the optimizer's fp32 (or bf16) accumulation exactly once per
     micro-batch, in 1F1B's order -- and the fp16 loss scale is carried by the queued output gradients."""
-    dropout = dict(model=DROPOUT, steps=SHORT)
-    mixed = []
-    for _, kw in ZB_PRECISIONS:
-        ds = ds_config(zero=kw["zero"], precision=kw["precision"], **kw.get("ds_extra", {}))
-        mixed += [zb_h1(2, 2, steps=ZB_STEPS, **kw), train_config(tp=2, pp=2, steps=ZB_STEPS, deepspeed_config=ds)]
-    per_rank = run_layouts(4, [zb_h1(1, 2, zero=0), zb_h1(1, 2, zero=1), zb_h1(2, 2, zero=1),
-                               zb_h1(2, 2, zero=1, sequence_parallel=True),
-                               zb_h1(2, 2, recompute="full", **dropout), zb_h1(2, 2, recompute="none", **dropout),
-                               train_config(tp=2, pp=2, **dropout),
-                               zb_h1(2, 2, sequence_parallel=True, **dropout),
-                               interleaved(2, 2, sequence_parallel=True, **dropout),
-                               train_config(tp=2, pp=2, sequence_parallel=True, **dropout)] + mixed, force_fp16=True)
+    per_rank = [results[:-len(OVERLAP_SCHEDULES)] for results in zb_four_rank_runs()[0]]   # without the timelines
     dp0, dp1, tp1, sp, recompute, no_recompute, base, zb_sp, ilv_sp, base_sp, *mixed = per_rank[-1]   # last stage
     assert_dp_bytes_at_ring_minimum(per_rank, 1, 2, "zb-h1 (1,2,2) ZeRO-1")
     ref = reference()
@@ -235,6 +243,30 @@ def test_zb_h1_four_ranks():
         sixteen_bits = max(max_rel_diff(zb.losses, tp1.losses[:ZB_STEPS]),
                            max_rel_diff(zb.grad_norms, tp1.grad_norms[:ZB_STEPS]))
         assert sixteen_bits > 3 * REL_TOL, (what, sixteen_bits)     # measured >= 1e-4
+
+
+OVERLAP_SCHEDULES = ("1f1b", "zb-h1")     # DeepSpeed's engine (hooked at ReduceTiedGrads), mtds's own
+
+
+def overlap_runs(out: str):
+    """(1,2,2) ZeRO-1, 2 steps with --timeline (launched with test_zb_h1_four_ranks' ranks)."""
+    return [train_config(pp=2, pipeline_schedule=name, steps=2, timeline=os.path.join(out, f"{name}.json"))
+            for name in OVERLAP_SCHEDULES]
+
+
+def test_zero1_reduction_overlaps_the_cool_down():
+    """The last stage's data-parallel reduce-scatter starts as soon as its last backward (or W) ends,
+    before the first stage's last compute ends -- not after the pipeline drained (the tied all-reduce
+    waits for the first stage; DeepSpeed's own reduction starts after it)."""
+    _, out = zb_four_rank_runs()
+    for name in OVERLAP_SCHEDULES:
+        with open(os.path.join(out, f"{name}.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        first_done = max(e["ts"] + e["dur"] for e in events if e["pid"] == 0 and e["cat"] in ("B", "W"))
+        last_done = max(e["ts"] + e["dur"] for e in events if e["pid"] == 1 and e["cat"] in ("B", "W"))
+        early = [e for e in events if e["pid"] == 1 and e["cat"] == "reduce"]
+        start = min(e["ts"] for e in early)
+        assert last_done <= start < first_done, (name, last_done, start, first_done, early)
 
 
 def test_interleaved_zb_h1_and_dualpipev_eight_ranks():

@@ -49,10 +49,14 @@ def zero3_link_bytes(*, params: int, world: int, nodes: int, microbatches: int =
             + microbatches * ring_edge_bytes("reduce_scatter", params * bytes_per_value, world, backend))
 
 
-def zero1_link_bytes(*, params: int, world: int, nodes: int, bytes_per_value: int = 4) -> float:
-    """ZeRO-1 data parallelism over all ranks: DeepSpeed all-reduces the gradients, then all-gathers the
-    updated parameter partitions (measured in the HF-baseline notes), P values each."""
+def zero1_link_bytes(*, params: int, world: int, nodes: int, bytes_per_value: int = 4,
+                     grad_reduce: str = "reduce-scatter") -> float:
+    """ZeRO-1 data parallelism over all ranks, P values: the gradients reduce-scattered (mtds's default,
+    a ring over point-to-point messages even on gloo: mtds.dp_reduce) or all-reduced (DeepSpeed's own,
+    ``--zero1-grad-reduce all-reduce``), then the updated parameter partitions all-gathered."""
     if nodes < 2:
         return 0.0
     full = params * bytes_per_value
-    return ring_edge_bytes("all_reduce", full, world) + ring_edge_bytes("all_gather", full, world)
+    grads = ring.link_bytes("reduce_scatter", full, world) if grad_reduce == "reduce-scatter" \
+        else ring_edge_bytes("all_reduce", full, world)
+    return grads + ring_edge_bytes("all_gather", full, world)
