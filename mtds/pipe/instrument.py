@@ -85,8 +85,9 @@ class StepTimeline:
         return {"bubble": max(per_stage), "bubble_per_stage": per_stage}
 
     def write(self, title: str = "") -> list[str]:
-        """Chrome trace JSON at ``path`` and a Gantt PNG next to it (``.png``); on the gathering rank."""
-        if self.events is None:
+        """Chrome trace JSON at ``path`` and a Gantt PNG next to it (``.png``); on the gathering rank of the
+        first pipeline (TP and DP rank 0: every pipeline gathers its own, one file is written)."""
+        if self.events is None or self.groups.dp_rank != 0 or self.groups.tp_rank != 0:
             return []
         root, _ = os.path.splitext(self.path)
         return [write_chrome_trace(self.events, self.path), write_gantt_png(self.events, root + ".png", title=title)]
