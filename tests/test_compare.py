@@ -60,7 +60,11 @@ def test_new_scheme_specs():
     assert [parse_scheme(s).name for s in ("zero1", "hf-zero3", "autotp", "autotp:tp=2")] == \
         ["zero1", "hf-zero3", "autotp-t2", "autotp-t2"]
     assert parse_scheme("hf-zero3").hf and parse_scheme("hf-zero3").zero_stage == 3 and not parse_scheme("zero1").hf
-    for bad in ("zero1:tp=2", "hf-zero3:pp=2", "autotp:pp=2"):
+    assert parse_scheme("zero1:grad_reduce=all-reduce").name == "zero1-allreduce"
+    from mtds.cluster.formulas import zero1_link_bytes      # 2 nodes: one ring edge leaves each node
+    assert zero1_link_bytes(params=1000, world=4, nodes=2) == 2 * 0.75 * 4000
+    assert zero1_link_bytes(params=1000, world=4, nodes=2, grad_reduce="all-reduce") == 3 * 0.75 * 4000
+    for bad in ("zero1:tp=2", "hf-zero3:pp=2", "autotp:pp=2", "zero3:grad_reduce=all-reduce", "zero1:grad_reduce=x"):
         try:
             parse_scheme(bad)
         except ValueError:
