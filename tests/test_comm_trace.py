@@ -1,7 +1,12 @@
 """The collective tracer on real gloo ranks with known tensors: calls, payload bytes, ring bus bytes
 and group size per kind and group, exact; also through references cached before it started (as
 DeepSpeed caches them), through ``distributed_c10d``, for batched p2p, coalesced and object
-collectives; groups of one count nothing."""
+collectives; groups of one count nothing.
+
+In the same 4-rank launch, ``mtds.dp_reduce.reduce_scatter_sum``: each rank ends with exactly the sum of
+its partition, in buckets smaller than a partition, and puts the ring minimum on its link -- (d-1)/d of
+the buffer, every byte to the next rank of its group (the tracer's placement), half an all-reduce's."""
+import functools
 import io
 import pickle
 
@@ -10,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from mtds.comm_trace import CommTracer, bus_bytes
+from mtds.dp_reduce import reduce_scatter_sum, split_by_spans
 from tests.dist import spawn
 
 OBJ = {"step": 7, "name": "mtds"}
@@ -61,9 +67,19 @@ def _trace_worker():
     return first_summary, total, bus, second_summary, gathered == [OBJ] * 4 and objects == [OBJ]
 
 
+def _both_workers():
+    return _trace_worker(), _reduce_scatter_worker()
+
+
+@functools.lru_cache(maxsize=1)
+def four_ranks():
+    """One 4-rank launch for the tracer's checks and the reduce-scatter's."""
+    return spawn(_both_workers, 4, timeout=120)
+
+
 def test_tracer_counts_kinds_groups_payload_and_bus_bytes():
     obj = 8 + _pickled_size(OBJ)    # one int64 size, then the pickled bytes
-    for rank, (first, total, bus, second, objects_ok) in enumerate(spawn(_trace_worker, 4, timeout=120)):
+    for rank, ((first, total, bus, second, objects_ok), _) in enumerate(four_ranks()):
         assert objects_ok
         p2p = {}
         if rank == 0:
@@ -95,3 +111,57 @@ def test_ring_bus_bytes_follow_the_ring_algorithms():
     assert bus_bytes("all_reduce", payload, 8) == 2 * bus_bytes("reduce_scatter", payload, 8) == 7 * 2 ** 18
     assert bus_bytes("all_gather", payload // 8, 8) == bus_bytes("reduce_scatter", payload, 8)
     assert bus_bytes("send", 12, 2) == 12 and bus_bytes("all_reduce", payload, 1) == 0
+
+
+P = 10    # elements per partition; buckets of 4: windows 4 + 4 + 2
+
+
+def _reduce_scatter_worker():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]       # two rings of 2 beside the ring of 4
+    results = {}
+    for name, group in (("world", dist.group.WORLD), ("pair", groups[rank % 2])):
+        d, r = dist.get_world_size(group), dist.get_rank(group)
+        # integers in float32: every summation order gives the same exact sum
+        flat = torch.arange(d * P, dtype=torch.float32) * (rank + 1) + 1000 * rank
+        out = torch.full((P,), float("nan"))
+        tracer = CommTracer(ranks_per_node=2).install()
+        tracer.name_group(group, "dp")
+        reduce_scatter_sum(flat.clone(), out, group, bucket_elements=4)
+        summary = tracer.summary()      # the whole reduction only
+        tracer.uninstall()
+        members = dist.get_process_group_ranks(group) if name == "pair" else list(range(world))
+        want = sum(torch.arange(d * P, dtype=torch.float32)[r * P:(r + 1) * P] * (m + 1) + 1000 * m for m in members)
+        # in two parts, as a pipeline stage reduces: outside a span first (here it crosses partitions
+        # 0 and 1 and leaves partition 1 with a range on each side), then inside it
+        outside, inside = split_by_spans([(3, 17)], d, P)
+        parts = torch.full((P,), float("nan"))
+        for ranges in (outside, inside):
+            reduce_scatter_sum(flat.clone(), parts, group, bucket_elements=4, ranges=ranges)
+        results[name] = (torch.equal(out, want) and torch.equal(parts, want), summary, d)
+    return results
+
+
+def test_split_by_spans():
+    outside, inside = split_by_spans([(3, 17), (38, 40)], 4, 10)
+    assert inside == [[(3, 7)], [(0, 7)], [], [(8, 2)]]
+    assert outside == [[(0, 3)], [(7, 3)], [(0, 10)], [(0, 8)]]
+    assert split_by_spans([], 2, 5) == ([[(0, 5)], [(0, 5)]], [[], []])
+
+
+def test_ring_reduce_scatter_sums_each_partition_at_the_ring_minimum():
+    for rank, (_, results) in enumerate(four_ranks()):
+        for name, (exact, summary, d) in results.items():
+            assert exact, (rank, name)
+            label = "dp" if name == "pair" else "world"
+            sent = {k: v for k, v in summary.items() if k.startswith("send/")}
+            assert list(sent) == [f"send/{label}"], (rank, name, summary)
+            stats = sent[f"send/{label}"]
+            # (d-1) steps x 3 buckets, each step one partial window: (d-1)/d of d*P floats in all
+            assert stats["calls"] == (d - 1) * 3 and stats["bus_bytes"] == (d - 1) * P * 4, (rank, name, stats)
+            assert sum(v["bus_bytes"] for k, v in summary.items() if k.startswith("recv/")) == (d - 1) * P * 4
+            # every byte to the ring neighbour: ranks 0,1 on node 0, 2,3 on node 1; ring 0-1-2-3 crosses
+            # nodes at 1->2 and 3->0; the pairs {0,2}, {1,3} always cross
+            crosses = name == "pair" or rank in (1, 3)
+            assert (stats["inter_bytes"], stats["intra_bytes"]) == \
+                (((d - 1) * P * 4, 0) if crosses else (0, (d - 1) * P * 4)), (rank, name, stats)
