@@ -1,20 +1,22 @@
 """ZeRO-1's gradient reduction as a reduce-scatter: each data-parallel rank reduces only the partition of
-the flat gradient whose optimizer state it owns (Megatron's distributed optimizer; ZeRO §5.1's
-"P_os" reduce-scatter), so a step moves 2Ψ(d−1)/d bytes per rank (this reduce-scatter, then the
+the flat gradient whose optimizer state it owns (as Megatron's distributed optimizer does), so a step moves 2Ψ(d−1)/d bytes per rank (this reduce-scatter, then the
 parameter all-gather DeepSpeed already does) instead of 3Ψ(d−1)/d.
 
 Why not DeepSpeed's own options (0.19.8, ``DeepSpeedZeroOptimizer.average_tensor``): with
 ``reduce_scatter`` on (its default) each bucket is all-reduced and each rank keeps its partition
 (``use_multi_rank_bucket_allreduce``, default on: 2Ψ(d−1)/d), or reduced to each partition's owner with
-one ``dist.reduce`` per owner (off: Ψ per rank by the ring convention, d collectives per bucket);
-with it off, every bucket is all-reduced. None reduce-scatters.
+one ``dist.reduce`` per owner (off: Ψ per rank by the ring convention, d collectives per bucket); with
+``reduce_scatter`` off every bucket is all-reduced. None reduce-scatters.
 
 What replaces ``optimizer.reduce_gradients`` (the engine calls it at the accumulation boundary, from
 ``backward`` or a pipeline's ReduceGrads): per parameter group, the gradients are laid out as DeepSpeed
 laid the parameters out in its flat buffer (zero padding included), pre-divided by d as DeepSpeed does,
 and reduce-scattered (``mtds.dp_reduce``) straight into the flat gradient partition DeepSpeed's
 ``step`` reads (its compact partition buffer, with per-parameter views for the norm and the overflow
-check). Then every ``param.grad`` is dropped, as DeepSpeed's own epilogue does.
+check). Then every ``param.grad`` is dropped, as DeepSpeed's own epilogue does. A pipeline stage may
+reduce its final gradients earlier (:func:`reduce_early`, right after its last backward) and the rest
+(tied weights) here. The gradient buffer is transient and whole (Ψ values per group), where DeepSpeed's
+bucket holds at most ``reduce_bucket_size``; the communication itself goes in buckets of that size.
 
 Installed only where that is exactly DeepSpeed's state otherwise: stage 1, gradients in ``param.grad`` in
 the communication dtype (no separate fp32 accumulation, no bucket overlap, no CPU offload), no MoE,
