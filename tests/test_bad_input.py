@@ -193,6 +193,9 @@ SETTING_CASES = [
     ("flag-recompute-interval-without-full", ["--recompute-interval", "2"],
      "--recompute-interval 2 applies to --recompute full only (got --recompute none)"),
     ("flag-recompute-negative", ["--activation-checkpointing", "-1"], "--activation-checkpointing takes a block interval >= 0"),
+    ("pipeline-layout-without-pipeline", ["--pipeline-layout", "Et*4L"], "--pipeline-layout needs a pipeline"),
+    ("pipeline-layout-and-balance", ["--pp", "2", "--pipeline-layout", "Et*2|t*2L", "--pipeline-balance", "cost"],
+     "give one of the two"),
     ("flag-recompute-conflict", ["--recompute", "selective", "--activation-checkpointing", "2"],
      "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
 ]
@@ -209,6 +212,12 @@ DIST_CASES = [
                                        "--seq-length", "33"], "divisible by --tp 2"),
     ("ds-zero2-with-pipeline", ["--deepspeed_config", "{zero2}", "--pp", "2"], "ZeRO stage 2 cannot be combined"),
     ("ds-zero3-with-pipeline", ["--deepspeed_config", "{zero3}", "--pp", "2"], "ZeRO stage 3 cannot be combined"),
+    ("pipeline-layout-stage-count", ["--deepspeed_config", CPU, "--pp", "2", "--pipeline-layout", "Et*2|t|tL"],
+     "has 3 stages ('|' + 1) but the run has p x v = 2 virtual stages"),
+    ("pipeline-layout-block-count", ["--deepspeed_config", CPU, "--pp", "2", "--pipeline-layout", "Et*3|t*2L"],
+     "holds 5 transformer blocks but the model has 4"),
+    ("pipeline-layout-loss-not-last", ["--deepspeed_config", CPU, "--pp", "2", "--pipeline-layout", "Et*2|Lt*2"],
+     "needs exactly one L, last in the last stage"),
 ]
 
 PARSER_CASES = [
@@ -218,6 +227,8 @@ PARSER_CASES = [
     ("flag-unknown", ["--deepspeed_config", CPU, "--tensor-parallel", "2"], "unrecognized arguments"),
     ("flag-recompute-method-block", ["--deepspeed_config", CPU, "--recompute-method", "block"],
      "invalid choice: 'block'"),
+    ("flag-pipeline-balance-unknown", ["--deepspeed_config", CPU, "--pipeline-balance", "params"],
+     "invalid choice: 'params'"),
 ]
 
 

@@ -93,6 +93,10 @@ CAPABILITIES = (
         Target(PIPE_MODULE, "stage_owner", ("layer_idx",)),
         Target(PIPE_MODULE, "save_state_dict", ("save_dir", "checkpoint_engine")),
         Target(PIPE_MODULE, "load_state_dir", ("load_dir", "checkpoint_engine")))),
+    Capability("cut pipeline stages at explicit boundaries (--pipeline-layout, --pipeline-balance)", (
+        Target(PIPE_MODULE, "_partition_layers", ("method",)),
+        Target(PIPE_MODULE, "_set_bounds", ("start", "stop")),
+        Target("deepspeed.runtime.pipe.dualpipev:DualPipeVModule", "_partition_layers", ("method",)))),
     Capability("wrap the pipeline engines' instruction handlers (--timeline)", (
         Target(PIPE_ENGINE, "_INSTRUCTION_MAP", A),
         Target(PIPE_ENGINE, "_exec_schedule", ("pipe_schedule",)))),

@@ -19,14 +19,16 @@ from __future__ import annotations
 from deepspeed.pipe import PipelineModule
 
 from .capabilities import check_subclass
+from .explicit_parts import ExplicitPartsModule
 from .ledger import ledger
 
 OVERRIDES = ("_partition_layers", "_build", "_precompute_checkpointable_values", "stage_owner", "save_state_dict",
              "load_state_dir")
 
 
-class ChunkedPipelineModule(PipelineModule):
-    """``PipelineModule`` with ``virtual_stages`` chunks per rank (same arguments, plus that one)."""
+class ChunkedPipelineModule(ExplicitPartsModule):
+    """``PipelineModule`` with ``virtual_stages`` chunks per rank (same arguments, plus that one, and
+    ``parts`` over the p·v virtual stages: mtds.deepspeed_compat.explicit_parts)."""
 
     def __init__(self, *args, virtual_stages: int, **kwargs):
         check_subclass(type(self), PipelineModule, overrides=OVERRIDES)

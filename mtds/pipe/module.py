@@ -10,6 +10,7 @@ from torch import nn
 
 from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
+from mtds.pipeline_layout import StageLayout
 from mtds.model import LMLoss, TransformerLayer
 from mtds.tp import RNGTracker, checkpoint
 
@@ -24,25 +25,38 @@ def _recompute(tracker: RNGTracker, function, *args):
 def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                           recompute_interval: int = 0, recompute_attention: bool = False,
                           sequence_parallel: bool = False, virtual_stages: int | None = None,
-                          dualpipev: bool = False):
+                          dualpipev: bool = False, stage_layout: StageLayout | None = None):
     """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
     (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
     DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
-    rank 0, which holds both ends)."""
+    rank 0, which holds both ends). ``stage_layout``: the blocks of each virtual stage (p, p·v or 2p of
+    them; mtds.pipeline_layout), else DeepSpeed splits the blocks evenly."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
     from mtds.deepspeed_compat.chunked_module import ChunkedPipelineModule
+    from mtds.deepspeed_compat.explicit_parts import ExplicitPartsDualPipeV, ExplicitPartsModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \
         (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
     if dualpipev:
         cls, extra = DualPipeVModule, {}
+    if stage_layout is not None:
+        stages = groups.layout.pp * (2 if dualpipev else virtual_stages or 1)
+        if stage_layout.stages != stages or stage_layout.num_layers != cfg.num_layers:
+            raise ValueError(f"pipeline layout {stage_layout} has {stage_layout.stages} stages and "
+                             f"{stage_layout.num_layers} blocks; this model and schedule need {stages} and "
+                             f"{cfg.num_layers}")
+        if cls is PipelineModule:
+            cls = ExplicitPartsModule
+        elif cls is DualPipeVModule:
+            cls = ExplicitPartsDualPipeV
+        extra["parts"] = stage_layout.spec_parts()
     return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
-                          partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
-                          activation_checkpoint_func=partial(_recompute, rng_tracker),
-                          checkpointable_layers=CHECKPOINTABLE_LAYERS)
+               partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
+               activation_checkpoint_func=partial(_recompute, rng_tracker),
+               checkpointable_layers=CHECKPOINTABLE_LAYERS)
 
 
 class SequentialGPT(nn.Module):
@@ -89,13 +103,14 @@ class SequentialGPT(nn.Module):
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                 recompute_interval: int = 0, recompute_attention: bool = False,
                 sequence_parallel: bool = False, virtual_stages: int | None = None,
-                dualpipev: bool = False) -> nn.Module:
+                dualpipev: bool = False, stage_layout: StageLayout | None = None) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
     recomputes every k whole blocks ("full"); ``recompute_attention`` only the attention core
     ("selective"); they are alternatives, not meant together. ``virtual_stages``: build a
-    ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules)."""
+    ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules).
+    ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.pipeline_layout)."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
@@ -104,7 +119,8 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel)
     if groups.layout.pp > 1:
-        return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev, **common)
+        return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev,
+                                     stage_layout=stage_layout, **common)
     return SequentialGPT(cfg, groups, **common)
 
 

@@ -111,6 +111,23 @@ def output_layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster:
     return 3.0 * gemm + elementwise_time(loss_bytes * s * b * v, cluster)
 
 
+def embedding_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+    """Vocab-parallel embedding, forward + backward, memory bound: the row lookup (read + write) and the
+    position add (read 2, write 1) move 5 values per output element in forward; the backward's
+    scatter-add into the table and the position gradient twice that (the 1:2 ratio above). Every TP
+    rank produces the whole [s, b, h] output (masked lookup, then all-reduce), so t does not divide it."""
+    values = 5.0 * 3.0 * model.seq * layout.microbatch * model.hidden
+    return elementwise_time(values * work.bytes_per_value, cluster)
+
+
+def final_norm_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+    """The final layer norm, forward + backward: 4 bytes per element per pass at 16 bits, as each of
+    a layer's two norms in :func:`_layer_forward` (1/t of the sequence with sequence parallelism)."""
+    t = layout.tp if layout.sequence_parallel else 1
+    forward = 4.0 * work.bytes_per_value / 2.0 * model.seq * layout.microbatch * model.hidden / t
+    return 3.0 * elementwise_time(forward, cluster)
+
+
 def grad_accumulation_time(n_params_local: float, grad_bytes: float, acc_bytes: float, cluster: Cluster) -> float:
     """Adding one microbatch's weight gradients into the accumulation buffer (unfused): read the
     new gradient (grad_bytes) and read + write the accumulator (2 x acc_bytes) per parameter."""

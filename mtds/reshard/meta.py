@@ -32,7 +32,8 @@ class CheckpointMeta:
     tokenizer: str | None = None
     weights_only: bool = False       # hf-to-mtds output: module weights, no optimizer/data state
     # parameter order of the pipeline module ("" DeepSpeed's PipelineModule / plain; "chunks2" mtds's
-    # ChunkedPipelineModule; "dualpipev"): rank files written in another order need resharding by name
+    # ChunkedPipelineModule; "dualpipev"; "+layout3-1" a non-uniform pipeline layout, blocks per stage): rank
+    # files written in another order need resharding by name
     module_order: str = ""
     pipeline: bool = False           # per-layer files (PipelineModule) vs mp_rank files (SequentialGPT)
     format_version: int = FORMAT_VERSION

@@ -21,6 +21,7 @@ from .distributed import configure_matmul_precision
 from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, zero_stage
 from .engine_setup import create_engine, install_engine_patches
 from .logger import StepLogger
+from .stage_plan import describe, resolve_stage_layout
 from .world import World
 
 
@@ -79,14 +80,15 @@ def build_data(cfg: TrainConfig, world: World, batch: BatchPlan, logger: StepLog
     return build_streams(cfg, world.model_cfg, batch, world.groups, logger)
 
 
-def build_run_model(cfg: TrainConfig, world: World):
-    """This rank's stages (a PipelineModule for p > 1), with recomputation, then HF weights if asked."""
+def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
+    """This rank's stages (a PipelineModule for p > 1; ``stage_layout``: blocks per virtual stage), with
+    recomputation, then HF weights if asked."""
     model = build_model(world.model_cfg, world.groups, seed=cfg.seed, rng_tracker=world.rng,
                         sequence_parallel=cfg.sequence_parallel,
                         recompute_interval=cfg.recompute_interval if cfg.recompute == "full" else 0,
                         recompute_attention=cfg.recompute == "selective",
                         virtual_stages=cfg.virtual_stages if cfg.pipeline_schedule in OWN_ENGINE else None,
-                        dualpipev=cfg.pipeline_schedule == "dualpipev")
+                        dualpipev=cfg.pipeline_schedule == "dualpipev", stage_layout=stage_layout)
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
         load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups)
@@ -113,7 +115,10 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
                 f"accumulation {batch.accumulation} x dp {layout.dp}")
 
     stream, eval_stream = build_data(cfg, world, batch, logger)
-    model = build_run_model(cfg, world)
+    stage_layout = resolve_stage_layout(cfg, world.model_cfg, layout, batch, prec, zero, world.device)
+    if stage_layout is not None:
+        logger.info(describe(cfg, world.model_cfg, layout, batch, prec, zero, stage_layout))
+    model = build_run_model(cfg, world, stage_layout)
     engine = create_engine(cfg, world, model, ds_config, batch)
     watchdog.stop()     # JIT builds happen while DeepSpeed starts, not later
     install_engine_patches(engine, cfg, world, prec, zero)

@@ -207,9 +207,26 @@ def _module_order(engine) -> str:
     """How the pipeline module orders its parameters (rank files are positional): see CheckpointMeta."""
     module = engine.module
     if hasattr(module, "phase_bounds"):
-        return "dualpipev"
-    chunks = getattr(module, "num_chunks", None)
-    return "" if chunks is None else f"chunks{chunks}"
+        order = "dualpipev"
+    else:
+        chunks = getattr(module, "num_chunks", None)
+        order = "" if chunks is None else f"chunks{chunks}"
+    return order + _partition_tag(getattr(module, "explicit_parts", None))
+
+
+def _partition_tag(parts) -> str:
+    """Another pipeline layout holds other layers on each rank, so its rank files do not map either:
+    "+layout<blocks per stage>" unless the partition is the uniform one (what checkpoints written
+    before --pipeline-layout hold, which keep loading without resharding)."""
+    if not parts:
+        return ""
+    from mtds.pipeline_layout import uniform_layout
+    blocks = [b - a for a, b in zip(parts, parts[1:])]
+    blocks[0] -= 1                  # the embedding
+    blocks[-1] -= 2                 # final norm and head
+    if blocks == list(uniform_layout(sum(blocks), len(blocks)).blocks):
+        return ""
+    return "+layout" + "-".join(map(str, blocks))
 
 
 def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool:

@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "micro-batches >= 2 pp) [1f1b]")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="model chunks per pipeline rank for --pipeline-schedule interleaved [1]")
+    g.add_argument("--pipeline-layout", metavar="LAYOUT",
+                   help="transformer blocks per virtual stage, Megatron-style: E embedding, t block, L final norm "
+                        "+ LM head + loss, | next stage, X*n repeats, (...) groups; E first, L last, p x v stages "
+                        "(dualpipev: 2p, in V order), e.g. 'Et*3|t*3|t*2L' or 'E|t*4|t*4|L' [--pipeline-balance]")
+    g.add_argument("--pipeline-balance", choices=("uniform", "cost"),
+                   help="without --pipeline-layout: uniform = the same number of blocks per stage; cost = split by "
+                        "the planner's per-layer cost (embedding, blocks, final norm, LM head and loss, forward + "
+                        "backward) with every rank's predicted memory within the device's [uniform]")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism (Korthikanti et al. 2022): layer norms, dropout and residuals work "
                         "on 1/t of the sequence, saving activation memory; all-gathers and reduce-scatters replace "
@@ -167,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model_overrides=overrides, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
         pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
         zero1_grad_reduce=args.zero1_grad_reduce,
+        pipeline_layout=args.pipeline_layout, pipeline_balance=args.pipeline_balance,
         data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         data_path=tuple(args.data_path) if args.data_path else None,

@@ -24,6 +24,8 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"             # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
     virtual_stages: int = 1                     # model chunks per pipeline rank (interleaved: >= 2)
     zero1_grad_reduce: str = "reduce-scatter"   # ZeRO-1 gradients: reduce-scatter (mtds) | all-reduce (DeepSpeed's)
+    pipeline_layout: str | None = None          # blocks per virtual stage, e.g. "Et*3|t*3|t*2L" (mtds.pipeline_layout)
+    pipeline_balance: str | None = None         # uniform | cost (None: mtds.training.stage_plan.DEFAULT_BALANCE)
     # data
     data: str | None = None                     # None: the shipped corpus
     text_column: str = "text"
@@ -80,6 +82,18 @@ class TrainConfig:
                              f"(got --recompute {self.recompute}): add --recompute full or drop the interval")
         from mtds.pipe.select import check_schedule
         check_schedule(self.pipeline_schedule, pp=self.pp, virtual_stages=self.virtual_stages)
+        self._check_stage_layout()
+
+    def _check_stage_layout(self) -> None:
+        if self.pipeline_balance not in (None, "uniform", "cost"):
+            raise ValueError(f"--pipeline-balance must be uniform or cost, got {self.pipeline_balance!r}")
+        if self.pipeline_layout is None:
+            return
+        if self.pp == 1:
+            raise ValueError("--pipeline-layout needs a pipeline: set --pp >= 2 (or drop the layout)")
+        if self.pipeline_balance is not None:
+            raise ValueError(f"--pipeline-layout fixes the partition; --pipeline-balance {self.pipeline_balance} "
+                             f"would choose another: give one of the two")
 
     def _check_ranges(self) -> None:
         """Each numeric setting within its range (floats also finite), else one line naming the flag."""

@@ -15,5 +15,6 @@ class RunResult:
     comm: dict = field(default_factory=dict)          # bytes per collective/group, last step
     layout: str = ""
     params: int = 0                                   # trainable parameter elements on this rank (Ψ of its part)
+    layers: list[int] = field(default_factory=list)   # global layer indices this rank built (mtds.model.stages)
     final_step: int = 0
     stopped_by: str | None = None                     # SIGTERM / SIGINT when the run stopped early

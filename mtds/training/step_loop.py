@@ -8,6 +8,7 @@ import time
 import torch
 
 from mtds.metrics import model_config_flops, peak_tflops
+from mtds.model.stages import stage_modules
 from mtds.safety.signals import StopRequest
 
 from .build import BuiltRun
@@ -67,7 +68,8 @@ def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
     """Steps ``start_step + 1 .. --steps`` with the run's hooks; the RunResult every rank returns."""
     cfg = built.cfg
     result = RunResult(layout=str(built.world.layout), final_step=start_step,
-                       params=sum(p.numel() for p in built.engine.module.parameters() if p.requires_grad))
+                       params=sum(p.numel() for p in built.engine.module.parameters() if p.requires_grad),
+                       layers=sorted(stage_modules(built.model, built.world.model_cfg)))
     recorder = StepRecorder(built)
     hooks = step_hooks(built, result, stop, start_step)
     for step in range(start_step + 1, cfg.steps + 1):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from mtds.comm_trace import CommTracer
 from mtds.config import ModelConfig, resolve_model_config
 from mtds.layout import ParallelGroups, ParallelLayout
+from mtds.pipeline_layout import parse_layout
 from mtds.safety.heartbeat import Heartbeat
 from mtds.safety.startup import rendezvous_error
 from mtds.tp import RNGTracker, seed_parallel_streams
@@ -55,6 +56,8 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
                        num_layers=model_cfg.num_layers)
     if cfg.sequence_parallel:
         layout.check_sequence_parallel(cfg.seq_length)
+    if cfg.pipeline_layout and layout.pp > 1:   # checked before any process group exists
+        parse_layout(cfg.pipeline_layout, stages=layout.pp * layout.vp, num_layers=model_cfg.num_layers)
 
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:

@@ -1,0 +1,121 @@
+"""--pipeline-layout syntax and --pipeline-balance cost, in the test process (no ranks): parsing and
+its one-line errors, the uniform split against DeepSpeed's own, the cost partition against brute force,
+its memory constraint, and the planner's view of a partition."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mtds.pipeline_layout import PipelineLayoutError, StageLayout, parse_layout, uniform_layout
+from mtds.plan import Cluster, Layout, ModelSpec, Workload, get_gpu
+from mtds.plan.balance import LayerCosts, balanced_layout, cost_layout, rank_memory, stage_report
+
+
+@pytest.mark.parametrize("text, stages, blocks", [
+    ("Et*3|t*3|t*2L", 3, (3, 3, 2)),
+    ("E|t*4|t*4|L", 4, (0, 4, 4, 0)),
+    ("Et|(tt|)*3tL", 5, (1, 2, 2, 2, 1)),
+    (" E t t , | t*2 L ", 2, (2, 2)),
+    ("E(t*2)*2|tL", 2, (4, 1)),
+])
+def test_layouts_parse(text, stages, blocks):
+    layout = parse_layout(text, stages=stages, num_layers=sum(blocks))
+    assert layout.blocks == blocks
+    assert parse_layout(str(layout), stages=stages, num_layers=sum(blocks)) == layout   # str() round-trips
+
+
+def test_spec_parts_cut_embedding_blocks_and_head():
+    # specs: [E, t1..t8, final norm, head]; E rides with stage 0, norm + head with the last stage
+    assert StageLayout((3, 3, 2)).spec_parts() == [0, 4, 7, 11]
+    assert StageLayout((0, 4, 4, 0)).spec_parts() == [0, 1, 5, 9, 11]
+    assert [list(r) for r in StageLayout((0, 3, 1)).block_ranges()] == [[], [1, 2, 3], [4]]
+
+
+@pytest.mark.parametrize("text, stages, layers, expected", [
+    ("Et*2|t|tL", 2, 4, "has 3 stages ('|' + 1) but the run has p x v = 2 virtual stages"),
+    ("Et*3|t*2L", 2, 4, "holds 5 transformer blocks but the model has 4"),
+    ("tE*1t|t*2L", 2, 4, "needs exactly one E, first in the first stage"),
+    ("Et*2|t*2", 2, 4, "needs exactly one L, last in the last stage"),
+    ("EtL|t*2L", 2, 3, "needs exactly one L"),
+    ("Et*2||t*2L", 3, 4, "stage 1 holds nothing"),
+    ("Et*2|x*2L", 2, 4, "unexpected 'x' at character 6"),
+    ("E(t*2|t*2L", 2, 4, "missing ')'"),
+    ("Et*|t*2L", 2, 4, "'*' needs a count"),
+    ("Et)|t*2L", 2, 4, "unmatched ')'"),
+])
+def test_bad_layouts_are_one_line(text, stages, layers, expected):
+    with pytest.raises(PipelineLayoutError) as err:
+        parse_layout(text, stages=stages, num_layers=layers)
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("layers, stages", [(l, s) for l in range(2, 13) for s in (2, 3, 4, 8) if l >= s])
+def test_uniform_is_deepspeeds_type_partition(layers, stages):
+    """What mtds ran before layouts existed (DeepSpeed's type:TransformerLayer split), so uniform runs and
+    their checkpoints are unchanged."""
+    from deepspeed.runtime.utils import partition_balanced
+    weights = [0] + [1] * layers + [0, 0]
+    assert uniform_layout(layers, stages).spec_parts() == [int(x) for x in partition_balanced(weights, stages)]
+
+
+@pytest.mark.parametrize("costs", [LayerCosts(0.05, 1.0, 4.4), LayerCosts(0.3, 1.0, 1.7), LayerCosts(0.0, 1.0, 0.0),
+                                   LayerCosts(2.5, 1.0, 2.5)])
+@pytest.mark.parametrize("layers, stages", [(4, 2), (8, 2), (8, 4), (6, 3), (5, 4)])
+def test_cost_layout_is_optimal(costs, layers, stages):
+    """The costliest stage of the cost partition is the smallest any partition achieves (brute force
+    over every split with something on each stage)."""
+    def worst(blocks):
+        return max(costs.stage(n, k == 0, k == stages - 1) for k, n in enumerate(blocks))
+
+    best = min(worst(b) for b in itertools.product(range(layers + 1), repeat=stages)
+               if sum(b) == layers and all(n >= 1 for n in b[1:-1]))
+    got = cost_layout(costs, layers, stages)
+    assert got.num_layers == layers and got.stages == stages
+    assert worst(got.blocks) == pytest.approx(best)
+
+
+def test_cost_layout_moves_blocks_off_an_expensive_head():
+    assert cost_layout(LayerCosts(0.05, 1.0, 4.4), 8, 2).blocks == (6, 2)
+    assert cost_layout(LayerCosts(0.05, 1.0, 2.0), 4, 2).blocks == (3, 1)
+    assert cost_layout(LayerCosts(0.05, 1.0, 4.4), 4, 2).blocks == (4, 0)   # a stage with no block
+    assert cost_layout(LayerCosts(0.0, 1.0, 0.0), 8, 4).blocks == (2, 2, 2, 2)
+
+
+MODEL = ModelSpec(layers=8, hidden=256, heads=4, vocab=8192, seq=128)
+WORK = Workload(global_batch=8, precision="fp32")
+
+
+def _view(p=2, v=1, schedule="1f1b"):
+    layout = Layout(tp=1, pp=p, dp=1, microbatch=1, virtual_stages=v, recompute="none", pipeline_schedule=schedule)
+    return MODEL, layout, WORK, Cluster(get_gpu("A100", "fp32"), gpus=p)
+
+
+@pytest.mark.parametrize("p, v, schedule", [(2, 1, "1f1b"), (2, 2, "interleaved"), (4, 1, "zb-h1"),
+                                            (2, 2, "dualpipev")])
+def test_balanced_layout_beats_uniform_in_the_planners_model(p, v, schedule):
+    view = _view(p, v, schedule)
+    uniform = stage_report(*view, uniform_layout(8, p * v))
+    balanced = stage_report(*view, balanced_layout(*view))
+    assert max(balanced.stage_s) < max(uniform.stage_s)
+    assert uniform.critical_rank == p - 1 or schedule == "dualpipev"   # the head's rank, today
+
+
+def test_memory_constraint_limits_the_partition():
+    view = _view()
+    free = balanced_layout(*view)
+    need = max(rank_memory(*view, free))
+    uniform = uniform_layout(8, 2)
+    assert max(rank_memory(*view, uniform)) < need      # moving blocks to rank 0 costs it memory
+    tight = balanced_layout(*view, capacity_bytes=need * 0.999)
+    assert tight != free and max(rank_memory(*view, tight)) <= need * 0.999
+    assert balanced_layout(*view, capacity_bytes=1.0) == uniform     # nothing fits: uniform, not a guess
+
+
+def test_stage_report_names_the_critical_rank_and_memory():
+    view = _view()
+    report = stage_report(*view, StageLayout((2, 6)))
+    assert report.critical_rank == 1 and report.imbalance > 1.3
+    assert report.rank_memory[1] > report.rank_memory[0]       # more blocks and the logits
+    d = report.as_dict()
+    assert d["pipeline_layout"] == "Et*2|t*6L" and d["critical_rank"] == 1
