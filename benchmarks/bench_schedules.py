@@ -45,10 +45,12 @@ def write_ds_config(path: str, m: int, micro: int) -> str:
     return path
 
 
-def launch(args, name: str, v: int, m: int, model: str, work: str) -> dict:
-    """One train.py run (v: chunks per rank, passed on for interleaved only); returns per-step bubble records (steps 2..N) and the timeline PNG path."""
+def launch(args, name: str, v: int, m: int, model: str, work: str, extra: tuple = (), tag: str = "") -> dict:
+    """One train.py run (v: chunks per rank, passed on for interleaved only; ``extra``: more train.py
+    flags, ``tag`` names their case folder); returns per-step bubble records (steps 2..N), the timeline
+    PNG and trace paths."""
     from mtds.testing import free_port
-    case = os.path.join(work, f"{name}_m{m}")
+    case = os.path.join(work, f"{name}_m{m}{tag}")
     os.makedirs(case, exist_ok=True)
     config = write_ds_config(os.path.join(case, "ds_config.json"), m, args.micro_batch)
     jsonl, trace = os.path.join(case, "log.jsonl"), os.path.join(case, "timeline.json")
@@ -57,7 +59,7 @@ def launch(args, name: str, v: int, m: int, model: str, work: str) -> dict:
            "--deepspeed_config", config, "--pp", str(args.p), "--pipeline-schedule", name,
            "--virtual-stages", str(v if name == "interleaved" else 1), "--model", model, "--seq-length", str(args.seq_length),
            "--steps", str(args.steps), "--eval-split", "0", "--lr-decay", "constant", "--no-progress",
-           "--log-jsonl", jsonl, "--timeline", trace]
+           "--log-jsonl", jsonl, "--timeline", trace, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
@@ -70,7 +72,7 @@ def launch(args, name: str, v: int, m: int, model: str, work: str) -> dict:
     with open(jsonl) as f:
         steps = [r for r in map(json.loads, f) if r.get("kind", "train") == "train" and "bubble" in r]
     return {"steps": [r for r in steps if r["step"] >= 2], "png": os.path.splitext(trace)[0] + ".png",
-            "wall_s": time.monotonic() - start}
+            "trace": trace, "stdout": os.path.join(case, "stdout.txt"), "wall_s": time.monotonic() - start}
 
 
 def small_png(src: str, dst: str, width: int = 1400) -> None:

@@ -7,7 +7,7 @@ import functools
 import os
 import tempfile
 
-from tests.training_helpers import TINY, ds_config, hf_reference, max_rel_diff, run_layouts, train_config
+from tests.training_helpers import TINY, hf_reference, max_rel_diff, run_layouts, train_config
 
 REL_TOL = 1e-5
 SAVE_AT = 4

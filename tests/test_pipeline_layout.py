@@ -119,3 +119,34 @@ def test_stage_report_names_the_critical_rank_and_memory():
     assert report.rank_memory[1] > report.rank_memory[0]       # more blocks and the logits
     d = report.as_dict()
     assert d["pipeline_layout"] == "Et*2|t*6L" and d["critical_rank"] == 1
+
+
+def test_planner_predicts_the_partition_used():
+    """predict(stages=...): the uniform partition costs what the planner always predicted (its l/p blocks
+    + head model, within the final norm and embedding it now prices), the cost partition less, and a
+    worse one more; the report names the critical rank."""
+    from mtds.plan.predict import predict
+    model, layout, work, cluster = _view(4, 1, "1f1b")
+    plain = predict(model, layout, work, cluster)
+    uniform = predict(model, layout, work, cluster, stages=uniform_layout(8, 4))
+    balanced = predict(model, layout, work, cluster, stages=balanced_layout(model, layout, work, cluster))
+    worse = predict(model, layout, work, cluster, stages=StageLayout((1, 1, 1, 5)))
+    assert uniform.step_time_s == pytest.approx(plain.step_time_s, rel=0.02)
+    assert balanced.step_time_s < uniform.step_time_s < worse.step_time_s
+    assert uniform.stages["critical_rank"] == 3 and worse.stages["critical_rank"] == 3
+    assert balanced.as_dict()["stages"]["pipeline_layout"] == str(balanced_layout(model, layout, work, cluster))
+    assert not plain.stages and "stages" not in plain.as_dict()
+
+
+def test_plan_cli_reports_and_recommends_a_partition(capsys):
+    from mtds.cli.plan import main
+    args = ["--layers", "8", "--hidden", "256", "--heads", "4", "--vocab", "8192", "--seq", "128", "--gpus", "2",
+            "--tp", "1", "--pp", "2", "--dp", "1", "--global-batch", "8", "--microbatch", "1", "--recompute", "none",
+            "--precision", "fp32", "--pipeline-schedule", "1f1b"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "pipeline layout: Et*4|t*4L" in out and "recommended (--pipeline-balance cost): Et*5|t*3L" in out, out
+    main(args + ["--pipeline-layout", "Et*6|t*2L"])
+    assert "pipeline layout: Et*6|t*2L" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="holds 7 transformer blocks"):
+        main(args + ["--pipeline-layout", "Et*5|t*2L"])

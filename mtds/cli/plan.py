@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved: v > 1)")
     lay.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
                      help="pipeline schedule (train.py --pipeline-schedule); default: the planner tries each")
+    lay.add_argument("--pipeline-layout", metavar="LAYOUT",
+                     help="evaluate with this partition (train.py --pipeline-layout syntax, e.g. 'Et*5|t*3L')")
+    lay.add_argument("--pipeline-balance", choices=("uniform", "cost"),
+                     help="evaluate with this partition (train.py --pipeline-balance) [uniform]; the report also "
+                          "names the cost partition it recommends")
     lay.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
     lay.add_argument("--recompute", choices=RECOMPUTE_CHOICES)
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
@@ -100,6 +105,29 @@ def _calibrate(args) -> int:
     return 0
 
 
+def with_partition(model, work, cluster, pr, layout_text: str | None, balance: str | None):
+    """``pr`` re-predicted under the partition train.py would build (--pipeline-layout, else
+    --pipeline-balance), with the cost partition the planner recommends and its step time."""
+    from dataclasses import replace
+
+    from mtds.pipeline_layout import parse_layout, uniform_layout
+    from mtds.plan.balance import balanced_layout
+    from mtds.plan.predict import predict
+    lay = pr.layout
+    count = lay.pp * lay.virtual_stages
+    if layout_text:
+        stages = parse_layout(layout_text, stages=count, num_layers=model.layers)
+    elif balance == "cost":
+        stages = balanced_layout(model, lay, work, cluster)
+    else:
+        stages = uniform_layout(model.layers, count)
+    used = predict(model, lay, work, cluster, stages=stages)
+    best = balanced_layout(model, lay, work, cluster)
+    recommended = predict(model, lay, work, cluster, stages=best)
+    return replace(used, stages={**used.stages, "recommended": str(best),
+                                 "recommended_step_time_s": recommended.step_time_s})
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.calibrate:
@@ -121,10 +149,17 @@ def main(argv=None) -> int:
 
     if args.evaluate or args.tp is not None or args.pp is not None:
         pr = evaluate(model, work, cluster, runnable_only=runnable_only, **knobs)
+        if pr.layout.pp > 1:
+            try:
+                pr = with_partition(model, work, cluster, pr, args.pipeline_layout, args.pipeline_balance)
+            except ValueError as exc:
+                raise SystemExit(f"mtds-plan: {exc}")
         if args.json:
             print(json.dumps({**pr.as_dict(), **report.context_dict(model, work, cluster)}, indent=2))
         elif sys.stdout.isatty():
             report.render_table(model, work, cluster, [pr], title="Evaluated layout")
+            if pr.stages:
+                print(report.partition_line(pr))
             if pr.reasons:
                 print("infeasible: " + "; ".join(pr.reasons))
             if pr.not_runnable:

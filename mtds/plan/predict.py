@@ -52,6 +52,7 @@ class Prediction:
     fits: bool
     reasons: tuple = field(default=())   # why infeasible (empty if feasible)
     not_runnable: tuple = field(default=())  # why train.py cannot run it (mtds.plan.runnable)
+    stages: dict = field(default_factory=dict)  # the partition modelled (mtds.plan.balance.StageReport.as_dict)
 
     @property
     def feasible(self) -> bool:
@@ -76,11 +77,14 @@ class Prediction:
             "reasons": list(self.reasons),
             "runnable": not self.not_runnable,
             "not_runnable": list(self.not_runnable),
+            **({"stages": dict(self.stages)} if self.stages else {}),
         }
 
 
-def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> list[str]:
-    """Divisibility and support constraints; each message says what is wrong."""
+def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster,
+                        explicit_stages: bool = False) -> list[str]:
+    """Divisibility and support constraints; each message says what is wrong. ``explicit_stages``: the
+    blocks per stage are given (a pipeline layout), so l need not divide evenly."""
     t, p, d, b, v = layout.tp, layout.pp, layout.dp, layout.microbatch, layout.virtual_stages
     out = []
     if min(t, p, d, b, v) < 1:
@@ -92,7 +96,7 @@ def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluste
         out.append(f"t={t} does not divide heads={model.heads} / hidden={model.hidden} / ffn={model.ffn}")
     if model.kv_heads and model.kv_heads % t:
         out.append(f"t={t} does not divide kv_heads={model.kv_heads}")
-    if model.layers % (p * v):
+    if model.layers % (p * v) and not explicit_stages:
         out.append(f"layers={model.layers} not divisible by p*v={p * v}")
     if work.global_batch % (b * d):
         out.append(f"global batch {work.global_batch} not divisible by b*d={b * d}")
@@ -112,9 +116,12 @@ def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluste
     return out
 
 
-def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
-    """Evaluate one layout (structural problems are reported, numbers still computed if possible)."""
-    reasons = structural_problems(model, layout, work, cluster)
+def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages=None) -> Prediction:
+    """Evaluate one layout (structural problems are reported, numbers still computed if possible).
+    ``stages``: the partition the run uses (an ``mtds.pipeline_layout.StageLayout``, p > 1): its critical
+    rank sets the compute and the bubble (:func:`partition_times`); None: l/p blocks per rank, the LM
+    head's rank critical (the uniform partition of a model whose l divides by p·v)."""
+    reasons = structural_problems(model, layout, work, cluster, explicit_stages=stages is not None)
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     w = work.bytes_per_value
     m = max(1, layout.microbatches(work.global_batch))
@@ -166,6 +173,10 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
     else:
         dp_s = (1.0 - cluster.calib.dp_overlap) * comm.all_reduce(grad_bytes, d, t, cluster)
 
+    stage_info = {}
+    if stages is not None and p > 1:
+        compute_s, tp_s, bubble_s, stage_info = partition_times(model, layout, work, cluster, stages, m, t_acc,
+                                                                compute_s, t_tp_one)
     step = compute_s + tp_s + bubble_s + pp_s + dp_s
     mem = predict_memory(model, layout, work, cluster)
     capacity = cluster.gpu.hbm_gib
@@ -184,8 +195,35 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) 
         time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
-        not_runnable=tuple(not_runnable(layout, work.precision)),
+        not_runnable=tuple(not_runnable(layout, work.precision)), stages=stage_info,
     )
+
+
+def partition_times(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages, m: int,
+                    t_acc: float, compute_s: float, t_tp_one: float) -> tuple:
+    """(compute, TP, bubble seconds, stage report) of a step under an explicit partition.
+
+    Per micro-batch the critical rank (mtds.plan.balance: its blocks, and E / L where it holds them,
+    with their TP collectives) replaces the uniform l/p blocks + LM head; the per-step parts (gradient
+    accumulation, optimizer, the sequence-parallel gradient sum) stay. The bubble: with unequal stages
+    1F1B's fill and drain take the other ranks' F + B + W once each, sum(ranks) − critical (= (p − 1) x
+    stage for equal stages), so the schedule's (F, B, W) are scaled by the mean other rank's time over
+    the uniform stage's."""
+    from mtds.plan import balance
+    p = layout.pp
+    report = balance.stage_report(model, layout, work, cluster, stages)
+    costs = balance.layer_costs(model, layout, work, cluster)
+    uniform_rank = model.layers / p * costs.block
+    uniform_compute = m * (model.layers / p * compute.layer_compute_time(model, layout, work, cluster)
+                           + compute.output_layer_time(model, layout, work, cluster))
+    compute_s = compute_s - uniform_compute + m * report.critical_s
+    tp_s = sequence_parallel_grad_time(model, layout, work, cluster, m)
+    others = (sum(report.rank_s) - report.critical_s) / (p - 1)
+    scale = others / uniform_rank if uniform_rank else 1.0
+    f, b, w = stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc)
+    bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, layout.virtual_stages, f * scale, b * scale,
+                                    w * scale)
+    return compute_s, tp_s, bubble_s, report.as_dict()
 
 
 def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, t_tp_one: float,

@@ -90,8 +90,22 @@ def render_text(pr: Prediction) -> str:
              f"MFU {100 * pr.mfu:.1f}%",
              f"memory per GPU: {_mem(pr)} of {pr.memory_capacity_gib:.0f} GiB; fits={pr.fits}",
              f"days to train: {pr.days_to_train:.1f}"]
+    if pr.stages:
+        lines.append(partition_line(pr))
     if pr.reasons:
         lines.append("infeasible: " + "; ".join(pr.reasons))
     if pr.not_runnable:
         lines.append("not runnable: " + "; ".join(pr.not_runnable))
     return "\n".join(lines)
+
+
+def partition_line(pr: Prediction) -> str:
+    """The pipeline partition modelled: per-rank compute per micro-batch, the critical rank, memory,
+    and the cost partition recommended (mtds.plan.balance)."""
+    st = pr.stages
+    line = (f"pipeline layout: {st['pipeline_layout']}; per-rank compute per micro-batch "
+            f"{' / '.join(f'{x:.3g}' for x in st['rank_ms'])} ms (critical rank {st['critical_rank']}, "
+            f"{st['imbalance']:.2f}x the mean); memory {' / '.join(f'{x:.1f}' for x in st['rank_memory_gib'])} GiB")
+    if "recommended" in st:
+        line += f"; recommended (--pipeline-balance cost): {st['recommended']}, step {st['recommended_step_time_s']:.4g} s"
+    return line
