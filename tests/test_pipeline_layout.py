@@ -80,6 +80,8 @@ def test_cost_layout_moves_blocks_off_an_expensive_head():
     assert cost_layout(LayerCosts(0.05, 1.0, 2.0), 4, 2).blocks == (3, 1)
     assert cost_layout(LayerCosts(0.05, 1.0, 4.4), 4, 2).blocks == (4, 0)   # a stage with no block
     assert cost_layout(LayerCosts(0.0, 1.0, 0.0), 8, 4).blocks == (2, 2, 2, 2)
+    # blocks beyond l under the target come off the costliest stage: (3, 3, 2) -> (2, 2, 2), not (1, 3, 2)
+    assert cost_layout(LayerCosts(0.0, 1.0, 1.0), 6, 3).blocks == (2, 2, 2)
 
 
 MODEL = ModelSpec(layers=8, hidden=256, heads=4, vocab=8192, seq=128)
@@ -110,6 +112,21 @@ def test_memory_constraint_limits_the_partition():
     tight = balanced_layout(*view, capacity_bytes=need * 0.999)
     assert tight != free and max(rank_memory(*view, tight)) <= need * 0.999
     assert balanced_layout(*view, capacity_bytes=1.0) == uniform     # nothing fits: uniform, not a guess
+
+
+def test_rank_memory_counts_micro_batches_in_flight():
+    """1F1B: rank r holds min(p - r, m) micro-batches' activations; equal middle stages differ by that."""
+    view = _view(4, 1, "1f1b")
+    memory = rank_memory(*view, StageLayout((2, 2, 2, 2)))
+    assert memory[1] > memory[2]
+
+
+def test_dualpipev_places_the_v():
+    """DualPipeV: rank 0 runs stages 0 and 2p - 1, so it holds both E and L (the critical rank)."""
+    from mtds.plan.balance import rank_of_stage
+    assert [rank_of_stage(k, 2, "dualpipev") for k in range(4)] == [0, 1, 1, 0]
+    assert [rank_of_stage(k, 2, "interleaved") for k in range(4)] == [0, 1, 0, 1]
+    assert stage_report(*_view(2, 2, "dualpipev"), StageLayout((2, 2, 2, 2))).critical_rank == 0
 
 
 def test_stage_report_names_the_critical_rank_and_memory():
