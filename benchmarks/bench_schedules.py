@@ -15,7 +15,6 @@ Gantt PNG of the last step per case (OUT/measured_{schedule}_p{p}_m{m}.png); tra
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
