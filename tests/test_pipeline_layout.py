@@ -167,3 +167,22 @@ def test_plan_cli_reports_and_recommends_a_partition(capsys):
     assert "pipeline layout: Et*6|t*2L" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="holds 7 transformer blocks"):
         main(args + ["--pipeline-layout", "Et*5|t*2L"])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
+@pytest.mark.parametrize("costs", [LayerCosts(0.05, 1.0, 2.5), LayerCosts(0.3, 1.0, 1.2)])
+@pytest.mark.parametrize("layers", [4, 7, 8])
+def test_cost_layout_balances_ranks_with_two_chunks(schedule, costs, layers):
+    """v = 2 (p = 2): the costliest rank (its two stages summed) is the brute-force minimum."""
+    from mtds.plan.balance import rank_of_stage
+
+    def rank_costs(blocks):
+        out = [0.0, 0.0]
+        for k, n in enumerate(blocks):
+            out[rank_of_stage(k, 2, schedule)] += costs.stage(n, k == 0, k == 3)
+        return out
+
+    candidates = [b for b in itertools.product(range(layers + 1), repeat=4) if sum(b) == layers and min(b[1:3]) >= 1]
+    best = min(max(rank_costs(b)) for b in candidates)
+    got = cost_layout(costs, layers, 4, rank_of=lambda k: rank_of_stage(k, 2, schedule))
+    assert max(rank_costs(got.blocks)) == pytest.approx(best), got

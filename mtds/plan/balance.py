@@ -1,5 +1,5 @@
 """Pipeline stage balance: what each virtual stage of a partition costs, and the partition that
-minimises the costliest one (``--pipeline-balance cost``; ``mtds-plan`` reports and recommends it).
+minimises the costliest pipeline rank (``--pipeline-balance cost``; ``mtds-plan`` reports and recommends it).
 
 A layer's cost is the planner's own per-micro-batch time of it, forward + backward (mtds.plan.compute:
 a roofline of its FLOPs and of the bytes its memory-bound kernels move; pure FLOPs would price the
@@ -128,27 +128,47 @@ def stage_report(model: ModelSpec, layout: Layout, work: Workload, cluster: Clus
                        tuple(rank_memory(model, layout, work, cluster, stages)))
 
 
-def cost_layout(costs: LayerCosts, num_layers: int, stages: int, fits=lambda layout: True) -> StageLayout | None:
-    """The partition minimising the costliest virtual stage, among those ``fits`` accepts (None: none
-    does). For a target T each stage takes as many blocks as fit under T (the middle ones at least
-    one: a stage must hold something); blocks beyond l come off the costliest stage, the earliest on a tie
-    (it keeps the most micro-batches in flight). The smallest T that yields an accepted partition wins."""
-    last = stages - 1
-    extra = [costs.stage(0, k == 0, k == last) for k in range(stages)]
-    targets = sorted({extra[k] + n * costs.block for k in range(stages) for n in range(num_layers + 1)})
+def _allocations(extra: list[float], floor: list[int], block: float, total: int):
+    """Block counts per bin (a stage, or a rank's stages together) minimising the costliest bin, bin cost
+    = extra + blocks x block: for each target T in increasing order, every bin takes as many blocks as fit
+    under T (at least its floor); blocks beyond ``total`` come off the costliest bin, the earliest on a
+    tie (it keeps the most micro-batches in flight). Yields one allocation per feasible T."""
+    bins = len(extra)
+    targets = sorted({extra[k] + n * block for k in range(bins) for n in range(total + 1)})
     for target in targets:
         if any(e > target * (1 + 1e-12) for e in extra):
             continue
-        caps = [min(num_layers, int((target * (1 + 1e-12) - extra[k]) // costs.block)) if costs.block > 0
-                else num_layers for k in range(stages)]
-        floor = [0 if k in (0, last) else 1 for k in range(stages)]
-        if any(c < f for c, f in zip(caps, floor)) or sum(caps) < num_layers:
+        caps = [min(total, int((target * (1 + 1e-12) - extra[k]) // block)) if block > 0 else total
+                for k in range(bins)]
+        if any(c < f for c, f in zip(caps, floor)) or sum(caps) < total:
             continue
         blocks = list(caps)
-        for _ in range(sum(caps) - num_layers):
-            k = max((k for k in range(stages) if blocks[k] > floor[k]),
-                    key=lambda k: (costs.stage(blocks[k], k == 0, k == last), -k))
+        for _ in range(sum(caps) - total):
+            k = max((k for k in range(bins) if blocks[k] > floor[k]), key=lambda k: (extra[k] + blocks[k] * block, -k))
             blocks[k] -= 1
+        yield blocks
+
+
+def cost_layout(costs: LayerCosts, num_layers: int, stages: int, fits=lambda layout: True,
+                rank_of=None) -> StageLayout | None:
+    """The partition minimising the costliest pipeline rank (``rank_of(stage)``; default one stage per
+    rank), among those ``fits`` accepts (None: none does); the smallest such target wins
+    (:func:`_allocations`). Every stage holds something: the middle ones at least one block. A rank's
+    blocks are then spread over its stages (v > 1) cheapest stage first, so its chunks are as even as
+    they can be."""
+    last = stages - 1
+    rank_of = rank_of or (lambda k: k)
+    ranks = max(rank_of(k) for k in range(stages)) + 1
+    extra = [costs.stage(0, k == 0, k == last) for k in range(stages)]
+    floor = [0 if k in (0, last) else 1 for k in range(stages)]
+    mine = [[k for k in range(stages) if rank_of(k) == r] for r in range(ranks)]
+    for per_rank in _allocations([sum(extra[k] for k in ks) for ks in mine], [sum(floor[k] for k in ks) for ks in mine],
+                                 costs.block, num_layers):
+        blocks = list(floor)
+        for ks, n in zip(mine, per_rank):
+            for _ in range(n - sum(floor[k] for k in ks)):
+                k = min(ks, key=lambda k: (extra[k] + blocks[k] * costs.block, -k))
+                blocks[k] += 1
         layout = StageLayout(tuple(blocks))
         if fits(layout):
             return layout
@@ -164,11 +184,12 @@ def balanced_layout(model: ModelSpec, layout: Layout, work: Workload, cluster: C
     costs = layer_costs(model, layout, work, cluster)
     capacity = cluster.gpu.hbm_gib * 1024 ** 3 if capacity_bytes is None else capacity_bytes
     best = cost_layout(costs, model.layers, stages,
-                       fits=lambda s: max(rank_memory(model, layout, work, cluster, s)) <= capacity)
+                       fits=lambda s: max(rank_memory(model, layout, work, cluster, s)) <= capacity,
+                       rank_of=lambda k: rank_of_stage(k, layout.pp, layout.pipeline_schedule))
     if best is None:
         return uniform
-    if max(stage_report(model, layout, work, cluster, best, costs).stage_s) >= \
-            max(stage_report(model, layout, work, cluster, uniform, costs).stage_s):
+    if stage_report(model, layout, work, cluster, best, costs).critical_s >= \
+            stage_report(model, layout, work, cluster, uniform, costs).critical_s:
         return uniform
     return best
 
