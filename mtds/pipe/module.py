@@ -10,8 +10,8 @@ from torch import nn
 
 from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
-from mtds.pipeline_layout import StageLayout
 from mtds.model import LMLoss, TransformerLayer
+from mtds.pipeline_layout import StageLayout
 from mtds.tp import RNGTracker, checkpoint
 
 from .specs import CHECKPOINTABLE_LAYERS, PARTITION_METHOD, gpt_layer_specs, tied_lm_logits
