@@ -56,11 +56,19 @@ class StageLayout:
         return out
 
     def __str__(self) -> str:
-        cells = []
-        for k, n in enumerate(self.blocks):
-            cell = ("E" if k == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if k == self.stages - 1 else "")
-            cells.append(cell)
-        return "|".join(cells)
+        """The layout in its own syntax, runs of equal middle stages as one group: 'Et|(t*2|)*6tL'."""
+        cells = [("E" if k == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if k == self.stages - 1 else "")
+                 for k, n in enumerate(self.blocks)]
+        if len(cells) == 1:
+            return cells[0]
+        out, middle, i = [cells[0] + "|"], cells[1:-1], 0
+        while i < len(middle):
+            j = i
+            while j < len(middle) and middle[j] == middle[i]:
+                j += 1
+            out.append(f"({middle[i]}|)*{j - i}" if j - i > 1 else middle[i] + "|")
+            i = j
+        return "".join(out) + cells[-1]
 
 
 def uniform_layout(num_layers: int, stages: int) -> StageLayout:

@@ -25,6 +25,12 @@ def test_layouts_parse(text, stages, blocks):
     assert parse_layout(str(layout), stages=stages, num_layers=sum(blocks)) == layout   # str() round-trips
 
 
+def test_long_layouts_print_as_groups():
+    assert str(StageLayout((1,) * 23 + (0,))) == "Et|(t|)*22L"
+    assert str(StageLayout((0, 2, 2, 3, 1))) == "E|(t*2|)*2t*3|tL"
+    assert str(StageLayout((4,))) == "Et*4L"
+
+
 def test_spec_parts_cut_embedding_blocks_and_head():
     # specs: [E, t1..t8, final norm, head]; E rides with stage 0, norm + head with the last stage
     assert StageLayout((3, 3, 2)).spec_parts() == [0, 4, 7, 11]
