@@ -17,6 +17,7 @@ from torch import nn
 from mtds.model_config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
 
+from .documents import DocumentMasking, document_mask, document_positions
 from .init import normal_init, output_init
 from .parallel import check_tensor_parallel
 from .rotary import apply_rotary, rotary_cos_sin
@@ -24,10 +25,11 @@ from .rotary import apply_rotary, rotary_cos_sin
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None, sequence_parallel: bool = False,
-                 recompute_core: bool = False):
+                 recompute_core: bool = False, documents: DocumentMasking | None = None):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
         self.cfg, self.rng_tracker, self.recompute_core = cfg, rng_tracker, recompute_core
+        self.documents = documents   # packed documents: segment ids come with each forward
         self.local_heads, self.local_kv_heads = cfg.num_heads // t, cfg.kv_heads // t
         d = cfg.head_dim
         # Segments [q, k, v]: each is split over ranks separately, so rank r holds query heads
@@ -40,24 +42,27 @@ class SelfAttention(nn.Module):
                                           bias=cfg.linear_bias, input_is_parallel=True, init_method=output_init(cfg),
                                           sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         if self.recompute_core and self.training:
-            context = checkpoint(self.core_attention, self.rng_tracker, qkv)
+            context = checkpoint(self.core_attention, self.rng_tracker, qkv, segments)
         else:
-            context = self.core_attention(qkv)
+            context = self.core_attention(qkv, segments)
         return self.out_proj(context)
 
-    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[b, s, local qkv] -> [b, s, local heads * d]: everything between the two projections."""
+    def core_attention(self, qkv: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, s, local qkv] -> [b, s, local heads * d]: everything between the two projections.
+        ``segments`` [b, s]: document ids of packed documents (:mod:`mtds.model.documents`)."""
         b, s, _ = qkv.shape          # the whole sequence (x is a slice of it with sequence parallelism)
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
         q = q.view(b, s, self.local_heads, d).transpose(1, 2)        # [b, heads, s, d]
         k = k.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        docs = self.documents if segments is not None else None
         if self.cfg.position_embedding == "rotary":
-            cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype)
+            positions = document_positions(segments) if docs is not None and docs.reset_position_ids else None
+            cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype, positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.cfg.attention_dropout if self.training else 0.0
         # Attention probabilities are sharded by head: their dropout must differ across TP ranks.
@@ -67,6 +72,7 @@ class SelfAttention(nn.Module):
             # sdpa's enable_gqa, which needs torch >= 2.5.
             group = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        with forked:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        mask = document_mask(segments) if docs is not None and docs.reset_attention_mask else None
+        with forked:   # a block-diagonal causal mask, or plain causal attention
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
         return out.transpose(1, 2).reshape(b, s, self.local_heads * d)

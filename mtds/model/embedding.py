@@ -14,6 +14,7 @@ from mtds.model_config import ModelConfig
 from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, scatter_to_sequence_parallel_region
 from mtds.tp.layers import tp_world_and_rank
 
+from .documents import DocumentMasking, active, document_positions, segment_ids
 from .init import normal_init, seeded
 
 EMBEDDING_LAYER = 0
@@ -21,9 +22,10 @@ EMBEDDING_LAYER = 0
 
 class GPTEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, documents: DocumentMasking | None = None):
         super().__init__()
         self.cfg, self.tp_group = cfg, tp_group
+        self.documents = active(documents)   # packed documents: forward returns (hidden, segment ids)
         # with sequence parallelism the output is this rank's slice of the sequence
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.rng_tracker = rng_tracker if self.sequence_parallel and cfg.hidden_dropout > 0 else None
@@ -40,23 +42,31 @@ class GPTEmbedding(nn.Module):
                 self.position_embeddings = None
         self.dropout = nn.Dropout(cfg.hidden_dropout)   # replicated activations: default generator
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor):
+        """[b, s] ids -> hidden [b, s, h] (with sequence parallelism this rank's [b, s/t, h]); with
+        packed documents (hidden, segment ids [b, s]) for the blocks downstream."""
+        docs = self.documents
+        segments = segment_ids(input_ids, docs.eod_token_id) if docs is not None else None
         hidden = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             seq = input_ids.shape[1]
             if seq > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence length {seq} exceeds max_position_embeddings "
                                  f"{self.cfg.max_position_embeddings}")
-            positions = self.position_embeddings(torch.arange(seq, device=input_ids.device))   # [s, h]
+            if docs is not None and docs.reset_position_ids:
+                positions, seq_dim = self.position_embeddings(document_positions(segments)), 1   # [b, s, h]
+            else:
+                positions, seq_dim = self.position_embeddings(torch.arange(seq, device=input_ids.device)), 0
             if self.sequence_parallel:
                 # this rank's positions; backward all-gathers their gradient (s h values, not the
                 # whole table), so every rank updates the table with every position's gradient
-                positions = scatter_to_sequence_parallel_region(positions, self.tp_group, dim=0)
+                positions = scatter_to_sequence_parallel_region(positions, self.tp_group, dim=seq_dim)
             hidden = hidden + positions
         keyed = self.streams.layer(EMBEDDING_LAYER) if self.streams is not None else contextlib.nullcontext()
         rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
         with keyed, rng:   # sequence slices differ across TP ranks, so must their dropout masks
-            return self.dropout(hidden)
+            hidden = self.dropout(hidden)
+        return hidden if segments is None else (hidden, segments)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied head: vocab-sharded logits [b, s, V_pad/t] from the embedding table."""

@@ -8,6 +8,7 @@ from mtds.model_config import ModelConfig
 from mtds.tp import MODEL_PARALLEL_RNG, RNGTracker, gather_vocab_parallel_logits
 from mtds.tp.random import TP_SEED_OFFSET
 
+from .documents import DocumentMasking
 from .embedding import GPTEmbedding
 from .head import FinalNorm, LMHead, LMLoss
 from .layer import TransformerLayer
@@ -15,15 +16,17 @@ from .parallel import check_tensor_parallel
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker: RNGTracker | None = None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker: RNGTracker | None = None,
+                 documents: DocumentMasking | None = None):
         super().__init__()
         _, tp_rank = check_tensor_parallel(cfg, tp_group)
         if rng_tracker is None:   # own per-TP-rank stream for attention dropout (Megatron's seed offset)
             rng_tracker = RNGTracker("cuda" if torch.cuda.is_available() else "cpu")
             rng_tracker.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
         self.cfg, self.tp_group, self.rng_tracker = cfg, tp_group, rng_tracker
-        self.embedding = GPTEmbedding(cfg, tp_group=tp_group, seed=seed, rng_tracker=rng_tracker)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i, tp_group=tp_group, seed=seed, rng_tracker=rng_tracker)
+        self.embedding = GPTEmbedding(cfg, tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, documents=documents)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, tp_group=tp_group, seed=seed, rng_tracker=rng_tracker,
+                                                     documents=documents)
                                     for i in range(1, cfg.num_layers + 1))
         self.final_norm = FinalNorm(cfg, seed=seed)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, tp_group=tp_group, seed=seed)
@@ -40,7 +43,7 @@ class GPTModel(nn.Module):
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-sharded logits [b, s, V_pad/t]."""
-        hidden = self.embedding(input_ids)
+        hidden = self.embedding(input_ids)    # (hidden, segment ids) with packed documents
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_norm(hidden)

@@ -19,7 +19,9 @@ class FinalNorm(nn.Module):
         with seeded(seed, cfg.num_layers + 1):   # norms start at ones; seeded anyway for uniformity
             self.norm = make_norm(cfg, tp_group if sequence_parallel else None)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden) -> torch.Tensor:
+        if isinstance(hidden, tuple):   # (hidden, segment ids) of packed documents: the ids end here
+            hidden = hidden[0]
         return self.norm(hidden)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from mtds.model_config import ModelConfig
 
 from .attention import SelfAttention
+from .documents import DocumentMasking
 from .init import seeded
 from .mlp import MLP
 from .norms import make_norm
@@ -20,7 +21,8 @@ class TransformerLayer(nn.Module):
     recomputation of the attention core (see :mod:`mtds.model.attention`)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None,
-                 sequence_parallel: bool = False, recompute_attention: bool = False):
+                 sequence_parallel: bool = False, recompute_attention: bool = False,
+                 documents: DocumentMasking | None = None):
         super().__init__()
         if not 1 <= layer_number <= cfg.num_layers:
             raise ValueError(f"layer_number {layer_number} outside 1..{cfg.num_layers} (global index)")
@@ -30,7 +32,8 @@ class TransformerLayer(nn.Module):
         with seeded(seed, layer_number):
             self.input_norm = make_norm(cfg, sp_group)
             self.attention = SelfAttention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
-                                           sequence_parallel=sequence_parallel, recompute_core=recompute_attention)
+                                           sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
+                                           documents=documents)
             self.post_attention_norm = make_norm(cfg, sp_group)
             self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         # Residual-stream dropout: without sequence parallelism it acts on replicated activations
@@ -45,14 +48,21 @@ class TransformerLayer(nn.Module):
     def _dropout_rng(self):
         return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden):
+        """``hidden``: [b, s, h], or (hidden, segment ids) with packed documents -- passed on as
+        given, so the ids reach every block and pipeline stage (:mod:`mtds.model.documents`)."""
+        segments = None
+        if isinstance(hidden, tuple):
+            hidden, segments = hidden
         if self.streams is None:
-            return self._forward(hidden)
-        with self.streams.layer(self.layer_number):
-            return self._forward(hidden)
+            out = self._forward(hidden, segments)
+        else:
+            with self.streams.layer(self.layer_number):
+                out = self._forward(hidden, segments)
+        return out if segments is None else (out, segments)
 
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_norm(hidden))
+    def _forward(self, hidden: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        attn = self.attention(self.input_norm(hidden), segments)
         with self._dropout_rng():
             attn = self.attention_dropout(attn)
         if self.parallel_residual:   # NeoX: both branches read the block input

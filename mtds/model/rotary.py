@@ -10,13 +10,18 @@ import torch
 from mtds.model_config import ModelConfig
 
 
-def rotary_cos_sin(cfg: ModelConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [seq, rotary_dim]. Recomputed per call in float32 (cheap next to attention),
-    so no frequency buffer can be rounded by a later model.half()/bfloat16()."""
+def rotary_cos_sin(cfg: ModelConfig, seq_len: int, device, dtype,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [seq, rotary_dim], or [b, 1, seq, rotary_dim] for per-sample ``positions``
+    [b, seq] (packed documents). Recomputed per call in float32 (cheap next to attention), so no
+    frequency buffer can be rounded by a later model.half()/bfloat16()."""
     dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
+    if positions is None:
+        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    else:
+        positions = positions.to(torch.float32)[:, None]           # [b, 1 (heads), s]
+    freqs = positions[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -27,7 +32,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, head_dim]; cos/sin: [s, rotary_dim]."""
+    """x: [b, heads, s, head_dim]; cos/sin: [s, rotary_dim] or [b, 1, s, rotary_dim]."""
     dim = cos.shape[-1]
     rot, rest = x[..., :dim], x[..., dim:]
     rot = rot * cos + _rotate_half(rot) * sin

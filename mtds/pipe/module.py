@@ -11,6 +11,7 @@ from torch import nn
 from mtds.config import ModelConfig
 from mtds.layout import ParallelGroups
 from mtds.model import LMLoss, TransformerLayer
+from mtds.model.documents import DocumentMasking
 from mtds.pipeline_layout import StageLayout
 from mtds.tp import RNGTracker, checkpoint
 
@@ -25,7 +26,8 @@ def _recompute(tracker: RNGTracker, function, *args):
 def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                           recompute_interval: int = 0, recompute_attention: bool = False,
                           sequence_parallel: bool = False, virtual_stages: int | None = None,
-                          dualpipev: bool = False, stage_layout: StageLayout | None = None):
+                          dualpipev: bool = False, stage_layout: StageLayout | None = None,
+                          documents: DocumentMasking | None = None):
     """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
     (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
     DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
@@ -37,7 +39,8 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
     from mtds.deepspeed_compat.chunked_module import ChunkedPipelineModule
     from mtds.deepspeed_compat.explicit_parts import ExplicitPartsDualPipeV, ExplicitPartsModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
-                            sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
+                            sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
+                            documents=documents)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \
         (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
     if dualpipev:
@@ -63,10 +66,12 @@ class SequentialGPT(nn.Module):
     """The single-stage model: the pipeline specs built in order, called like a pipeline would."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
-                 recompute_interval: int = 0, recompute_attention: bool = False, sequence_parallel: bool = False):
+                 recompute_interval: int = 0, recompute_attention: bool = False, sequence_parallel: bool = False,
+                 documents: DocumentMasking | None = None):
         super().__init__()
         specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
-                                sequence_parallel=sequence_parallel, recompute_attention=recompute_attention)
+                                sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
+                                documents=documents)
         self.embedding = specs[0].build()
         self.layers = nn.ModuleList(spec.build() for spec in specs[1:-2])
         self.final_norm = specs[-2].build()
@@ -77,11 +82,12 @@ class SequentialGPT(nn.Module):
         self.recompute_interval = recompute_interval
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embedding(input_ids)
+        hidden = self.embedding(input_ids)    # (hidden, segment ids) with packed documents
         k = self.recompute_interval
         if k and self.training:
             for start in range(0, len(self.layers), k):
-                hidden = checkpoint(self._run_blocks(start, start + k), self.rng_tracker, hidden)
+                args = hidden if isinstance(hidden, tuple) else (hidden,)
+                hidden = checkpoint(self._run_blocks(start, start + k), self.rng_tracker, *args)
         else:
             for layer in self.layers:
                 hidden = layer(hidden)
@@ -89,7 +95,8 @@ class SequentialGPT(nn.Module):
         return tied_lm_logits(self.embedding, hidden) if self.lm_head is None else self.lm_head(hidden)
 
     def _run_blocks(self, start: int, stop: int):
-        def run(hidden):
+        def run(*hidden):
+            hidden = hidden if len(hidden) > 1 else hidden[0]
             for layer in self.layers[start:stop]:
                 hidden = layer(hidden)
             return hidden
@@ -103,21 +110,24 @@ class SequentialGPT(nn.Module):
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                 recompute_interval: int = 0, recompute_attention: bool = False,
                 sequence_parallel: bool = False, virtual_stages: int | None = None,
-                dualpipev: bool = False, stage_layout: StageLayout | None = None) -> nn.Module:
+                dualpipev: bool = False, stage_layout: StageLayout | None = None,
+                documents: DocumentMasking | None = None) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
     recomputes every k whole blocks ("full"); ``recompute_attention`` only the attention core
     ("selective"); they are alternatives, not meant together. ``virtual_stages``: build a
     ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules).
-    ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.pipeline_layout)."""
+    ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.pipeline_layout).
+    ``documents``: packed-document resets (:mod:`mtds.model.documents`)."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
-                  recompute_attention=recompute_attention, sequence_parallel=sequence_parallel)
+                  recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
+                  documents=documents)
     if groups.layout.pp > 1:
         return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev,
                                      stage_layout=stage_layout, **common)

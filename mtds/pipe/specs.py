@@ -12,6 +12,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from mtds.config import ModelConfig
 from mtds.model import FinalNorm, GPTEmbedding, LMHead, TransformerLayer
+from mtds.model.documents import DocumentMasking
 
 TIED_KEY = "embed"
 TIED_WEIGHT = "word_embeddings.weight"
@@ -27,10 +28,12 @@ def tied_lm_logits(embedding: GPTEmbedding, hidden):
 
 
 def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False,
-                    recompute_attention: bool = False) -> list:
+                    recompute_attention: bool = False, documents: DocumentMasking | None = None) -> list:
     """With ``sequence_parallel`` every activation between layers (and pipeline stages) is this
-    TP rank's slice of the sequence, [b, s/t, h]. ``recompute_attention``: selective recomputation."""
-    common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel)
+    TP rank's slice of the sequence, [b, s/t, h]. ``recompute_attention``: selective recomputation.
+    ``documents`` (resets on): the activation is (hidden, segment ids [b, s]) up to the final norm."""
+    common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel,
+                  documents=documents)
     if cfg.tie_word_embeddings:
         first = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, tied_weight_attr=TIED_WEIGHT, **common)
         last = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, forward_fn=tied_lm_logits,

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from mtds.deepspeed_compat import check_engine
+from mtds.model.documents import DocumentMasking
 from mtds.pipe import build_model
 from mtds.pipe.select import OWN_ENGINE
 from mtds.safety.numerics import LocalNonFinite
@@ -62,6 +63,12 @@ def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
             print("dualpipev: DeepSpeed's DualPipeVEngine refuses scatter/gather; stage outputs go whole", flush=True)
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
+    if (cfg.reset_position_ids or cfg.reset_attention_mask) and layout.pp > 1 and cfg.pipeline_schedule != "1f1b":
+        # the segment ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples, the
+        # others send one tensor per stage boundary
+        flag = "--reset-position-ids" if cfg.reset_position_ids else "--reset-attention-mask"
+        raise ValueError(f"{flag} with --pp {layout.pp} needs --pipeline-schedule 1f1b (the {cfg.pipeline_schedule} "
+                         f"schedule sends one tensor between stages, not the document ids beside it)")
     if cfg.pipeline_schedule in OWN_ENGINE or dualpipev:
         from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
         check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
@@ -80,11 +87,20 @@ def build_data(cfg: TrainConfig, world: World, batch: BatchPlan, logger: StepLog
     return build_streams(cfg, world.model_cfg, batch, world.groups, logger)
 
 
+def document_masking(cfg: TrainConfig) -> DocumentMasking | None:
+    """--reset-position-ids / --reset-attention-mask: documents end at the tokenizer's EOS."""
+    if not (cfg.reset_position_ids or cfg.reset_attention_mask):
+        return None
+    from mtds.data import load_tokenizer
+    return DocumentMasking(load_tokenizer(cfg.tokenizer).eos_token_id, reset_position_ids=cfg.reset_position_ids,
+                           reset_attention_mask=cfg.reset_attention_mask)
+
+
 def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
     """This rank's stages (a PipelineModule for p > 1; ``stage_layout``: blocks per virtual stage), with
     recomputation, then HF weights if asked."""
     model = build_model(world.model_cfg, world.groups, seed=cfg.seed, rng_tracker=world.rng,
-                        sequence_parallel=cfg.sequence_parallel,
+                        sequence_parallel=cfg.sequence_parallel, documents=document_masking(cfg),
                         recompute_interval=cfg.recompute_interval if cfg.recompute == "full" else 0,
                         recompute_attention=cfg.recompute == "selective",
                         virtual_stages=cfg.virtual_stages if cfg.pipeline_schedule in OWN_ENGINE else None,

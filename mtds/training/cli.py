@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="indexed evaluation data, same syntax (default: --eval-split of each source's documents)")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="no loss where the input token is the tokenizer's EOS (end of document), as Megatron's")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart at 0 after each EOS: every packed document starts at position 0")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="each packed document attends only to its own tokens (block-diagonal causal mask)")
     g.add_argument("--text-column", default="text", help="field holding the text [text]")
     g.add_argument("--tokenizer", help="HF tokenizer name or path [shipped byte-level BPE]")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample [128]")
@@ -180,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         data_path=tuple(args.data_path) if args.data_path else None,
         eval_data_path=tuple(args.eval_data_path) if args.eval_data_path else None, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
         recompute=recompute, recompute_interval=interval,

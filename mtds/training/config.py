@@ -37,6 +37,8 @@ class TrainConfig:
     data_path: tuple | None = None              # Megatron indexed data: (PREFIX,) or (W1, PREFIX1, W2, PREFIX2, ...)
     eval_data_path: tuple | None = None         # same syntax, for evaluation (else --eval-split of each source is held out)
     eod_mask_loss: bool = False                 # no loss where the input token is EOS (Megatron's --eod-mask-loss)
+    reset_position_ids: bool = False            # positions restart after each EOS (Megatron's --reset-position-ids)
+    reset_attention_mask: bool = False          # each packed document attends only to itself (--reset-attention-mask)
     eval_interval: int = 0                      # 0: evaluate only at the end
     eval_iters: int = 4                         # global batches per evaluation
     # optimisation
