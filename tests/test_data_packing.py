@@ -1,11 +1,15 @@
 """Loading, tokenization, EOS joining, packing and the token cache."""
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
 
 from mtds.data import build_packed_dataset, load_tokenizer, split_train_eval
+from mtds.data.indexed import IndexedDataset
 from mtds.data.packed import PackedDataset
+from mtds.data.source import resolve_source
 
 DOCS = ["To be, or not to be: that is the question.",
         "",  # empty documents are skipped: no doubled EOS
@@ -106,8 +110,50 @@ def test_cache_is_reused_and_keyed_on_content(tmp_path, tok, monkeypatch):
 def test_default_cache_lives_next_to_the_data(tmp_path, tok, monkeypatch):
     monkeypatch.delenv("MTDS_DATA_CACHE", raising=False)
     data = write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    build_packed_dataset(str(data), tok, 8, show_progress=False)
-    assert list((tmp_path / ".mtds_cache").glob("tokens-*.npy"))
+    ds = build_packed_dataset(str(data), tok, 8, show_progress=False)
+    # the cache is an indexed dataset (one reader for both data paths): one sequence per document
+    (idx,) = (tmp_path / ".mtds_cache").glob("tokens-*.idx")
+    cached = IndexedDataset(str(idx)[:-4])
+    assert cached.num_documents == ds.info["num_documents"] == 3
+    assert [int(cached[i][-1]) for i in range(3)] == [tok.eos_token_id] * 3
+    assert np.array_equal(np.concatenate([cached[i] for i in range(3)]), expected_stream(tok, DOCS))
+
+
+def test_cache_key_follows_content_not_path_or_mtime(tmp_path, tok):
+    """Touching the data or reading it from another path (a copy, another mount point) reuses the
+    cache; the same size with other content does not."""
+    (tmp_path / "a").mkdir()
+    data = write_jsonl(tmp_path / "a" / "docs.jsonl", DOCS)
+    cache = tmp_path / "c"
+
+    def build(path):
+        return build_packed_dataset(str(path), tok, 8, cache_dir=cache, show_progress=False).info["from_cache"]
+
+    assert build(data) is False
+    os.utime(data, (1, 1))
+    assert build(data) is True
+    shutil.copytree(tmp_path / "a", tmp_path / "b")     # another path, new mtimes
+    assert build(tmp_path / "b" / "docs.jsonl") is True
+    assert resolve_source(str(tmp_path / "b")).identity == resolve_source(str(tmp_path / "a")).identity
+    text = data.read_text()
+    data.write_text(text.replace("To be", "Tu be"))      # same size, other content
+    assert build(data) is False
+
+
+def test_a_large_file_is_keyed_by_its_size_and_sampled_blocks(tmp_path, monkeypatch):
+    from mtds.data import fingerprint
+    monkeypatch.setattr(fingerprint, "WHOLE_FILE_BYTES", 1000)
+    body = bytes(range(256)) * 64 * 1024                       # 16 MiB: sampled, not hashed whole
+    (tmp_path / "a").write_bytes(body)
+    (tmp_path / "b").write_bytes(body)
+    digest = fingerprint.file_digest(str(tmp_path / "a"))
+    assert fingerprint.file_digest(str(tmp_path / "b")) == digest
+    middle = 5 * (len(body) - fingerprint.BLOCK) // (fingerprint.SAMPLED_BLOCKS - 1) + 100
+    for at in (0, middle, len(body) - 1):                      # in the first, a middle and the last block
+        (tmp_path / "b").write_bytes(body[:at] + b"x" + body[at + 1:])
+        assert fingerprint.file_digest(str(tmp_path / "b")) != digest, at
+    (tmp_path / "b").write_bytes(body + b"x")
+    assert fingerprint.file_digest(str(tmp_path / "b")) != digest
 
 
 def test_num_proc_gives_the_same_stream(tmp_path, tok):

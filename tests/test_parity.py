@@ -89,3 +89,36 @@ def test_every_layout_matches_hf_reference(world):
         for other in per_rank[1:]:
             assert other[index].losses == result.losses, what
             assert other[index].grad_norms == result.grad_norms, what
+
+
+def _short_documents(prefix: str) -> None:
+    """An indexed dataset of documents of 2..12 tokens, each ended by the shipped tokenizer's EOS
+    (id 0): a 32-token sample holds several."""
+    import numpy as np
+
+    from mtds.data.indexed import IndexedWriter
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 13, size=400)
+    flat = rng.integers(1, TINY_VOCAB, size=int(lengths.sum()), dtype=np.uint16)
+    flat[np.cumsum(lengths) - 1] = 0
+    with IndexedWriter(prefix, np.uint16) as w:
+        w.add_documents(flat, lengths)
+
+
+TINY_VOCAB = 8192
+
+
+def test_packed_documents_across_tp_pp_and_sp(tmp_path):
+    """--reset-position-ids and --reset-attention-mask at (2,2,1), with and without sequence
+    parallelism (the document ids ride beside the activation through DeepSpeed's pipeline, and with
+    scatter/gather without it), reproduce the single-process run (which tests/test_documents.py holds
+    to HF document by document), and the resets change the trajectory."""
+    prefix = str(tmp_path / "docs")
+    _short_documents(prefix)
+    common = dict(data_path=(prefix,), steps=4)
+    resets = dict(reset_position_ids=True, reset_attention_mask=True, **common)
+    single = run_layouts(1, [train_config(**resets), train_config(**common)])[0]
+    multi = run_layouts(4, [train_config(tp=2, pp=2, sequence_parallel=sp, **resets) for sp in (True, False)])[0]
+    assert max_rel_diff(single[0].losses, single[1].losses) > 1e-3
+    for result, what in zip(multi, ("(2,2,1) sp", "(2,2,1)")):
+        assert_matches_reference(result, single[0], f"packed documents {what}")

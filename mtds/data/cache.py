@@ -1,8 +1,11 @@
 """Where tokenized data is cached, and how it is stored.
 
-The cache holds the *flat token stream* of a corpus (documents + EOS), one
-`.npy` per (data, tokenizer, text column) key. Packing into blocks is done on
-the fly from it, so changing seq_length or the split reuses the cache.
+The cache holds the *flat token stream* of a corpus (documents + EOS) per (data,
+tokenizer, text column) key, written by the indexed writer as a Megatron dataset
+`tokens-KEY.bin/.idx` (one sequence per document, its EOS included) plus
+`tokens-KEY.json`, and read back by the indexed reader: one format and one reader
+for both data paths. Packing into blocks is done on the fly from the stream, so
+changing seq_length or the split reuses the cache.
 
 Location, first match wins:
   1. the `cache_dir` argument (tests use a tmp dir);
@@ -43,30 +46,36 @@ def cache_key(parts: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:20]
 
 
-def _paths(cache_dir: str, key: str):
-    stem = os.path.join(cache_dir, f"tokens-{key}")
-    return stem + ".npy", stem + ".json"
+def _prefix(cache_dir: str, key: str) -> str:
+    return os.path.join(cache_dir, f"tokens-{key}")
 
 
 def load_tokens(cache_dir: str, key: str):
-    """The cached token stream (memory-mapped) and its metadata, or (None, None)."""
-    npy, meta = _paths(cache_dir, key)
-    if not (os.path.exists(npy) and os.path.exists(meta)):
+    """The cached token stream (the memory-mapped .bin) and its metadata, or (None, None)."""
+    from .indexed import IndexedDataset
+    prefix = _prefix(cache_dir, key)
+    if not all(os.path.exists(prefix + ext) for ext in (".json", ".idx", ".bin")):
         return None, None
-    with open(meta) as f:
+    with open(prefix + ".json") as f:
         info = json.load(f)
-    return np.load(npy, mmap_mode="r"), info
+    ds = IndexedDataset(prefix)
+    return ds.ids[:ds.num_tokens], info
 
 
 def save_tokens(cache_dir: str, key: str, tokens: np.ndarray, info: dict) -> None:
-    """Write atomically (tmp + rename) so concurrent ranks never read a partial file."""
-    npy, meta = _paths(cache_dir, key)
-    for path, write in ((npy, lambda f: np.save(f, tokens)),
-                        (meta, lambda f: f.write(json.dumps(info, indent=1).encode()))):
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
+    """Through the indexed writer (temporaries renamed into place), then the .json last, so a
+    concurrent rank never reads a partial cache: ``load_tokens`` needs all three files."""
+    from .indexed import IndexedWriter
+    prefix = _prefix(cache_dir, key)
+    ends = np.flatnonzero(np.asarray(tokens) == info["eos_token_id"]) + 1   # every document ends with EOS
+    if len(tokens) and (not len(ends) or ends[-1] != len(tokens)):
+        ends = np.append(ends, len(tokens))
+    with IndexedWriter(prefix, tokens.dtype) as w:
+        w.add_documents(tokens, np.diff(ends, prepend=0))
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(info, indent=1).encode())
+    os.replace(tmp, prefix + ".json")
 
 
 def token_dtype(vocab_size: int):

@@ -18,7 +18,7 @@ from .tokenize import check_text_column, progress_bars, tokenize_to_stream
 from .tokenizer import tokenizer_fingerprint
 
 # Bump when the stream format changes so old caches are not reused.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2   # 2: an indexed dataset keyed by content
 
 
 class PackedDataset:

@@ -13,7 +13,8 @@ keeps a play or an article whole, so EOS only ever falls between documents.
 For many documents, use a jsonl/csv/parquet file with one document per row.
 
 Resolution does not load anything: it returns a `Source` whose `identity`
-(paths, sizes, mtimes) keys the token cache, so a cache hit skips `datasets`.
+(each file's path inside the data, size and content digest: mtds/data/fingerprint.py;
+not its absolute path or mtime) keys the token cache, so a cache hit skips `datasets`.
 """
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 
 from .assets import SHIPPED_CORPUS
 from .errors import DataError
+from .fingerprint import files_identity
 from .hub import hub_reachable
 
 _BUILDERS = {".txt": "text", ".text": "text",
@@ -94,10 +96,6 @@ def _data_files(path: str):
     return found
 
 
-def _stat_identity(files):
-    return [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
-
-
 def _files_source(path: str, description: str, split) -> Source:
     files = _data_files(path)
     if os.path.isfile(path) and _builder_for(path) is None:
@@ -125,7 +123,7 @@ def _files_source(path: str, description: str, split) -> Source:
         except Exception as exc:  # malformed json/csv/parquet: say which data, in one line
             raise DataError(f"could not read {description!r} as {builder}: {_first_line(exc)}") from exc
 
-    identity = {"kind": "files", "builder": builder, "files": _stat_identity(files)}
+    identity = {"kind": "files", "builder": builder, "files": files_identity(files, path)}
     return Source(description, identity, os.path.join(home, CACHE_DIRNAME), load)
 
 
@@ -138,7 +136,7 @@ def _disk_source(path: str, split) -> Source:
         return ds
 
     files = [os.path.join(r, f) for r, d, fs in os.walk(path) if CACHE_DIRNAME not in r for f in fs]
-    identity = {"kind": "disk", "split": split, "files": _stat_identity(sorted(files))}
+    identity = {"kind": "disk", "split": split, "files": files_identity(sorted(files), path)}
     return Source(path, identity, os.path.join(os.path.abspath(path), CACHE_DIRNAME), load)
 
 

@@ -74,7 +74,7 @@ def tokenize_to_stream(ds, tok, text_column: str, *, num_proc: int, show_progres
                          cache_file_name=arrow, new_fingerprint=key)
         tokens = _flatten(out, token_dtype(len(tok)))
     finally:
-        # The .npy written by the caller is the cache; the arrow copy would double disk use.
+        # The indexed dataset written by the caller is the cache; the arrow copy would double disk use.
         for leftover in glob.glob(os.path.join(work_dir, f"tokenized-{key}-{os.getpid()}*.arrow")):
             os.remove(leftover)
     return tokens
