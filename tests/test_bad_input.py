@@ -182,6 +182,8 @@ SETTING_CASES = [
     ("flag-min-lr-negative", ["--min-lr", "-0.5"], "--min-lr must be >= 0, got -0.5"),
     ("flag-warmup-negative", ["--warmup-steps", "-10"], "--warmup-steps must be >= 0, got -10"),
     ("flag-seed-negative", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("data-reset-with-own-schedule", ["--reset-attention-mask", "--pp", "2", "--pipeline-schedule", "interleaved"],
+     "--reset-attention-mask with --pp 2 needs --pipeline-schedule 1f1b"),
     ("flag-save-interval-negative", ["--save-interval", "-1"], "--save-interval must be >= 0 (0: save at the end only)"),
     ("flag-check-replicas-negative", ["--check-replicas", "-3"], "--check-replicas must be >= 0 (0: off), got -3"),
     ("flag-dist-timeout-zero", ["--dist-timeout", "0"], "--dist-timeout must be > 0 seconds, got 0.0"),

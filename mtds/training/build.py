@@ -63,12 +63,6 @@ def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
             print("dualpipev: DeepSpeed's DualPipeVEngine refuses scatter/gather; stage outputs go whole", flush=True)
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
-    if (cfg.reset_position_ids or cfg.reset_attention_mask) and layout.pp > 1 and cfg.pipeline_schedule != "1f1b":
-        # the segment ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples, the
-        # others send one tensor per stage boundary
-        flag = "--reset-position-ids" if cfg.reset_position_ids else "--reset-attention-mask"
-        raise ValueError(f"{flag} with --pp {layout.pp} needs --pipeline-schedule 1f1b (the {cfg.pipeline_schedule} "
-                         f"schedule sends one tensor between stages, not the document ids beside it)")
     if cfg.pipeline_schedule in OWN_ENGINE or dualpipev:
         from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
         check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,

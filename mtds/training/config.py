@@ -77,6 +77,13 @@ class TrainConfig:
             raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
         if self.on_nan not in ("stop", "skip"):
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
+        if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":
+            # the document ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples,
+            # the other schedules' engines one tensor per stage boundary
+            flag = "--reset-position-ids" if self.reset_position_ids else "--reset-attention-mask"
+            raise ValueError(f"{flag} with --pp {self.pp} needs --pipeline-schedule 1f1b: the "
+                             f"{self.pipeline_schedule} schedule sends one tensor between stages, not the "
+                             f"document ids beside it")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
         if self.recompute != "full" and self.recompute_interval != 1:
