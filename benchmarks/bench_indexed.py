@@ -51,6 +51,7 @@ def preprocess(args) -> None:
             docs = _corpus(corpus, mb)
             for workers in args.workers:
                 out = os.path.join(work, f"o{mb}w{workers}")
+                load_before = os.getloadavg()[0]
                 t = time.perf_counter()
                 child = subprocess.Popen([sys.executable, "-m", "mtds.cli.preprocess", "--input", corpus,
                                           "--output-prefix", out, "--workers", str(workers), "--no-progress",
@@ -59,10 +60,11 @@ def preprocess(args) -> None:
                 wall = time.perf_counter() - t
                 stdout = child.stdout.read()
                 tokens = int(re.search(r"([\d,]+) tokens \(", stdout).group(1).replace(",", ""))
+                # The machine is shared: the 1-minute load average before and after each run.
+                load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
                 print(f"| {mb:.0f} MB ({docs:,} docs, {tokens / 1e6:.1f} M tokens) | {workers} | {wall:.1f} | "
-                      f"{tokens / wall:,.0f} | {main_peak:.0f} | {worker_peak:.0f} |" if workers > 1 else
-                      f"| {mb:.0f} MB ({docs:,} docs, {tokens / 1e6:.1f} M tokens) | {workers} | {wall:.1f} | "
-                      f"{tokens / wall:,.0f} | {main_peak:.0f} | - |", flush=True)
+                      f"{tokens / wall:,.0f} | {main_peak:.0f} | "
+                      f"{f'{worker_peak:.0f}' if workers > 1 else '-'} | {load} |", flush=True)
                 for ext in (".bin", ".idx"):
                     os.remove(out + "_text_document" + ext)
             os.remove(corpus)
