@@ -3,6 +3,7 @@
   python benchmarks/bench_indexed.py preprocess --mb 25 100 --workers 1 2   # tokens/s, peak RSS vs corpus size
   python benchmarks/bench_indexed.py big --gb 28                            # a dataset larger than RAM
   python benchmarks/bench_indexed.py blend                                  # shares, epochs, dp=1 vs dp=2
+  python benchmarks/bench_indexed.py layouts                                # (1,1,1) vs (2,2,2) on real ranks
 
 `preprocess` writes jsonl corpora of the given sizes (lines of the shipped corpus in a seeded order,
 14 lines per document) and runs mtds-preprocess on each; `big` writes random token ids straight
@@ -216,6 +217,68 @@ def blend(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _layout_reads(prefixes, weights, tp, pp, steps):
+    """On each rank of a (tp, pp, dp) layout: train.py's data path (``build_streams`` with the real
+    process groups) for ``steps`` global batches; what this rank's micro-batches hold."""
+    import torch.distributed as dist
+
+    from mtds.data import build_streams
+    from mtds.layout import ParallelLayout
+    from mtds.training import TrainConfig
+    from mtds.training.ds_config import BatchPlan
+    world = dist.get_world_size()
+    layout = ParallelLayout.for_world(world, tp=tp, pp=pp)
+    groups = layout.build_groups(timeout_s=300)
+    blend = [str(x) for pair in zip(weights, prefixes) for x in pair]
+    cfg = TrainConfig(deepspeed_config={}, data_path=tuple(blend), seq_length=128, steps=steps, eval_split=0.0,
+                      seed=1, tp=tp, pp=pp)
+    batch = BatchPlan(global_batch=16, micro_batch=2, accumulation=16 // 2 // layout.dp)
+
+    class Quiet:
+        def info(self, _):
+            pass
+    from mtds.config import resolve_model_config
+    stream, _ = build_streams(cfg, resolve_model_config("gpt2-tiny"), batch, groups, Quiet())
+    reads = [next(stream) for _ in range(steps * batch.accumulation)]
+    return dict(rank=dist.get_rank(), tp=groups.tp_rank, pp=groups.pp_rank, dp=groups.dp_rank,
+                first=groups.is_first_stage, last=groups.is_last_stage, accumulation=batch.accumulation,
+                inputs=[r[0] for r in reads], labels=[r[1] for r in reads])
+
+
+def layouts(args) -> None:
+    """The blend's samples at (tp, pp, dp) = (1,1,1) and (2,2,2) on real ranks: the same global batches."""
+    import torch
+
+    from mtds.data.indexed import IndexedWriter
+    from mtds.testing import spawn
+    work = tempfile.mkdtemp(prefix="bench-layouts-", dir=args.dir)
+    try:
+        rng, prefixes = np.random.default_rng(0), []
+        for k, docs in enumerate((3000, 400, 50)):
+            prefixes.append(os.path.join(work, f"src{k}"))
+            with IndexedWriter(prefixes[-1], np.uint16) as w:
+                lengths = rng.integers(50, 800, size=docs)
+                w.add_documents(rng.integers(1, 8192, size=int(lengths.sum()), dtype=np.uint16), lengths)
+        weights = (0.5, 0.3, 0.2)   # the indices are cached next to src0, in `work`
+        (one,) = spawn(_layout_reads, 1, prefixes, weights, 1, 1, args.steps, timeout=600)
+        eight = spawn(_layout_reads, 8, prefixes, weights, 2, 2, args.steps, timeout=600)
+        m1, m8 = one["accumulation"], eight[0]["accumulation"]
+        same, checked = True, 0
+        for step in range(args.steps):
+            whole = torch.cat(one["inputs"][step * m1:(step + 1) * m1]), torch.cat(one["labels"][step * m1:(step + 1) * m1])
+            for part, key, role in ((0, "inputs", "first"), (1, "labels", "last")):
+                for tp in (0, 1):
+                    ranks = sorted((r for r in eight if r[role] and r["tp"] == tp), key=lambda r: r["dp"])
+                    got = torch.cat([mb for r in ranks for mb in r[key][step * m8:(step + 1) * m8]])
+                    same &= torch.equal(got, whole[part])
+                    checked += 1
+        print(f"(1,1,1) vs (2,2,2), {args.steps} global batches of 16 x 128 tokens from a blend of 3 sources: "
+              f"the first stages' inputs and the last stages' labels, both TP ranks, data-parallel ranks in "
+              f"order, equal the single rank's: {same} ({checked} comparisons)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="where to write the temporary data [system temp]")
@@ -229,8 +292,10 @@ def main() -> None:
     b.add_argument("--samples", type=int, default=20_000)
     b.add_argument("--train-steps", type=int, default=20, help="train.py steps on each dataset (0: none)")
     sub.add_parser("blend")
+    c = sub.add_parser("layouts")
+    c.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
-    {"preprocess": preprocess, "big": big, "blend": blend}[args.cmd](args)
+    {"preprocess": preprocess, "big": big, "blend": blend, "layouts": layouts}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                     help="fields (json/csv/parquet columns) to tokenize, one dataset each [text]")
     ap.add_argument("--tokenizer", help="HF tokenizer directory or name [the shipped tokenizer]")
+    ap.add_argument("--tokenizer-type",
+                    help="Megatron's flag: GPT2BPETokenizer with --vocab-file and --merge-file (instead of --tokenizer)")
+    ap.add_argument("--vocab-file", metavar="FILE", help="GPT-2 BPE vocab.json (with --tokenizer-type)")
+    ap.add_argument("--merge-file", metavar="FILE", help="GPT-2 BPE merges.txt (with --tokenizer-type)")
     ap.add_argument("--workers", type=int, default=1, help="tokenizer processes [1]")
     ap.add_argument("--append-eod", action="store_true", help="end every document with the EOS token")
     ap.add_argument("--shard", metavar="i/N", help="process only shard i of N of the input (join with --merge)")
@@ -52,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if not args.input:
                 raise DataError("--input is required (or --merge to join shards)")
-            preprocess(args.input, args.output_prefix, json_keys=args.json_keys, tokenizer=args.tokenizer,
+            from mtds.data.megatron_tokenizer import tokenizer_from_flags
+            tokenizer = tokenizer_from_flags(args.tokenizer, args.tokenizer_type, args.vocab_file, args.merge_file)
+            preprocess(args.input, args.output_prefix, json_keys=args.json_keys, tokenizer=tokenizer,
                        workers=args.workers, append_eod=args.append_eod,
                        shard=parse_shard(args.shard) if args.shard else None, overwrite=args.overwrite,
                        show_progress=not args.no_progress, log=log)

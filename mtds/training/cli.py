@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each packed document attends only to its own tokens (block-diagonal causal mask)")
     g.add_argument("--text-column", default="text", help="field holding the text [text]")
     g.add_argument("--tokenizer", help="HF tokenizer name or path [shipped byte-level BPE]")
+    g.add_argument("--tokenizer-type", help="Megatron's flag: GPT2BPETokenizer with --vocab-file and --merge-file "
+                                            "(instead of --tokenizer)")
+    g.add_argument("--vocab-file", metavar="FILE", help="GPT-2 BPE vocab.json (with --tokenizer-type)")
+    g.add_argument("--merge-file", metavar="FILE", help="GPT-2 BPE merges.txt (with --tokenizer-type)")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample [128]")
     g.add_argument("--num-proc", type=int, default=1, help="processes for tokenization [1]")
     g.add_argument("--eval-split", type=float, default=0.02, help="fraction held out for evaluation [0.02]")
@@ -174,13 +178,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = {}
     if args.dropout is not None:
         overrides.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    from mtds.data.megatron_tokenizer import tokenizer_from_flags
+    tokenizer = tokenizer_from_flags(args.tokenizer, args.tokenizer_type, args.vocab_file, args.merge_file)
     return TrainConfig(
         deepspeed_config=args.deepspeed_config, model=args.model or args.init_from_hf or "gpt2-tiny",
         model_overrides=overrides, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
         pipeline_schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
         zero1_grad_reduce=args.zero1_grad_reduce,
         pipeline_layout=args.pipeline_layout, pipeline_balance=args.pipeline_balance,
-        data=args.data, text_column=args.text_column, tokenizer=args.tokenizer, seq_length=args.seq_length,
+        data=args.data, text_column=args.text_column, tokenizer=tokenizer, seq_length=args.seq_length,
         num_proc=args.num_proc, eval_split=args.eval_split, eval_data=args.eval_data,
         data_path=tuple(args.data_path) if args.data_path else None,
         eval_data_path=tuple(args.eval_data_path) if args.eval_data_path else None, eod_mask_loss=args.eod_mask_loss,
