@@ -109,3 +109,10 @@ def test_one_reset_alone_matches_hf_given_its_positions(name):
         for a, b in spans(ids[r]):
             want = hf(ids[r:r + 1, a:b], position_ids=torch.arange(a, b)[None]).logits[0]
             assert float((logits[r, a:b] - want).abs().max()) < TOL, (name, r, a, b)
+
+
+def test_a_block_without_the_document_ids_refuses_to_run():
+    """A block (a later pipeline stage) whose input lost the ids says so, in one line."""
+    hf, model = ours("gpt2", True, True)
+    with pytest.raises(RuntimeError, match="packed-document ids did not arrive"):
+        model.layers[1](torch.zeros(1, 4, hf.config.n_embd))

@@ -54,6 +54,9 @@ class TransformerLayer(nn.Module):
         segments = None
         if isinstance(hidden, tuple):
             hidden, segments = hidden
+        elif self.attention.documents is not None:
+            # e.g. a pipeline engine that sends only the first tensor of a tuple: say so
+            raise RuntimeError(f"layer {self.layer_number}: the packed-document ids did not arrive with its input")
         if self.streams is None:
             out = self._forward(hidden, segments)
         else:
