@@ -116,3 +116,24 @@ def test_a_block_without_the_document_ids_refuses_to_run():
     hf, model = ours("gpt2", True, True)
     with pytest.raises(RuntimeError, match="packed-document ids did not arrive"):
         model.layers[1](torch.zeros(1, 4, hf.config.n_embd))
+
+
+def test_recomputation_keeps_the_document_ids():
+    """Full (whole blocks, the ids among the checkpointed inputs) and selective (the attention core)
+    recomputation give the same loss and gradients as none, with both resets on."""
+    from types import SimpleNamespace
+
+    from mtds.pipe.module import SequentialGPT
+    cfg = model_config_from_hf(hf_model("llama").config)
+    docs = DocumentMasking(EOD, reset_position_ids=True, reset_attention_mask=True)
+    ids = packed_batch()
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    results = []
+    for extra in ({}, {"recompute_interval": 1}, {"recompute_attention": True}):
+        model = SequentialGPT(cfg, SimpleNamespace(tp_group=None), seed=5, rng_tracker=None, documents=docs, **extra)
+        loss = model.train()(ids, labels)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        assert all(torch.allclose(g, g0, atol=1e-7) for g, g0 in zip(grads, results[0][1]))
