@@ -17,7 +17,7 @@ from torch import nn
 from mtds.model_config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
 
-from .documents import DocumentMasking, active, document_mask, document_positions
+from .documents import DocumentMasking, document_mask, document_positions, enabled
 from .init import normal_init, output_init
 from .parallel import check_tensor_parallel
 from .rotary import apply_rotary, rotary_cos_sin
@@ -29,7 +29,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
         self.cfg, self.rng_tracker, self.recompute_core = cfg, rng_tracker, recompute_core
-        self.documents = active(documents)   # packed documents: their ids come with each forward
+        self.documents = enabled(documents)   # packed documents: their ids come with each forward
         self.local_heads, self.local_kv_heads = cfg.num_heads // t, cfg.kv_heads // t
         d = cfg.head_dim
         # Segments [q, k, v]: each is split over ranks separately, so rank r holds query heads

@@ -27,7 +27,7 @@ class DocumentMasking:
         return self.reset_position_ids or self.reset_attention_mask
 
 
-def active(documents: DocumentMasking | None) -> DocumentMasking | None:
+def enabled(documents: DocumentMasking | None) -> DocumentMasking | None:
     """``documents`` if either reset is on, else None (the model then runs as without it)."""
     return documents if documents is not None and documents.active else None
 

@@ -14,7 +14,7 @@ from mtds.model_config import ModelConfig
 from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, scatter_to_sequence_parallel_region
 from mtds.tp.layers import tp_world_and_rank
 
-from .documents import DocumentMasking, active, document_positions, segment_ids
+from .documents import DocumentMasking, document_positions, enabled, segment_ids
 from .init import normal_init, seeded
 
 EMBEDDING_LAYER = 0
@@ -25,7 +25,7 @@ class GPTEmbedding(nn.Module):
                  sequence_parallel: bool = False, documents: DocumentMasking | None = None):
         super().__init__()
         self.cfg, self.tp_group = cfg, tp_group
-        self.documents = active(documents)   # packed documents: forward returns (hidden, segment ids)
+        self.documents = enabled(documents)   # packed documents: forward returns (hidden, segment ids)
         # with sequence parallelism the output is this rank's slice of the sequence
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.rng_tracker = rng_tracker if self.sequence_parallel and cfg.hidden_dropout > 0 else None
