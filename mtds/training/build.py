@@ -90,6 +90,12 @@ def document_masking(cfg: TrainConfig) -> DocumentMasking | None:
                            reset_attention_mask=cfg.reset_attention_mask)
 
 
+def _documents_note(cfg: TrainConfig) -> str:
+    resets = [what for what, on in (("positions restart", cfg.reset_position_ids),
+                                    ("attention stays inside", cfg.reset_attention_mask)) if on]
+    return f"; per packed document: {' and '.join(resets)}" if resets else ""
+
+
 def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
     """This rank's stages (a PipelineModule for p > 1; ``stage_layout``: blocks per virtual stage), with
     recomputation, then HF weights if asked."""
@@ -141,7 +147,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     n_params = sum(p.numel() for p in model.parameters())
     mc = world.model_cfg
     logger.info(f"model: {mc.num_layers} layers, hidden {mc.hidden_size}, heads {mc.num_heads}, vocab "
-                f"{mc.vocab_size}; {n_params:,} parameters on the reporting rank")
+                f"{mc.vocab_size}; {n_params:,} parameters on the reporting rank{_documents_note(cfg)}")
     return BuiltRun(cfg=cfg, world=world, ds_config=ds_config, batch=batch, precision=prec, zero_stage=zero,
                     tf32=tf32, logger=logger, stream=stream, eval_stream=eval_stream, model=model, engine=engine,
                     nonfinite=nonfinite)
