@@ -161,3 +161,29 @@ def test_backend_and_hf_encoders_agree(tok, texts):
     slow = pp._Encoder(("name", None, tok.eos_token_id), ["text"], True)(chunk)["text"]
     assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])
     assert list(np.split(fast[0], np.cumsum(fast[1])[:-1])[6]) == expected(tok, texts)[6]
+
+
+def test_hf_dataset_in_streaming_mode(tmp_path, jsonl, tok, texts, capsys, monkeypatch):
+    """--hf-dataset reads a dataset record by record with datasets' streaming mode: the same tokens as the
+    files themselves, and nothing converted to Arrow in the datasets cache (a non-streaming load would
+    write the whole dataset there first)."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    lines = jsonl.read_text().splitlines(keepends=True)
+    (folder / "part-0.jsonl").write_text("".join(lines[:12]))
+    (folder / "part-1.jsonl").write_text("".join(lines[12:]))
+    cache = tmp_path / "datasets_cache"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    import datasets.config
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    main(["--hf-dataset", str(folder), "--output-prefix", str(tmp_path / "s"), "--no-progress", "--append-eod"])
+    assert read(tmp_path / "s_text_document") == expected(tok, texts)
+    assert not list(cache.rglob("*.arrow")), "the dataset was converted whole instead of streamed"
+    out = str(tmp_path / "o")
+    assert "cannot stream HF dataset" in cli_error(capsys, ["--hf-dataset", str(tmp_path / "nope"), "--output-prefix", out])
+    assert "Bad split" in cli_error(capsys, ["--hf-dataset", str(folder), "--split", "validation", "--output-prefix", out])
+    assert "no column 'body'" in cli_error(capsys, ["--hf-dataset", str(folder), "--json-keys", "body",
+                                                    "--output-prefix", out])
+    assert "not allowed with argument" in cli_error(capsys, ["--hf-dataset", str(folder), "--input", str(jsonl),
+                                                             "--output-prefix", out])
+    assert not list(tmp_path.glob("o_*"))

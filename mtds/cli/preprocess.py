@@ -4,6 +4,7 @@ indexed datasets (PREFIX_{key}_document.bin/.idx), tokenized by N worker process
   mtds-preprocess --input mtds/assets/corpus --output-prefix data/shakespeare --append-eod --workers 2
   mtds-preprocess --input big.jsonl --output-prefix data/big --shard 0/2 ...   (and --shard 1/2, anywhere)
   mtds-preprocess --merge --output-prefix data/big                             (joins the shards)
+  mtds-preprocess --hf-dataset DIR_OR_NAME --split train --output-prefix data/hf  (datasets' streaming mode)
 
 Flag names follow Megatron's tools/preprocess_data.py. The tokenizer defaults to the shipped one,
 as in train.py. Errors are one `error:` line on stderr, exit status 2; an interrupted run leaves
@@ -24,7 +25,12 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="mtds-preprocess", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", metavar="PATH", help="file, directory of files, or save_to_disk folder")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--input", metavar="PATH", help="file, directory of files, or save_to_disk folder")
+    source.add_argument("--hf-dataset", metavar="NAME", help="an HF dataset read in streaming mode, record by record "
+                        "(a local dataset folder, or a hub name where the hub is reachable)")
+    ap.add_argument("--hf-config", metavar="NAME", help="the dataset's configuration (with --hf-dataset)")
+    ap.add_argument("--split", default="train", help="the split to read (with --hf-dataset) [train]")
     ap.add_argument("--output-prefix", required=True, metavar="PREFIX",
                     help="writes PREFIX_{key}_document.bin/.idx for each json key")
     ap.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
@@ -50,15 +56,17 @@ def main(argv: list[str] | None = None) -> None:
     log = lambda line: print(line, flush=True)  # noqa: E731
     try:
         if args.merge:
-            if args.input or args.shard:
-                raise DataError("--merge joins existing shards; drop --input/--shard")
+            if args.input or args.hf_dataset or args.shard:
+                raise DataError("--merge joins existing shards; drop --input/--hf-dataset/--shard")
             merge_shards(args.output_prefix, json_keys=args.json_keys, overwrite=args.overwrite, log=log)
         else:
-            if not args.input:
-                raise DataError("--input is required (or --merge to join shards)")
+            if not args.input and not args.hf_dataset:
+                raise DataError("--input or --hf-dataset is required (or --merge to join shards)")
+            from mtds.data.indexed.inputs import HFStream
+            source = HFStream(args.hf_dataset, args.hf_config, args.split) if args.hf_dataset else args.input
             from mtds.data.megatron_tokenizer import tokenizer_from_flags
             tokenizer = tokenizer_from_flags(args.tokenizer, args.tokenizer_type, args.vocab_file, args.merge_file)
-            preprocess(args.input, args.output_prefix, json_keys=args.json_keys, tokenizer=tokenizer,
+            preprocess(source, args.output_prefix, json_keys=args.json_keys, tokenizer=tokenizer,
                        workers=args.workers, append_eod=args.append_eod,
                        shard=parse_shard(args.shard) if args.shard else None, overwrite=args.overwrite,
                        show_progress=not args.no_progress, log=log)

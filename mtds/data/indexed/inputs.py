@@ -1,9 +1,11 @@
 """Stream documents out of local files for preprocessing, one record at a time.
 
 Accepted: a file or a directory of files (.txt, .json/.jsonl, .csv, .parquet; the text formats
-also .gz/.bz2/.xz), or a folder written by `datasets`' `save_to_disk`. A .txt file is one
-document (as in training's --data); json lines, csv rows and parquet rows are one document each.
-Nothing here holds more than one record, one csv/parquet batch or one .txt file in memory.
+also .gz/.bz2/.xz), a folder written by `datasets`' `save_to_disk`, or an :class:`HFStream` -- an HF
+dataset read in `datasets`' streaming mode (a local dataset folder, or a hub name where the machine
+can reach the hub), which neither downloads nor converts the dataset whole. A .txt file is one
+document (as in training's --data); json lines, csv rows, parquet rows and dataset records are one
+document each. Nothing here holds more than one record, one csv/parquet batch or one .txt file in memory.
 """
 import bz2
 import csv
@@ -12,6 +14,7 @@ import json
 import lzma
 import os
 import sys
+from dataclasses import dataclass
 
 from ..errors import DataError
 from ..source import _builder_for, _data_files, _is_saved_dataset, _pick_split
@@ -19,9 +22,22 @@ from ..source import _builder_for, _data_files, _is_saved_dataset, _pick_split
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 
 
-def iter_documents(path: str, keys):
+@dataclass(frozen=True)
+class HFStream:
+    """An HF dataset to stream: ``datasets.load_dataset(name, config, split=split, streaming=True)``."""
+    name: str
+    config: str | None = None
+    split: str = "train"
+
+    def __str__(self) -> str:
+        return f"HF dataset {self.name}" + (f" ({self.config})" if self.config else "") + f" [{self.split}]"
+
+
+def iter_documents(path, keys):
     """Validate `path` now (errors before anything is written); return an iterator of
     {key: text} dicts, one per document."""
+    if isinstance(path, HFStream):
+        return _hf_stream(path, list(keys))
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise DataError(f"input {path!r} does not exist")
@@ -98,6 +114,18 @@ def _saved_dataset(path, keys):
     _check_columns(ds.column_names, keys, path)
     return (row for batch in ds.select_columns(list(keys)).iter(batch_size=1024)
             for row in _rows(batch, keys, path))
+
+
+def _hf_stream(source: HFStream, keys):
+    from datasets import load_dataset
+    try:
+        ds = load_dataset(source.name, source.config, split=source.split, streaming=True)
+    except Exception as exc:     # datasets raises many kinds: missing path, bad split, no network
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"cannot stream {source}: {first}") from None
+    if ds.column_names is not None:     # known up front for most builders; else checked per record
+        _check_columns(ds.column_names, keys, str(source))
+    return (_pick(record, keys, str(source)) for record in ds)
 
 
 def _rows(columns, keys, where):

@@ -167,7 +167,7 @@ def preprocess(input_path, prefix, *, json_keys=("text",), tokenizer=None, worke
             results = map(encoder, _chunks(docs, shard))
         _write_all(results, writers, keys[0], show_progress)
         if writers[keys[0]].num_documents == 0 and shard[1] == 1:
-            raise DataError(f"input {input_path!r} holds no text under {keys[0]!r}; nothing written")
+            raise DataError(f"input {str(input_path)!r} holds no text under {keys[0]!r}; nothing written")
         for w in writers.values():
             w.finish()
     except BaseException:
