@@ -41,6 +41,16 @@ class SelfAttention(nn.Module):
         self.out_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, group=tp_group,
                                           bias=cfg.linear_bias, input_is_parallel=True, init_method=output_init(cfg),
                                           sequence_parallel=sequence_parallel)
+        self._rotary_cache: dict = {}
+
+    def _rotary(self, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``seq`` positions, computed once per (seq, device, dtype) in float32 and kept on the
+        instance (not a buffer: model.half() must not round the float32 angles before the cos/sin)."""
+        key = (seq, str(device), dtype)
+        cached = self._rotary_cache.get(key)
+        if cached is None:
+            cached = self._rotary_cache[key] = rotary_cos_sin(self.cfg, seq, device, dtype)
+        return cached
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -61,18 +71,19 @@ class SelfAttention(nn.Module):
         v = v.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         docs = self.documents
         if self.cfg.position_embedding == "rotary":
-            positions = document_positions(segments) if docs is not None and docs.reset_position_ids else None
-            cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype, positions)
+            if docs is not None and docs.reset_position_ids:   # per-document positions: per call
+                cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype, document_positions(segments))
+            else:
+                cos, sin = self._rotary(s, qkv.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.cfg.attention_dropout if self.training else 0.0
         # Attention probabilities are sharded by head: their dropout must differ across TP ranks.
         forked = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
-        if self.local_kv_heads != self.local_heads:
-            # GQA: query head i reads kv head i // group (HF repeat_kv order). Explicit repeat rather than
-            # sdpa's enable_gqa, which needs torch >= 2.5.
-            group = self.local_heads // self.local_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        # GQA: query head i reads kv head i // (heads / kv heads), HF's repeat_kv order, which is what
+        # sdpa's enable_gqa does without copying K and V per query head.
+        gqa = self.local_kv_heads != self.local_heads
         mask = document_mask(segments) if docs is not None and docs.reset_attention_mask else None
         with forked:   # a block-diagonal causal mask, or plain causal attention
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                 enable_gqa=gqa)
         return out.transpose(1, 2).reshape(b, s, self.local_heads * d)

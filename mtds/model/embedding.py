@@ -29,7 +29,8 @@ class GPTEmbedding(nn.Module):
         # with sequence parallelism the output is this rank's slice of the sequence
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.rng_tracker = rng_tracker if self.sequence_parallel and cfg.hidden_dropout > 0 else None
-        self.streams = rng_tracker     # keys this layer's dropout streams per forward (mtds.tp.random)
+        # keys this layer's dropout stream per forward (mtds.tp.random); nothing to key without dropout
+        self.streams = rng_tracker if cfg.hidden_dropout > 0 else None
         with seeded(seed, EMBEDDING_LAYER):
             self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group=tp_group,
                                                           init_method=normal_init(cfg.init_std),

@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from mtds.model_config import ModelConfig
 
@@ -43,7 +44,9 @@ class TransformerLayer(nn.Module):
         self.attention_dropout = nn.Dropout(cfg.hidden_dropout)
         self.mlp_dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng_tracker = rng_tracker if sequence_parallel and cfg.hidden_dropout > 0 else None
-        self.streams = rng_tracker     # keys this layer's dropout streams per forward (mtds.tp.random)
+        # keys this layer's dropout streams per forward (mtds.tp.random); nothing to key without dropout
+        dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+        self.streams = rng_tracker if dropout else None
 
     def _dropout_rng(self):
         return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
@@ -51,6 +54,10 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden):
         """``hidden``: [b, s, h], or (hidden, segment ids) with packed documents -- passed on as
         given, so the ids reach every block and pipeline stage (:mod:`mtds.model.documents`)."""
+        with record_function("mtds.layer"):   # a torch.profiler range (benchmarks/profile_step.py)
+            return self._forward_keyed(hidden)
+
+    def _forward_keyed(self, hidden):
         segments = None
         if isinstance(hidden, tuple):
             hidden, segments = hidden

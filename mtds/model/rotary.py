@@ -13,8 +13,8 @@ from mtds.model_config import ModelConfig
 def rotary_cos_sin(cfg: ModelConfig, seq_len: int, device, dtype,
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [seq, rotary_dim], or [b, 1, seq, rotary_dim] for per-sample ``positions``
-    [b, seq] (packed documents). Recomputed per call in float32 (cheap next to attention), so no
-    frequency buffer can be rounded by a later model.half()/bfloat16()."""
+    [b, seq] (packed documents). In float32 (each attention layer keeps the plain ones per (seq, device, dtype)),
+    so no frequency buffer can be rounded by a later model.half()/bfloat16()."""
     dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     if positions is None:

@@ -26,21 +26,31 @@ class NonFiniteError(RuntimeError):
 
 class LocalNonFinite:
     """Whether any gradient of ``module``'s trainable parameters was NaN/inf on this rank since the last
-    :meth:`take`. Costs one ``isfinite().all()`` per parameter gradient, without a device sync."""
+    :meth:`take`. Each gradient costs one ``sum()`` (no device sync): a NaN or inf anywhere makes the sum
+    non-finite. The sum of finite values overflows only past 3.4e38, where the gradient norm (a sum of
+    squares) has long overflowed too; ``isfinite().all()`` per gradient cost 17 ms per micro-batch at
+    4.5 M parameters on one CPU core, the sums 0.5-1.4 ms."""
 
     def __init__(self, module: torch.nn.Module):
-        self._bad: torch.Tensor | None = None
+        self._sums: list[torch.Tensor] = []
         self._handles = [p.register_hook(self._check) for p in module.parameters() if p.requires_grad]
 
     def _check(self, grad: torch.Tensor | None) -> None:
         if grad is None:        # a gradient deferred elsewhere (ZB-H1's W pass)
             return
-        bad = ~torch.isfinite(grad).all()
-        self._bad = bad if self._bad is None else self._bad | bad
+        self._sums.append(grad.detach().sum())
+
+    def take_flag(self) -> torch.Tensor | None:
+        """This step's answer as a 0-dim bool tensor on the gradients' device (no host sync); None if no
+        gradient was seen. Starts the next step."""
+        sums, self._sums = self._sums, []
+        if not sums:
+            return None
+        return ~torch.isfinite(torch.stack([s.float() for s in sums])).all()
 
     def take(self) -> bool:
-        bad, self._bad = self._bad, None
-        return bool(bad) if bad is not None else False
+        flag = self.take_flag()
+        return bool(flag) if flag is not None else False
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -53,25 +63,48 @@ def _ranks(ranks: list[int], world: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown} (of {world})"
 
 
+class StepFlags:
+    """What every rank must agree on after a step, in one all-reduce (MAX) and one host read: whether any
+    rank saw a non-finite loss or grad norm, the signal any rank received (0: none) and, per rank, whether
+    its own gradients were non-finite."""
+
+    def __init__(self, values: list[int]):
+        self.any_nonfinite, self.signal, self.own = bool(values[0]), values[1], values[2:]
+
+    @classmethod
+    def agree(cls, loss: float, grad_norm: float | None, device, local_bad: torch.Tensor | bool | None = None,
+              signal: int = 0, check: bool = True) -> "StepFlags":
+        """``check``: False where a non-finite loss/norm is not this step's business (fp16's loss scaler,
+        ``--on-nan skip`` on a skipped step); the flags are still exchanged, so every rank calls this."""
+        bad = check and (not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        flags = torch.zeros(world + 2, dtype=torch.int64, device=device)
+        flags[0], flags[1] = int(bad), int(signal)
+        if local_bad is not None:
+            flags[2 + rank] = local_bad if isinstance(local_bad, bool) else local_bad.to(device=device,
+                                                                                         dtype=torch.int64)
+        if world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return cls(flags.tolist())
+
+    def raise_if_nonfinite(self, step: int, loss: float, grad_norm: float | None) -> None:
+        if not self.any_nonfinite:
+            return
+        world = len(self.own)
+        bad = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        what = (f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}") if bad else \
+            "a non-finite loss or gradient norm"
+        origin = [r for r in range(world) if self.own[r]]
+        where = (f"own gradients non-finite on {_ranks(origin, world)}" if origin else
+                 "no rank's own gradients were non-finite (the loss or the norm's reduction overflowed)")
+        raise NonFiniteError(f"step {step}: {what} (reduced over ranks: every rank sees it); {where}; stopped "
+                             f"before saving the poisoned state (lower --lr, raise warm-up or clipping, or resume "
+                             f"from the last checkpoint)")
+
+
 def check_finite(step: int, loss: float, grad_norm: float | None, device, local_bad: bool = False) -> None:
     """Raise :class:`NonFiniteError` on every rank if any rank sees a non-finite loss or grad norm.
 
     ``local_bad``: this rank's own gradients were non-finite this step (:class:`LocalNonFinite`)."""
-    bad = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    # [any rank saw a non-finite loss/norm, then one flag per rank: its own gradients were non-finite]
-    flags = torch.zeros(world + 1, dtype=torch.int64, device=device)
-    flags[0], flags[1 + rank] = int(bad), int(local_bad)
-    if world > 1:
-        dist.all_reduce(flags)
-    if not flags[0]:
-        return
-    what = (f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}") if bad else \
-        "a non-finite loss or gradient norm"
-    origin = [r for r in range(world) if flags[1 + r]]
-    where = (f"own gradients non-finite on {_ranks(origin, world)}" if origin else
-             "no rank's own gradients were non-finite (the loss or the norm's reduction overflowed)")
-    raise NonFiniteError(f"step {step}: {what} (reduced over ranks: every rank sees it); {where}; stopped before "
-                         f"saving the poisoned state (lower --lr, raise warm-up or clipping, or resume from the last "
-                         f"checkpoint)")
+    StepFlags.agree(loss, grad_norm, device, local_bad).raise_if_nonfinite(step, loss, grad_norm)

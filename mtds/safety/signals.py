@@ -1,7 +1,8 @@
 """SIGTERM / SIGINT (what a scheduler sends before preemption) as a request to stop cleanly.
 
-The handler only records the signal; the training loop asks :meth:`StopRequest.agreed` after each
-step, an all-reduce over every rank, so all ranks stop after the same step even when the signal
+The handler only records the signal; after each step the training loop agrees on it over every rank in
+one all-reduce (with the non-finite flags, ``mtds.training.hooks.NonFiniteHook``; :meth:`StopRequest.agreed`
+alone elsewhere), so all ranks stop after the same step even when the signal
 reached them at different times (or reached only one). A second signal is not deferred: SIGINT
 raises KeyboardInterrupt, SIGTERM exits at once with 128 + 15.
 """
@@ -44,6 +45,11 @@ class StopRequest:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+    @staticmethod
+    def name(signum: int) -> str | None:
+        """The name of an agreed signal number (0: None)."""
+        return signal.Signals(signum).name if signum else None
 
     def agreed(self, device) -> str | None:
         """Name of the signal if any rank received one (same answer on every rank), else None."""

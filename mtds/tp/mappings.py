@@ -111,7 +111,12 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        if not x.is_contiguous():
+            return _all_reduce(x.contiguous(), group)
+        # In place, as Megatron does: the partial sums (a row-parallel GEMM's output) have no other use.
+        # mark_dirty makes autograd refuse the one case where that is wrong (x saved by another op).
+        ctx.mark_dirty(x)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -108,6 +108,9 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
         load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups)
+    if cfg.compile:
+        from mtds.model.compile import compile_layers
+        compile_layers(model)
     return model
 
 

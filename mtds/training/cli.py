@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--recompute-interval does) is supported")
     g.add_argument("--activation-checkpointing", nargs="?", const=1, type=int, metavar="K",
                    help="deprecated: --recompute full --recompute-interval K")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (CPU: Inductor's C++ backend, needs a C++ compiler; "
+                        "the first steps pay the compilation) [off]")
     g.add_argument("--seed", type=int, default=1234, help="weights, data order and dropout all follow it [1234]")
 
     g = p.add_argument_group("data")
@@ -193,7 +196,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
-        recompute=recompute, recompute_interval=interval,
+        recompute=recompute, recompute_interval=interval, compile=args.compile,
         init_from_hf=args.init_from_hf, save=args.save, save_interval=args.save_interval, keep_last=args.keep_last,
         load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
         plot=args.plot, timeline=args.timeline,

@@ -50,6 +50,7 @@ class TrainConfig:
     seed: int = 1234
     recompute: str = "none"                     # none | selective (attention core) | full (whole blocks)
     recompute_interval: int = 1                 # full: every N consecutive blocks are recomputed as one unit
+    compile: bool = False                       # torch.compile each transformer layer (mtds.model.compile)
     init_from_hf: str | None = None
     # checkpoints and logs
     save: str | None = None

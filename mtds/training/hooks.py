@@ -17,7 +17,7 @@ import math
 from typing import Protocol
 
 from mtds.deepspeed_compat import verify_ran
-from mtds.safety.numerics import check_finite
+from mtds.safety.numerics import StepFlags
 from mtds.safety.signals import StopRequest
 
 from . import checkpoint as ckpt
@@ -103,18 +103,25 @@ class LogHook(Hook):
 
 class NonFiniteHook(Hook):
     """A NaN/inf loss or grad norm stops the run (bf16/fp32), naming the step and the ranks whose own
-    gradients were non-finite; before any evaluation or checkpoint of the step, so nothing poisoned is saved."""
+    gradients were non-finite; before any evaluation or checkpoint of the step, so nothing poisoned is saved.
 
-    def __init__(self, built: BuiltRun):
-        self.built = built
+    The same collective also agrees on a stop signal (SIGTERM/SIGINT on any rank): one all-reduce and one
+    host read per step for both (:class:`~mtds.safety.numerics.StepFlags`); ``SignalStopHook`` reads
+    ``self.flags``. A signal that arrives after this point is agreed on after the next step."""
+
+    def __init__(self, built: BuiltRun, stop: StopRequest):
+        self.built, self.stop = built, stop
+        self.flags: StepFlags | None = None
 
     def after_step(self, step, record):
         b = self.built
-        local_bad = b.nonfinite.take() if b.nonfinite is not None else False     # this step's record, every step
-        if b.precision != "fp16" and not (b.cfg.on_nan == "skip" and record["skipped"]):
-            # fp16: the loss scaler skips overflowing steps itself. "skip" accepts a step only where
-            # the engine did not apply it (ZeRO-1/2 check the norm); an applied NaN update always stops.
-            check_finite(step, record["loss"], record["grad_norm"], b.world.device, local_bad=local_bad)
+        local_bad = b.nonfinite.take_flag() if b.nonfinite is not None else None    # this step's, every step
+        # fp16: the loss scaler skips overflowing steps itself. "skip" accepts a step only where the engine
+        # did not apply it (ZeRO-1/2 check the norm); an applied NaN update always stops.
+        check = b.precision != "fp16" and not (b.cfg.on_nan == "skip" and record["skipped"])
+        self.flags = StepFlags.agree(record["loss"], record["grad_norm"], b.world.device, local_bad,
+                                     signal=self.stop.received or 0, check=check)
+        self.flags.raise_if_nonfinite(step, record["loss"], record["grad_norm"])
 
 
 class ReplicaCheckHook(Hook):
@@ -183,11 +190,11 @@ class SaveHook(Hook):
 class SignalStopHook(Hook):
     """SIGTERM/SIGINT on any rank: every rank stops after the same step, saving first (--save-on-signal)."""
 
-    def __init__(self, built: BuiltRun, stop: StopRequest, saver: SaveHook | None):
-        self.built, self.stop, self.saver = built, stop, saver
+    def __init__(self, built: BuiltRun, stop: StopRequest, saver: SaveHook | None, agreed: NonFiniteHook):
+        self.built, self.stop, self.saver, self.agreed = built, stop, saver, agreed
 
     def after_step(self, step, record):
-        reason = self.stop.agreed(self.built.world.device)    # a collective: every rank, every step
+        reason = self.stop.name(self.agreed.flags.signal)    # agreed by every rank in NonFiniteHook's collective
         if reason:
             cfg = self.built.cfg
             if self.saver is not None and cfg.save_on_signal:
@@ -202,7 +209,7 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
     """The run's hooks in the order they see each step. The order is part of the contract: the patch
     check comes first (before anything reports the step's numbers); the tracer reads its counters and
     the timeline its bubble before the record is logged; the non-finite check comes before evaluation
-    and saving; the signal check is last (it may save this step)."""
+    and saving (its collective also agrees on signals); the signal check is last (it may save this step)."""
     cfg, tracer = built.cfg, built.world.tracer
     hooks: list[Hook] = [PatchesRanHook(built.engine, start_step + 1)]
     if tracer is not None:
@@ -210,12 +217,13 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
     if cfg.timeline and built.world.layout.pp > 1:
         hooks.append(TimelineHook(built))
     hooks.append(LogHook(built.logger))
-    hooks.append(NonFiniteHook(built))
+    agreed = NonFiniteHook(built, stop)
+    hooks.append(agreed)
     if cfg.check_replicas_interval:
         hooks.append(ReplicaCheckHook(built))
     hooks.append(EvalHook(built, result))
     saver = SaveHook(built) if cfg.save else None
     if saver is not None:
         hooks.append(saver)
-    hooks.append(SignalStopHook(built, stop, saver))
+    hooks.append(SignalStopHook(built, stop, saver, agreed))
     return hooks

@@ -6,7 +6,9 @@ import sys
 import time
 
 import torch
+from torch.autograd.profiler import record_function
 
+from mtds.gemm_peak import cpu_gemm_peak
 from mtds.metrics import model_config_flops, peak_tflops
 from mtds.model.stages import stage_modules
 from mtds.safety.signals import StopRequest
@@ -16,6 +18,9 @@ from .distributed import peak_memory_gib
 from .hooks import step_hooks
 from .result import RunResult
 from .steps import train_step
+
+
+CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StepRecorder:
@@ -29,9 +34,14 @@ class StepRecorder:
         self.flops_model = model_config_flops(world.model_cfg, batch.global_batch, cfg.seq_length)
         self.flops_hw = model_config_flops(world.model_cfg, batch.global_batch, cfg.seq_length, recompute=cfg.recompute)
         device = world.device
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        # fp32 on CUDA runs its matmuls on TF32 tensor cores: MFU against the TF32 peak
-        self.peak = peak_tflops(device_name, "tf32" if built.tf32 else built.precision) if device_name else None
+        if device.type == "cuda":
+            # fp32 on CUDA runs its matmuls on TF32 tensor cores: MFU against the TF32 peak
+            self.peak = peak_tflops(torch.cuda.get_device_name(device), "tf32" if built.tf32 else built.precision)
+        elif device.type == "cpu":
+            # no datasheet: this rank's own matmul rate at its dtype and threads, measured once (ms)
+            self.peak = cpu_gemm_peak(CPU_DTYPES[built.precision]) / 1e12
+        else:
+            self.peak = None
 
     def step(self, step: int) -> dict:
         b = self.built
@@ -75,12 +85,16 @@ def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
     for step in range(start_step + 1, cfg.steps + 1):
         for hook in hooks:
             hook.before_step(step)
-        record = recorder.step(step)
+        with record_function("mtds.step"):
+            record = recorder.step(step)
         result.losses.append(record["loss"])
         result.grad_norms.append(record["grad_norm"])
         result.skipped.append(record["skipped"])
         result.final_step = step
-        reasons = [hook.after_step(step, record) for hook in hooks]   # every hook sees every step
+        reasons = []
+        for hook in hooks:   # every hook sees every step
+            with record_function(f"mtds.hook.{type(hook).__name__}"):
+                reasons.append(hook.after_step(step, record))
         result.stopped_by = next((r for r in reasons if r), None)
         if result.stopped_by:
             break

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from mtds.layout import ParallelGroups
 
@@ -32,14 +33,19 @@ def _stage_data(stream, groups: ParallelGroups, accumulation: int, device):
 def train_step(engine, stream, groups: ParallelGroups, accumulation: int, device) -> float:
     if groups.layout.pp > 1:
         # The engine runs 1F1B over `accumulation` micro-batches and averages loss over them and DP.
-        return float(engine.train_batch(data_iter=_stage_data(stream, groups, accumulation, device)))
+        with record_function("mtds.train_batch"):
+            return float(engine.train_batch(data_iter=_stage_data(stream, groups, accumulation, device)))
     losses = []
     batches = DeviceBatches(stream, device, accumulation)
     for _ in range(accumulation):
         input_ids, labels = next(batches)      # an endless iterator: the count bounds the loop
-        loss = engine(input_ids, labels)
-        engine.backward(loss)
-        engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
+        # named ranges for torch.profiler (benchmarks/profile_step.py): where a step's time goes
+        with record_function("mtds.forward"):
+            loss = engine(input_ids, labels)
+        with record_function("mtds.backward"):
+            engine.backward(loss)
+        with record_function("mtds.optimizer"):
+            engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
         losses.append(loss.detach())
     return _mean_over_data_parallel(torch.stack(losses).mean(), groups)
 

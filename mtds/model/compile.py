@@ -1,0 +1,25 @@
+"""``--compile``: torch.compile each transformer layer, on CPU (Inductor's C++ backend) and CUDA alike.
+
+One layer at a time rather than the whole model: every layer has the same code and shapes, so Inductor
+compiles the forward and backward graph once and the other layers reuse it; the tensor-parallel
+collectives, the pipeline's stage boundaries and DeepSpeed's engine stay outside the compiled graphs (a
+collective inside a layer splits its graph there). What is compiled is the layer's computation
+(``TransformerLayer._forward``); its profiler range and the keying of its dropout streams stay outside.
+Inductor draws dropout masks from torch's generators (``fallback_random``), so the keyed masks are the
+eager ones. Parameters, their names and checkpoints are untouched.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Compile every :class:`~mtds.model.layer.TransformerLayer` inside ``model``; how many."""
+    from .layer import TransformerLayer
+    import torch._inductor.config as inductor_config
+    inductor_config.fallback_random = True    # dropout masks from the (keyed) torch generators
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer._forward = torch.compile(layer._forward)   # instance attribute: the module's own forward calls it
+    return len(layers)

@@ -1,0 +1,90 @@
+"""Per-step and per-layer overhead held as counts, not timings (issue 21): collectives and tensor copies of
+one transformer layer per micro-batch at t = 2, and the host reads of a whole training step. A count that
+grows is overhead someone added; if the growth is meant, the expected numbers here change with it."""
+from mtds.testing import spawn
+
+
+def _layer_counts(llama: bool):
+    import torch
+    import torch.distributed as dist
+
+    from mtds.comm_trace import CommTracer
+    from mtds.config import ModelConfig
+    from mtds.model.layer import TransformerLayer
+    from mtds.testing.op_counts import OpCounts
+
+    extra = dict(position_embedding="rotary", normalization="rmsnorm", activation="swiglu", num_kv_heads=2,
+                 linear_bias=False) if llama else {}
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=16,
+                      hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    group = dist.new_group([0, 1])
+    layer = TransformerLayer(cfg, 1, tp_group=group)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    layer(x).sum().backward()                    # first call: per-instance caches (rotary cos/sin)
+    tracer = CommTracer()
+    tracer.name_group(group, "tp")
+    with tracer, OpCounts() as forward:
+        y = layer(x)
+    with tracer, OpCounts() as backward:
+        y.sum().backward()
+    calls = {key: s["calls"] for key, s in tracer.summary().items()}
+    return calls, forward.copies(), backward.copies()
+
+
+def _both_layers():
+    return _layer_counts(False), _layer_counts(True)
+
+
+def test_collectives_and_copies_per_layer_per_micro_batch():
+    gpt2, llama = spawn(_both_layers, 2)[0]
+    # Megatron's four: the row-parallel all-reduce of attention and of the MLP forward, and the two
+    # column-parallel input-gradient all-reduces backward. Nothing else, no copy of the partial sums.
+    for calls, _, _ in (gpt2, llama):
+        assert calls == {"all_reduce/tp": 4}, calls
+    assert gpt2[1:] == ({}, {"aten.cat.default": 1}), gpt2       # backward: the gradient of the q|k|v split
+    # forward: rotate_half of q and k; backward: the gradients of rotate_half (q, k), of the gate|up and the
+    # q|k|v splits, and the [b, s, heads, d] -> [b, heads, s, d] view of this rank's two query heads
+    assert llama[1:] == ({"aten.cat.default": 2}, {"aten.clone.default": 1, "aten.cat.default": 4}), llama
+
+
+def _host_reads_and_mfu():
+    from mtds.testing.op_counts import HostReads
+    from mtds.training import run, step_loop
+    from tests.training_helpers import train_config
+
+    reads, records, active = [], [], {}
+
+    class Edge:          # first and last hook of the step: count from before the step to after its hooks
+        def __init__(self, first):
+            self.first = first
+
+        def before_step(self, step):
+            if self.first:
+                active["mode"] = HostReads().__enter__()
+
+        def after_step(self, step, record):
+            if not self.first:
+                active["mode"].__exit__(None, None, None)
+                reads.append(active.pop("mode").count)
+                records.append(record)
+
+        def at_end(self, step, completed):
+            pass
+
+    hooks = step_loop.step_hooks
+    step_loop.step_hooks = lambda *a, **k: [Edge(True)] + hooks(*a, **k) + [Edge(False)]
+    try:
+        run(train_config(steps=2, eval_split=0.0))
+    finally:
+        step_loop.step_hooks = hooks
+    return reads, [r["mfu"] for r in records]
+
+
+def test_host_reads_per_step_and_cpu_mfu():
+    reads, mfu = spawn(_host_reads_and_mfu, 1, timeout=300)[0]
+    # 6 per step, none per micro-batch (4 micro-batches here): DeepSpeed ZeRO-1's overflow check and norm
+    # (2), torch AdamW's step count (1), mtds's loss and grad norm for the record (2) and the one read of the
+    # flags every rank agrees on (non-finite loss/norm, own non-finite gradients, stop signal).
+    assert reads == [6, 6], reads
+    # MFU on CPU: model FLOP/s over the GEMM peak this rank measured at start-up
+    assert all(isinstance(m, float) and 0.0 < m < 1.5 for m in mfu), mfu
