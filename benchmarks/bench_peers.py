@@ -71,9 +71,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tt-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="torchtitan's compute dtype (its FSDP param_dtype) [float32: the same work as mtds]")
     ap.add_argument("--out", default=None, help="append every run as a JSON line to this file")
+    ap.add_argument("--first-rep", type=int, default=0,
+                    help="number of the first repetition: odd ones run mtds first (to alternate over invocations)")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from mtds.metrics import cpu_gemm_peak
+    from mtds.gemm_peak import cpu_gemm_peak
     peak = cpu_gemm_peak()
     print(f"GEMM peak of one core: {peak / 1e9:.1f} GFLOP/s (fp32 torch.matmul, this process); "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
             if why and rep == 0:
                 print(f"[skip] {peer}: {why}", flush=True)
             for tp in a.tp:
-                sides = ["mtds"] if why else (["peer", "mtds"] if rep % 2 == 0 else ["mtds", "peer"])
+                sides = ["mtds"] if why else (["peer", "mtds"] if (rep + a.first_rep) % 2 == 0 else ["mtds", "peer"])
                 for side in sides:
                     t0 = time.time()
                     if side == "peer":
@@ -108,8 +110,8 @@ def main(argv=None) -> None:
                     print(f"[rep {rep + 1}/{a.reps}] {model} tp={tp} pp={a.pp} {r['side']:10s} "
                           + (f"{tps:8.0f} tok/s (load {r['load']})" if tps else f"ERROR {str(r.get('error'))[:300]}"),
                           flush=True)
-    print("\n| model | tp | pp | peer | peer tok/s | mtds tok/s | mtds / peer | peer % of GEMM peak | "
-          "mtds % of GEMM peak |\n|---|---|---|---|---:|---:|---:|---:|---:|")
+    print("\n| model | tp | pp | peer | peer tok/s | mtds tok/s | mtds / peer | paired ratios | peer % of GEMM peak | "
+          "mtds % of GEMM peak |\n|---|---|---|---|---:|---:|---:|---|---:|---:|")
     for model in a.models:
         flops = model_flops_per_step(model, a.microbatches)
         for tp in a.tp:
@@ -121,8 +123,11 @@ def main(argv=None) -> None:
             def frac(tps):   # model FLOP/s per core over the GEMM peak of one core
                 return flops * tps / tokens / (tp * a.pp) / peak if tps == tps else float("nan")
 
+            # each repetition's mtds / peer: the two ran back to back, so under the same load
+            paired = [mr["tokens_per_s"] / pr["tokens_per_s"] for pr in mine for mr in mine
+                      if pr["side"] != "mtds" and mr["side"] == "mtds" and pr["rep"] == mr["rep"]]
             print(f"| {model} | {tp} | {a.pp} | {peer_work.PEER_OF[model]} | {p:,.0f} | {m:,.0f} | {m / p:.2f} | "
-                  f"{frac(p):.0%} | {frac(m):.0%} |")
+                  f"{', '.join(f'{x:.2f}' for x in paired)} | {frac(p):.0%} | {frac(m):.0%} |")
 
 
 if __name__ == "__main__":

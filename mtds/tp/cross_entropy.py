@@ -2,7 +2,8 @@
 
 Per token: loss = log(sum_j exp(z_j - m)) - (z_target - m), with m the global max. Each rank holds
 a slice of the vocabulary, so we all-reduce three small [b, s] tensors (max, the target logit, the
-sum of exponentials) instead of gathering [b, s, V] logits. Padded vocabulary columns (ids >=
+sum of exponentials) instead of gathering [b, s, V] logits. One float32 buffer of the logits' size is
+made: the shift, the exponentials and the softmax saved for backward are computed in it, in place. Padded vocabulary columns (ids >=
 ``vocab_size``) are set to -inf so they never take probability mass.
 """
 from __future__ import annotations
@@ -37,11 +38,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_size, ignore_index):
         start, end = _vocab_range(logits, group)
         ctx.input_dtype = logits.dtype
-        logits = _mask_padding(logits.float(), start, vocab_size)
+        # One [b, s, V/t] float32 buffer for everything below: the upcast or the padding mask when either
+        # copies, else the shift; then the exponentials in place (the input logits are never written).
+        work = _mask_padding(logits.float(), start, vocab_size)
 
         # Subtract the global max for stability; the max needs no gradient.
-        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        logits_max = _all_reduce(work.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        if work is logits:
+            shifted = work - logits_max.unsqueeze(-1)
+        else:
+            shifted = work.sub_(logits_max.unsqueeze(-1))
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= end) | ignored
@@ -49,7 +55,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target_logit = _all_reduce(target_logit, group)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()          # shifted is read above (target logits) and not after
         sum_exp = _all_reduce(exp.sum(dim=-1), group)
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 

@@ -20,6 +20,7 @@ from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parall
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
 from .init_shard import NormalInit, build_shard
+from .overlapped_linear import linear_all_reducing_input_grad
 from .sequence_grads import mark_sequence_parallel, shared_by_sequence_shards
 from .sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
 from .weight_grad_store import linear_with_deferred_weight_grad
@@ -98,6 +99,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             y = linear_with_sequence_parallel_input(x, self.weight, self.bias, self.group, self.weight_grad_store)
+        elif self.weight_grad_store is None and tp_world_and_rank(self.group)[0] > 1:
+            y = linear_all_reducing_input_grad(x, self.weight, self.bias, self.group)
         else:
             y = linear_with_deferred_weight_grad(copy_to_tensor_parallel_region(x, self.group), self.weight,
                                                  self.bias, self.weight_grad_store)
@@ -198,4 +201,6 @@ def parallel_lm_logits(hidden: torch.Tensor, vocab_shard_weight: torch.Tensor, g
     With sequence parallelism ``hidden`` is a sequence slice: all-gather it (grad reduce-scatter)."""
     if sequence_parallel:
         return linear_with_sequence_parallel_input(hidden, vocab_shard_weight, None, group)
-    return F.linear(copy_to_tensor_parallel_region(hidden, group), vocab_shard_weight)
+    if tp_world_and_rank(group)[0] > 1:     # the input-gradient all-reduce runs during the weight-gradient GEMM
+        return linear_all_reducing_input_grad(hidden, vocab_shard_weight, None, group)
+    return F.linear(hidden, vocab_shard_weight)
