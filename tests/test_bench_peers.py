@@ -1,0 +1,22 @@
+"""benchmarks/bench_peers.py needs nothing of the peers at import or when they are absent: each missing
+piece is a reason the peer's rows are skipped with, never an import error (the peers are not part of mtds)."""
+import sys
+
+from benchmarks.peer_runner import peer_missing
+
+
+def test_a_missing_peer_is_a_reason_to_skip(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTDS_PEERS_DIR", str(tmp_path / "nowhere"))
+    assert "bench_peer.py not found" in peer_missing("megatron")
+    (tmp_path / "bench_peer.py").write_text("")
+    monkeypatch.setenv("MTDS_PEERS_DIR", str(tmp_path))
+    monkeypatch.setenv("PEERS_PYTHON", str(tmp_path / "no-python"))
+    assert "no peers' python" in peer_missing("torchtitan")
+    monkeypatch.setenv("PEERS_PYTHON", sys.executable)      # a python without the peer installed
+    assert peer_missing("torchtitan") == f"torchtitan is not installed in {sys.executable}"
+
+
+def test_bench_peers_imports_without_the_peers():
+    import benchmarks.bench_peers as bench
+    assert "torchtitan" not in sys.modules and "megatron" not in sys.modules
+    assert bench.model_flops_per_step("gpt2", 1) > 0
