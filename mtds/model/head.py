@@ -51,4 +51,7 @@ class LMLoss:
         self.vocab_size, self.tp_group = cfg.vocab_size, tp_group
 
     def __call__(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size)
+        # The head's fresh output, read by nothing after the loss (GPTModel, the pipeline's last stage):
+        # the loss works in its buffer.
+        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size,
+                                            reuse_logits=True)

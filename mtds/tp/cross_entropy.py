@@ -2,8 +2,9 @@
 
 Per token: loss = log(sum_j exp(z_j - m)) - (z_target - m), with m the global max. Each rank holds
 a slice of the vocabulary, so we all-reduce three small [b, s] tensors (max, the target logit, the
-sum of exponentials) instead of gathering [b, s, V] logits. One float32 buffer of the logits' size is
-made: the shift, the exponentials and the softmax saved for backward are computed in it, in place. Padded vocabulary columns (ids >=
+sum of exponentials) instead of gathering [b, s, V] logits. The shift, the exponentials and the softmax
+saved for backward share one float32 buffer of the logits' size: the logits' own where the caller gives
+them up (``reuse_logits``), else a new one. Padded vocabulary columns (ids >=
 ``vocab_size``) are set to -inf so they never take probability mass.
 """
 from __future__ import annotations
@@ -35,16 +36,16 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, ignore_index):
+    def forward(ctx, logits, target, group, vocab_size, ignore_index, reuse_logits):
         start, end = _vocab_range(logits, group)
         ctx.input_dtype = logits.dtype
         # One [b, s, V/t] float32 buffer for everything below: the upcast or the padding mask when either
-        # copies, else the shift; then the exponentials in place (the input logits are never written).
+        # copies, else the logits' own (reuse_logits) or the shift's; then the exponentials in place.
         work = _mask_padding(logits.float(), start, vocab_size)
 
         # Subtract the global max for stability; the max needs no gradient.
         logits_max = _all_reduce(work.max(dim=-1).values, group, dist.ReduceOp.MAX)
-        if work is logits:
+        if work is logits and not reuse_logits:
             shifted = work - logits_max.unsqueeze(-1)
         else:
             shifted = work.sub_(logits_max.unsqueeze(-1))
@@ -70,18 +71,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
         grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *,
                                  vocab_size: int | None = None, ignore_index: int = -100,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 reduction: str = "mean", reuse_logits: bool = False) -> torch.Tensor:
     """Cross entropy of vocab-sharded ``logits`` [..., V_pad/t] against ``target`` [...].
 
+    ``reuse_logits``: the caller never reads ``logits`` again (nor does autograd: no other operation saved
+    them), so their buffer may hold the shifted logits, exponentials and softmax (Megatron does so): no
+    float32 buffer of their size is allocated for fp32 logits. Otherwise ``logits`` are left untouched.
     ``reduction``: "none" (per token, 0 where ignored), "sum", or "mean" over non-ignored tokens.
     The result dtype is float32 whatever the logits dtype (bf16 logits lose too much in log-sum-exp).
     """
-    losses = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, ignore_index)
+    losses = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, ignore_index, reuse_logits)
     if reduction == "none":
         return losses
     if reduction == "sum":
