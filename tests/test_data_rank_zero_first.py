@@ -28,7 +28,6 @@ def test_the_others_build_after_local_rank_zero_has_finished():
 def _builder_fails():
     import torch.distributed as dist
 
-    from mtds.data import DataError
     from mtds.data.rank_zero_first import local_rank_zero_first
 
     def build():
