@@ -257,7 +257,12 @@ def overlap_runs(out: str):
 def test_zero1_reduction_overlaps_the_cool_down():
     """The last stage's data-parallel reduce-scatter starts as soon as its last backward (or W) ends,
     before the first stage's last compute ends -- not after the pipeline drained (the tied all-reduce
-    waits for the first stage; DeepSpeed's own reduction starts after it)."""
+    waits for the first stage; DeepSpeed's own reduction starts after it).
+
+    Under 1F1B the first stage's last backward needs the last stage's last gradient, so it always ends
+    after the last stage's compute: the check is strict. zb-h1 may defer the last stage's final W past the
+    first stage's end; a run where that happened has no cool-down left to overlap, and only the order on
+    the last stage is checked (reduce-scatter right after its own last compute)."""
     _, out = zb_four_rank_runs()
     for name in OVERLAP_SCHEDULES:
         with open(os.path.join(out, f"{name}.json")) as f:
@@ -266,7 +271,9 @@ def test_zero1_reduction_overlaps_the_cool_down():
         last_done = max(e["ts"] + e["dur"] for e in events if e["pid"] == 1 and e["cat"] in ("B", "W"))
         early = [e for e in events if e["pid"] == 1 and e["cat"] == "reduce"]
         start = min(e["ts"] for e in early)
-        assert last_done <= start < first_done, (name, last_done, start, first_done, early)
+        assert last_done <= start, (name, "reduced before its own last compute ended", last_done, start)
+        if name == "1f1b" or last_done < first_done:
+            assert start < first_done, (name, last_done, start, first_done, early)
 
 
 def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
