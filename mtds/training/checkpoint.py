@@ -295,8 +295,9 @@ def _deepspeed_load(engine, directory: str, tag: str, **kwargs) -> tuple[str, di
 def _convert_then_verify(directory: str, tag: str, device, log) -> None:
     """Rank 0 converts the checkpoint to universal once (DeepSpeed's converter; mtds.reshard.zero0 for
     ZeRO-0) while the other ranks wait on the rendezvous store -- not in a collective, whose timeout a
-    large conversion would outlast. Then every rank verifies a byte-balanced share of the universal files
-    with the safe unpickler (DeepSpeed's universal loader uses a plain torch.load) and the ranks agree."""
+    large conversion would outlast. Then rank 0 lists the universal files, every rank verifies a
+    byte-balanced share of them with the safe unpickler (DeepSpeed's universal loader uses a plain
+    torch.load), and the ranks agree."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def convert() -> None:
@@ -309,9 +310,15 @@ def _convert_then_verify(directory: str, tag: str, device, log) -> None:
                  waiting_for=f"rank 0 to convert {tag} in {directory} to a universal checkpoint",
                  failure=f"rank 0 could not convert {tag} in {directory} to a universal checkpoint",
                  log=lambda line: log(f"checkpoint: {line}"))
-    universal = universal_dir(directory, tag)
-    files = {path: (os.path.getsize(path), None)
-             for path in glob.glob(os.path.join(universal, "**", "*.pt"), recursive=True)}
+    # Rank 0 lists the folder once (a stat per file) and hands the listing out, as _choose does: every
+    # rank walking a shared filesystem would be world x files metadata requests.
+    listing = [None]
+    if rank == 0:
+        universal = universal_dir(directory, tag)
+        listing[0] = {path: (os.path.getsize(path), None)
+                      for path in glob.glob(os.path.join(universal, "**", "*.pt"), recursive=True)}
+    dist.broadcast_object_list(listing, src=0)
+    files = listing[0]
     problem = None
     try:
         verify_loadable(sorted(share(files, rank, world)))
