@@ -166,9 +166,11 @@ def test_plan_cli_reports_and_recommends_a_partition(capsys):
     args = ["--layers", "8", "--hidden", "256", "--heads", "4", "--vocab", "8192", "--seq", "128", "--gpus", "2",
             "--tp", "1", "--pp", "2", "--dp", "1", "--global-batch", "8", "--microbatch", "1", "--recompute", "none",
             "--precision", "fp32", "--pipeline-schedule", "1f1b"]
-    main(args)
+    main(args + ["--pipeline-balance", "uniform"])
     out = capsys.readouterr().out
     assert "pipeline layout: Et*4|t*4L" in out and "recommended (--pipeline-balance cost): Et*5|t*3L" in out, out
+    main(args)      # the default is train.py's: cost
+    assert "pipeline layout: Et*5|t*3L" in capsys.readouterr().out
     main(args + ["--pipeline-layout", "Et*6|t*2L"])
     assert "pipeline layout: Et*6|t*2L" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="holds 7 transformer blocks"):

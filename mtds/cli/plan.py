@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pipeline-layout", metavar="LAYOUT",
                      help="evaluate with this partition (train.py --pipeline-layout syntax, e.g. 'Et*5|t*3L')")
     lay.add_argument("--pipeline-balance", choices=("uniform", "cost"),
-                     help="evaluate with this partition (train.py --pipeline-balance) [uniform]; the report also "
+                     help="evaluate with this partition (train.py --pipeline-balance) [cost]; the report also "
                           "names the cost partition it recommends")
     lay.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
     lay.add_argument("--recompute", choices=RECOMPUTE_CHOICES)
@@ -111,13 +111,13 @@ def with_partition(model, work, cluster, pr, layout_text: str | None, balance: s
     from dataclasses import replace
 
     from mtds.pipeline_layout import parse_layout, uniform_layout
-    from mtds.plan.balance import balanced_layout
+    from mtds.plan.balance import DEFAULT_BALANCE, balanced_layout
     from mtds.plan.predict import predict
     lay = pr.layout
     count = lay.pp * lay.virtual_stages
     if layout_text:
         stages = parse_layout(layout_text, stages=count, num_layers=model.layers)
-    elif balance == "cost":
+    elif (balance or DEFAULT_BALANCE) == "cost":
         stages = balanced_layout(model, lay, work, cluster)
     else:
         stages = uniform_layout(model.layers, count)

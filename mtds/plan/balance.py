@@ -29,6 +29,9 @@ from mtds.plan.model_spec import ModelSpec
 from mtds.plan.pipeline import activation_factor
 
 BALANCE_CHOICES = ("uniform", "cost")
+# train.py and mtds-plan without --pipeline-balance: cost beat uniform in every repeat of the quiet
+# measurement (docs/pipeline.md, run D: +13% tokens/s at p = 2).
+DEFAULT_BALANCE = "cost"
 
 
 @dataclass(frozen=True)

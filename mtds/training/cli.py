@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-balance", choices=("uniform", "cost"),
                    help="without --pipeline-layout: uniform = the same number of blocks per stage; cost = split by "
                         "the planner's per-layer cost (embedding, blocks, final norm, LM head and loss, forward + "
-                        "backward) with every rank's predicted memory within the device's [uniform]")
+                        "backward) with every rank's predicted memory within the device's [cost]")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism (Korthikanti et al. 2022): layer norms, dropout and residuals work "
                         "on 1/t of the sequence, saving activation memory; all-gathers and reduce-scatters replace "

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from mtds.pipeline_layout import StageLayout, parse_layout, uniform_layout
+from mtds.plan.balance import DEFAULT_BALANCE
 
-DEFAULT_BALANCE = "uniform"
 # The cost model prices layers on one fixed device (the planner's A100 numbers) rather than the one
 # the run happens to be on: every rank gets the same partition from the same config, and the ratio that
 # matters (LM head + loss : block) is a property of the model shapes more than of the chip.
