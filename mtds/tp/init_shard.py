@@ -30,15 +30,8 @@ DEFAULT_CHUNK_ELEMENTS = 16 * 1024 * 1024      # 64 MiB of float32 per chunk
 def shard_rows(full: torch.Tensor, dim: int, world: int, rank: int,
                segments: Sequence[int] | None = None) -> torch.Tensor:
     """This rank's slice of ``full`` along ``dim``; each segment (e.g. q|k|v) is split separately."""
-    segments = list(segments) if segments else [full.shape[dim]]
-    if sum(segments) != full.shape[dim]:
-        raise ValueError(f"segments {segments} do not add up to dim {dim} of size {full.shape[dim]}")
-    pieces = []
-    for part in full.split(segments, dim=dim):
-        if part.shape[dim] % world:
-            raise ValueError(f"size {part.shape[dim]} is not divisible by tensor parallel size {world}")
-        pieces.append(part.chunk(world, dim=dim)[rank])
-    return torch.cat(pieces, dim=dim).contiguous()
+    ranges = kept_row_ranges(full.shape[dim], world, rank, segments, dim=dim)
+    return torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
 
 
 class NormalInit:
@@ -56,17 +49,20 @@ class NormalInit:
         return f"NormalInit(std={self.std}, mean={self.mean})"
 
 
-def kept_row_ranges(rows: int, world: int, rank: int, segments: Sequence[int] | None) -> list[tuple[int, int]]:
-    """The full tensor's dim-0 rows this rank keeps, in the order its shard stores them (ascending)."""
+def kept_row_ranges(rows: int, world: int, rank: int, segments: Sequence[int] | None,
+                    dim: int = 0) -> list[tuple[int, int]]:
+    """The full tensor's rows (indices along ``dim``, of which it has ``rows``) this rank keeps, in the
+    order its shard stores them (ascending): each segment split into ``world`` equal parts."""
+    segments = list(segments) if segments else [rows]
+    if sum(segments) != rows:
+        raise ValueError(f"segments {segments} do not add up to dim {dim} of size {rows}")
     ranges, start = [], 0
-    for size in (list(segments) if segments else [rows]):
+    for size in segments:
         if size % world:
             raise ValueError(f"size {size} is not divisible by tensor parallel size {world}")
         step = size // world
         ranges.append((start + rank * step, start + (rank + 1) * step))
         start += size
-    if start != rows:
-        raise ValueError(f"segments {list(segments or [])} do not add up to dim 0 of size {rows}")
     return ranges
 
 
