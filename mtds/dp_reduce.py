@@ -10,17 +10,28 @@ the next rank of the group and adds the one it receives from the previous rank; 
 r holds partition r summed over all ranks. Each rank sends (d-1)/d of the buffer, all of it to its ring
 neighbour, so the bytes on every link are the ring's.
 
-Work goes in buckets of at most ``bucket_elements`` per partition, so a large model needs only one bucket
-of scratch memory. A reduction may cover only some ranges of each partition (the same ranges of
-partition c on every rank; other partitions may have others), so that a pipeline stage can reduce the
-gradients that are final before those a later collective still changes (the tied embedding's).
+The flat buffer need not exist: the caller may hand a ``fill`` function that writes any window of it,
+and the work goes in buckets: bucket k is the same window [k*w, (k+1)*w) of every partition, so each
+bucket's reduce-scatter delivers every rank exactly its own partition's window. With w =
+bucket_elements // (d+1) the d windows and the one the ring receives into (or NCCL's output) fit in one
+scratch tensor of at most ``bucket_elements`` elements, whatever the model's size. Which bucket an
+element falls in does not change its sum: the ring adds partition c's values in the same rank order in
+every bucket.
+
+A reduction may cover only some ranges of each partition (the same ranges of partition c on every rank;
+other partitions may have others), so that a pipeline stage can reduce the gradients that are final
+before those a later collective still changes (the tied embedding's); the windows are then taken over
+each partition's ranges laid end to end.
 """
 from __future__ import annotations
+
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 Ranges = list[list[tuple[int, int]]]    # per partition c: (offset, length) pairs inside it
+Fill = Callable[[int, int, torch.Tensor], None]    # (partition c, offset in it, dest): this rank's values
 
 
 def whole(d: int, size: int) -> Ranges:
@@ -50,63 +61,81 @@ def split_by_spans(spans: list[tuple[int, int]], d: int, size: int) -> tuple[Ran
     return outside, inside
 
 
-def reduce_scatter_sum(flat: torch.Tensor, out: torch.Tensor, group, *, bucket_elements: int,
+def window(ranges: list[tuple[int, int]], start: int, width: int) -> list[tuple[int, int]]:
+    """Positions [start, start + width) of ``ranges`` laid end to end, as (offset, length) ranges."""
+    out, at = [], 0
+    for offset, length in ranges:
+        lo, hi = max(start, at), min(start + width, at + length)
+        if hi > lo:
+            out.append((offset + lo - at, hi - lo))
+        at += length
+        if at >= start + width:
+            break
+    return out
+
+
+def buckets(ranges: Ranges, bucket_elements: int) -> Iterator[Ranges]:
+    """The reduction's buckets: per bucket, each partition's ranges in it (the same window of every
+    partition's ranges, w = bucket_elements // (d+1) long, at least 1: d windows and a receive buffer
+    in ``bucket_elements``)."""
+    d = len(ranges)
+    width = max(1, int(bucket_elements) // (d + 1))
+    longest = max(sum(length for _, length in rs) for rs in ranges)
+    for start in range(0, longest, width):
+        yield [window(rs, start, width) for rs in ranges]
+
+
+def flat_fill(flat: torch.Tensor, size: int) -> Fill:
+    """A whole flat buffer of partitions of ``size`` as a :data:`Fill`."""
+    def fill(c: int, offset: int, dest: torch.Tensor) -> None:
+        dest.copy_(flat.narrow(0, c * size + offset, dest.numel()))
+    return fill
+
+
+def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *, bucket_elements: int,
                        ranges: Ranges | None = None) -> None:
-    """``out`` (numel P) at ``ranges[r]`` = the sum over the group's d ranks of their ``flat[r*P:(r+1)*P]``
-    at those ranges, r this rank's index in ``group`` (all ranges when None); ``flat`` holds d*P elements
-    and may be overwritten (scratch)."""
+    """``out`` (numel P) at ``ranges[r]`` = the sum over the group's d ranks of their values of partition
+    r at those ranges, r this rank's index in ``group`` (all ranges when None). ``source``: this rank's
+    flat buffer (d*P elements, read only), or a :data:`Fill` writing any window of it on demand."""
     d, r = dist.get_world_size(group), dist.get_rank(group)
     size = out.numel()
-    if flat.numel() != d * size:
-        raise ValueError(f"reduce_scatter_sum: {flat.numel()} elements do not split into {d} partitions of {size}")
+    if isinstance(source, torch.Tensor):
+        if source.numel() != d * size:
+            raise ValueError(f"reduce_scatter_sum: {source.numel()} elements do not split into {d} partitions of {size}")
+        source = flat_fill(source, size)
     ranges = whole(d, size) if ranges is None else ranges
-    if d == 1:
+    if d == 1:      # nothing to sum: straight into the partition, no scratch
         for offset, length in ranges[0]:
-            out.narrow(0, offset, length).copy_(flat.narrow(0, offset, length))
+            source(0, offset, out.narrow(0, offset, length))
         return
-    shards = flat.view(d, size)
-    # chunk c: partition c's ranges, contiguous (a view when it is the whole partition)
-    chunks = [_gather(shards[c], ranges[c]) for c in range(d)]
-    mine = torch.empty_like(chunks[r])
     native = dist.get_backend(group) != "gloo"
     ring = None if native else _Ring(group)
-    step = max(1, int(bucket_elements))
-    longest = max(chunk.numel() for chunk in chunks)
-    for start in range(0, longest, step):
-        pieces = [chunk[start:start + step] for chunk in chunks]    # shorter chunks: shorter or empty pieces
-        target = mine[start:start + step]
+    scratch = None
+    for windows in buckets(ranges, bucket_elements):
+        counts = [sum(length for _, length in w) for w in windows]
+        n = max(counts)
+        if scratch is None:     # the first bucket is the longest: (d+1) n <= bucket_elements
+            scratch = torch.empty((d + 1) * n, dtype=out.dtype, device=out.device)
+        bucket = scratch[:d * n].view(d, n)         # row c: partition c's window, zero-padded to n
+        pieces = [bucket[c, :counts[c]] for c in range(d)]
+        for c in range(d):
+            at = 0
+            for offset, length in windows[c]:
+                source(c, offset, pieces[c].narrow(0, at, length))
+                at += length
+        spare = scratch[d * n:d * n + n]
         if native:
-            _padded_reduce_scatter(pieces, target, group)
+            for c in range(d):      # a backend's own reduce-scatter takes equal pieces: zeros add nothing
+                bucket[c, counts[c]:].zero_()
+            dist.reduce_scatter_tensor(spare, bucket.view(-1), group=group)
+            mine = spare[:counts[r]]
         else:
-            ring.reduce_scatter(pieces, target)
-    _scatter(mine, out, ranges[r])
-
-
-def _gather(partition: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    if len(ranges) == 1 and ranges[0] == (0, partition.numel()):
-        return partition
-    if not ranges:
-        return partition[:0]
-    return torch.cat([partition.narrow(0, offset, length) for offset, length in ranges])
-
-
-def _scatter(values: torch.Tensor, out: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
-    at = 0
-    for offset, length in ranges:
-        out.narrow(0, offset, length).copy_(values.narrow(0, at, length))
-        at += length
-
-
-def _padded_reduce_scatter(pieces: list[torch.Tensor], target: torch.Tensor, group) -> None:
-    """A backend's own reduce-scatter takes equal pieces: pad each to the longest (zeros add nothing)."""
-    n = max(piece.numel() for piece in pieces)
-    send = torch.zeros(len(pieces), n, dtype=target.dtype, device=target.device)
-    for c, piece in enumerate(pieces):
-        send[c, :piece.numel()].copy_(piece)
-    send = send.view(-1)
-    result = torch.empty(n, dtype=target.dtype, device=target.device)
-    dist.reduce_scatter_tensor(result, send, group=group)
-    target.copy_(result[:target.numel()])
+            ring.reduce_scatter(pieces, spare)
+            mine = pieces[r]
+        at = 0
+        for offset, length in windows[r]:
+            out.narrow(0, offset, length).copy_(mine.narrow(0, at, length))
+            at += length
 
 
 class _Ring:
@@ -117,21 +146,21 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.r + 1) % self.d)
         self.prev = dist.get_global_rank(group, (self.r - 1) % self.d)
 
-    def reduce_scatter(self, pieces: list[torch.Tensor], target: torch.Tensor) -> None:
-        """``target`` = the sum over ranks of their ``pieces[r]``; ``pieces`` are summed into in place.
-        Step k sends the partial sum of piece r-k-1 and adds the previous rank's of piece r-k-2; every
-        rank knows every piece's length, so an empty piece is skipped on both sides."""
+    def reduce_scatter(self, pieces: list[torch.Tensor], spare: torch.Tensor) -> None:
+        """``pieces[r]`` becomes the sum over ranks of their ``pieces[r]`` (``pieces`` are summed into in
+        place; ``spare``: a receive buffer as long as the longest piece). Step k sends the partial sum of
+        piece r-k-1 and adds the previous rank's of piece r-k-2; every rank knows every piece's length, so
+        an empty piece is skipped on both sides."""
         d, r = self.d, self.r
         for k in range(d - 1):
             out_piece, in_piece = pieces[(r - k - 1) % d], pieces[(r - k - 2) % d]
             ops = []
             if out_piece.numel():
-                ops.append(dist.P2POp(dist.isend, out_piece.contiguous(), self.next, group=self.group))
-            incoming = torch.empty_like(in_piece)
+                ops.append(dist.P2POp(dist.isend, out_piece, self.next, group=self.group))
+            incoming = spare[:in_piece.numel()]
             if in_piece.numel():
                 ops.append(dist.P2POp(dist.irecv, incoming, self.prev, group=self.group))
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
             in_piece.add_(incoming)
-        target.copy_(pieces[r])

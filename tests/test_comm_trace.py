@@ -5,7 +5,8 @@ collectives; groups of one count nothing.
 
 In the same 4-rank launch, ``mtds.dp_reduce.reduce_scatter_sum``: each rank ends with exactly the sum of
 its partition, in buckets smaller than a partition, and puts the ring minimum on its link -- (d-1)/d of
-the buffer, every byte to the next rank of its group (the tracer's placement), half an all-reduce's."""
+the buffer, every byte to the next rank of its group (the tracer's placement), half an all-reduce's;
+filled window by window, it allocates no tensor larger than its bucket."""
 import functools
 import io
 import pickle
@@ -16,6 +17,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from mtds.comm_trace import CommTracer, bus_bytes
 from mtds.dp_reduce import reduce_scatter_sum, split_by_spans
+from tests.alloc_watch import LargestAllocation
 from tests.dist import spawn
 
 OBJ = {"step": 7, "name": "mtds"}
@@ -113,7 +115,7 @@ def test_ring_bus_bytes_follow_the_ring_algorithms():
     assert bus_bytes("send", 12, 2) == 12 and bus_bytes("all_reduce", payload, 1) == 0
 
 
-P = 10    # elements per partition; buckets of 4: windows 4 + 4 + 2
+P = 10    # elements per partition; windows of 4: 4 + 4 + 2
 
 
 def _reduce_scatter_worker():
@@ -127,7 +129,7 @@ def _reduce_scatter_worker():
         out = torch.full((P,), float("nan"))
         tracer = CommTracer(ranks_per_node=2).install()
         tracer.name_group(group, "dp")
-        reduce_scatter_sum(flat.clone(), out, group, bucket_elements=4)
+        reduce_scatter_sum(flat, out, group, bucket_elements=4 * (d + 1))
         summary = tracer.summary()      # the whole reduction only
         tracer.uninstall()
         members = dist.get_process_group_ranks(group) if name == "pair" else list(range(world))
@@ -137,8 +139,14 @@ def _reduce_scatter_worker():
         outside, inside = split_by_spans([(3, 17)], d, P)
         parts = torch.full((P,), float("nan"))
         for ranges in (outside, inside):
-            reduce_scatter_sum(flat.clone(), parts, group, bucket_elements=4, ranges=ranges)
-        results[name] = (torch.equal(out, want) and torch.equal(parts, want), summary, d)
+            reduce_scatter_sum(flat, parts, group, bucket_elements=4 * (d + 1), ranges=ranges)
+        # from a fill (no flat buffer), in buckets of 2 (d + 1) elements: never a larger tensor
+        bucketed = torch.full((P,), float("nan"))
+        with LargestAllocation() as watch:
+            reduce_scatter_sum(lambda c, offset, dest: dest.copy_(flat[c * P + offset:][:dest.numel()]),
+                               bucketed, group, bucket_elements=2 * (d + 1))
+        exact = torch.equal(out, want) and torch.equal(parts, want) and torch.equal(bucketed, want)
+        results[name] = (exact, summary, d, watch.elements)
     return results
 
 
@@ -151,8 +159,9 @@ def test_split_by_spans():
 
 def test_ring_reduce_scatter_sums_each_partition_at_the_ring_minimum():
     for rank, (_, results) in enumerate(four_ranks()):
-        for name, (exact, summary, d) in results.items():
+        for name, (exact, summary, d, largest) in results.items():
             assert exact, (rank, name)
+            assert 0 < largest <= 2 * (d + 1), (rank, name, largest)     # one bucket of scratch at most
             label = "dp" if name == "pair" else "world"
             sent = {k: v for k, v in summary.items() if k.startswith("send/")}
             assert list(sent) == [f"send/{label}"], (rank, name, summary)

@@ -208,7 +208,7 @@ def zb_four_rank_runs():
                            zb_h1(2, 2, sequence_parallel=True, **dropout),
                            interleaved(2, 2, sequence_parallel=True, **dropout),
                            train_config(tp=2, pp=2, sequence_parallel=True, **dropout)] + mixed + overlap_runs(out),
-                       force_fp16=True), out
+                       force_fp16=True, watch_reduction=True), out
 
 
 def test_zb_h1_four_ranks():
@@ -250,12 +250,15 @@ def test_zb_h1_four_ranks():
 
 
 OVERLAP_SCHEDULES = ("1f1b", "zb-h1")     # DeepSpeed's engine (hooked at ReduceTiedGrads), mtds's own
+BUCKET = 2 ** 16    # reduce_bucket_size of the overlap runs: a stage's ~0.8 M gradients in ~37 buckets
 
 
 def overlap_runs(out: str):
-    """(1,2,2) ZeRO-1, 2 steps with --timeline (launched with test_zb_h1_four_ranks' ranks)."""
-    return [train_config(pp=2, pipeline_schedule=name, steps=2, timeline=os.path.join(out, f"{name}.json"))
-            for name in OVERLAP_SCHEDULES]
+    """(1,2,2) ZeRO-1, 2 steps with --timeline and small reduce buckets (launched with
+    test_zb_h1_four_ranks' ranks)."""
+    ds = ds_config(zero_optimization={"stage": 1, "reduce_bucket_size": BUCKET})
+    return [train_config(pp=2, pipeline_schedule=name, steps=2, timeline=os.path.join(out, f"{name}.json"),
+                         deepspeed_config=ds) for name in OVERLAP_SCHEDULES]
 
 
 def test_zero1_reduction_overlaps_the_cool_down():
@@ -278,6 +281,24 @@ def test_zero1_reduction_overlaps_the_cool_down():
         assert last_done <= start, (name, "reduced before its own last compute ended", last_done, start)
         if name == "1f1b" or last_done < first_done:
             assert start < first_done, (name, last_done, start, first_done, early)
+
+
+def test_zero1_reduction_goes_bucket_by_bucket():
+    """The overlap runs reduce in buckets of ``BUCKET`` elements (~37 per stage), early and late: no
+    tensor the reduction allocates is larger than one bucket, the bytes stay at the ring minimum, and
+    losses and grad norms are bit-identical to the same layout reduced in one bucket (zb-h1 (1,2,2)
+    ZeRO-1 above, 1F1B's arithmetic; the first two steps' LR is the warm-up's in both)."""
+    per_rank = zb_four_rank_runs()[0]
+    bucketed = len(per_rank[0]) - len(OVERLAP_SCHEDULES)
+    for index, name in enumerate(OVERLAP_SCHEDULES, start=bucketed):
+        what = f"{name} (1,2,2) ZeRO-1 reduce_bucket_size {BUCKET}"
+        assert_dp_bytes_at_ring_minimum(per_rank, index, 2, what)
+        for rank, results in enumerate(per_rank):
+            largest, whole = results[index].largest_reduction_allocation, results[1].largest_reduction_allocation
+            assert 0 < largest <= BUCKET < whole, (what, rank, largest, whole)
+            one_bucket = results[1]
+            got = (results[index].losses, results[index].grad_norms)
+            assert got == (one_bucket.losses[:2], one_bucket.grad_norms[:2]), (what, rank, got, one_bucket.losses)
 
 
 def test_interleaved_zb_h1_and_dualpipev_eight_ranks():

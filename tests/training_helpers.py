@@ -2,6 +2,7 @@
 the single-process HuggingFace reference (GPT2LMHeadModel + torch.optim.AdamW on the same batches)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -57,18 +58,49 @@ def train_config(tp=1, pp=1, **kwargs):
     return TrainConfig(**base)
 
 
-def _run_all(configs, force_fp16: bool):
+def _run_all(configs, force_fp16: bool, watch_reduction: bool = False):
     if force_fp16:
         # This CPU lacks fp16 kernels DeepSpeed checks for; the test process pretends it has them.
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
     from mtds.training import run
-    return [run(cfg) for cfg in configs]
+    if not watch_reduction:
+        return [run(cfg) for cfg in configs]
+    results = []
+    for cfg in configs:
+        with largest_reduction_allocation() as largest:
+            result = run(cfg)
+        result.largest_reduction_allocation = largest[0]
+        results.append(result)
+    return results
 
 
-def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout: float = 600):
-    """Run several TrainConfigs one after another on the same ``world`` ranks; per-rank RunResults."""
-    return spawn(_run_all, world, configs, force_fp16, timeout=timeout)
+@contextlib.contextmanager
+def largest_reduction_allocation():
+    """[the most elements of one tensor the ZeRO-1 reduce-scatter allocated (filling its buckets and
+    reducing them), over every reduction while the block runs]. The class is restored afterwards (the
+    ranks are pooled)."""
+    from mtds.deepspeed_compat.zero1_reduce import Zero1ReduceScatter
+    from tests.alloc_watch import LargestAllocation
+    largest, reduce = [0], Zero1ReduceScatter._reduce
+
+    def watched(self, *args, **kwargs):
+        with LargestAllocation() as watch:
+            reduce(self, *args, **kwargs)
+        largest[0] = max(largest[0], watch.elements)
+
+    Zero1ReduceScatter._reduce = watched
+    try:
+        yield largest
+    finally:
+        Zero1ReduceScatter._reduce = reduce
+
+
+def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout: float = 600,
+                watch_reduction: bool = False):
+    """Run several TrainConfigs one after another on the same ``world`` ranks; per-rank RunResults
+    (``watch_reduction``: each with ``largest_reduction_allocation``, see the function of that name)."""
+    return spawn(_run_all, world, configs, force_fp16, watch_reduction, timeout=timeout)
 
 
 def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:

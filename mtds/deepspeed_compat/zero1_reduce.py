@@ -9,20 +9,23 @@ one ``dist.reduce`` per owner (off: Ψ per rank by the ring convention, d collec
 ``reduce_scatter`` off every bucket is all-reduced. None reduce-scatters.
 
 What replaces ``optimizer.reduce_gradients`` (the engine calls it at the accumulation boundary, from
-``backward`` or a pipeline's ReduceGrads): per parameter group, the gradients are laid out as DeepSpeed
-laid the parameters out in its flat buffer (zero padding included), pre-divided by d as DeepSpeed does,
-and reduce-scattered (``mtds.dp_reduce``) straight into the flat gradient partition DeepSpeed's
-``step`` reads (its compact partition buffer, with per-parameter views for the norm and the overflow
-check). Then every ``param.grad`` is dropped, as DeepSpeed's own epilogue does. A pipeline stage may
-reduce its final gradients earlier (:func:`reduce_early`, right after its last backward) and the rest
-(tied weights) here. The gradient buffer is transient and whole (Ψ values per group), where DeepSpeed's
-bucket holds at most ``reduce_bucket_size``; the communication itself goes in buckets of that size.
+``backward`` or a pipeline's ReduceGrads): per parameter group, the gradients are reduce-scattered
+(``mtds.dp_reduce``) straight into the flat gradient partition DeepSpeed's ``step`` reads (its compact
+partition buffer, with per-parameter views for the norm and the overflow check), bucket by bucket: each
+bucket holds the same window of every rank's partition of the flat buffer DeepSpeed laid the parameters
+out in (zero padding included), filled from ``param.grad`` and pre-divided by d as DeepSpeed does. The
+transient buffer is one bucket, at most ``reduce_bucket_size`` elements (receive window included), as
+DeepSpeed's own bucket is -- not a whole flat gradient copy. Then every ``param.grad`` is dropped, as
+DeepSpeed's own epilogue does. A pipeline stage may reduce its final gradients earlier
+(:func:`reduce_early`, right after its last backward) and the rest (tied weights) here.
 
 Installed only where that is exactly DeepSpeed's state otherwise: stage 1, gradients in ``param.grad`` in
 the communication dtype (no separate fp32 accumulation, no bucket overlap, no CPU offload), no MoE,
 Muon, ZenFlow or sequence-parallel (Ulysses) group. Checked against DeepSpeed 0.19.8.
 """
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -50,16 +53,18 @@ def unsupported_reason(engine) -> str | None:
     return None
 
 
-def _offsets(flat: torch.Tensor, params) -> list[int]:
-    """Each parameter's element offset in DeepSpeed's flat buffer (its ``.data`` is a view into it)."""
+def _sorted_layout(flat: torch.Tensor, params) -> tuple[list[int], list[tuple[int, torch.Tensor]]]:
+    """(offsets, [(offset, param)]) by offset: each parameter's element offset in DeepSpeed's flat buffer
+    (its ``.data`` is a view into it)."""
     base, size = flat.data_ptr(), flat.element_size()
-    offsets = []
+    spans = []
     for p in params:
         offset, rest = divmod(p.data_ptr() - base, size)
         if rest or not 0 <= offset <= flat.numel() - p.numel():
             raise RuntimeError("ZeRO-1 reduce-scatter: a parameter is not a view into DeepSpeed's flat buffer")
-        offsets.append(offset)
-    return offsets
+        spans.append((offset, p))
+    spans.sort(key=lambda span: span[0])
+    return [offset for offset, _ in spans], spans
 
 
 class Zero1ReduceScatter:
@@ -71,25 +76,38 @@ class Zero1ReduceScatter:
         self.opt, self.book = engine.optimizer, ledger(engine)
         self.reduce_scatter_sum, self.split_by_spans, self.late_params = reduce_scatter_sum, split_by_spans, late_params
         opt = self.opt
-        self.layout = [_offsets(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
+        self.layout = [_sorted_layout(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
         self.bucket = int(opt.reduce_bucket_size)
-        self.pending = None     # {group: (partition buffer, late ranges, late params)} after reduce_early
+        self.pending = None     # {group: (partition buffer, late ranges)} after reduce_early
         self.timeline = None    # a TimelineRecorder: reduce_early records its span (DeepSpeed's engines)
 
-    def _flat_gradients(self, i: int, params=None) -> torch.Tensor:
-        """Group i's gradients laid out as its parameters are in DeepSpeed's flat buffer (padding zero),
-        pre-divided by the data-parallel size as DeepSpeed's average_tensor does."""
+    def _fill(self, i: int):
+        """Group i's gradients as a ``mtds.dp_reduce`` fill: any window of the flat buffer DeepSpeed laid
+        its parameters out in (padding zero), pre-divided by the data-parallel size as DeepSpeed's
+        average_tensor does -- written bucket by bucket, never as a whole flat copy."""
         opt = self.opt
-        grads = torch.zeros_like(opt.bit16_groups_flat[i])
-        wanted = None if params is None else {id(p) for p in params}
-        for p, offset in zip(opt.bit16_groups[i], self.layout[i]):
-            grad = opt.get_gradient_for_reduction(p)
-            if grad is not None and (wanted is None or id(p) in wanted):
-                grads.narrow(0, offset, p.numel()).copy_(grad.reshape(-1))
-        return grads.div_(torch.distributed.get_world_size(group=self.opt.dp_process_group))
+        d = torch.distributed.get_world_size(group=opt.dp_process_group)
+        size = opt.bit16_groups_flat[i].numel() // torch.distributed.get_world_size(group=opt.real_dp_process_group[i])
+        starts, spans = self.layout[i]
 
-    def _reduce(self, i: int, grads, partition, ranges=None) -> None:
-        self.reduce_scatter_sum(grads, partition.flat_partition, self.opt.real_dp_process_group[i],
+        def fill(c: int, offset: int, dest: torch.Tensor) -> None:
+            a = c * size + offset
+            b = a + dest.numel()
+            dest.zero_()
+            # the parameters overlapping [a, b): from the last one starting at or before a
+            for k in range(max(bisect.bisect_right(starts, a) - 1, 0), len(starts)):
+                start, p = spans[k]
+                if start >= b:
+                    break
+                lo, hi = max(a, start), min(b, start + p.numel())
+                grad = opt.get_gradient_for_reduction(p)
+                if hi > lo and grad is not None:
+                    dest.narrow(0, lo - a, hi - lo).copy_(grad.reshape(-1).narrow(0, lo - start, hi - lo))
+            dest.div_(d)
+        return fill
+
+    def _reduce(self, i: int, partition, ranges=None) -> None:
+        self.reduce_scatter_sum(self._fill(i), partition.flat_partition, self.opt.real_dp_process_group[i],
                                 bucket_elements=self.bucket, ranges=ranges)
 
     def reduce_early(self) -> None:
@@ -107,11 +125,11 @@ class Zero1ReduceScatter:
         for i, group in enumerate(opt.bit16_groups):
             d = torch.distributed.get_world_size(group=opt.real_dp_process_group[i])
             size = opt.bit16_groups_flat[i].numel() // d
-            spans = [(offset, offset + p.numel()) for p, offset in zip(group, self.layout[i]) if id(p) in late]
+            spans = [(offset, offset + p.numel()) for offset, p in self.layout[i][1] if id(p) in late]
             now, later = self.split_by_spans(spans, d, size)
             partition = opt._build_compact_grad_partition_buffer(i)
-            self._reduce(i, self._flat_gradients(i), partition, now)
-            self.pending[i] = (partition, later, [p for p in group if id(p) in late])
+            self._reduce(i, partition, now)
+            self.pending[i] = (partition, later)
 
     def reduce_gradients(self, pipeline_parallel=False) -> None:
         """What DeepSpeed's ``reduce_gradients`` leaves behind, by reduce-scatter (the rest of the step's
@@ -124,11 +142,11 @@ class Zero1ReduceScatter:
         for i in range(len(opt.bit16_groups)):
             if pending is None:
                 partition = opt._build_compact_grad_partition_buffer(i)
-                self._reduce(i, self._flat_gradients(i), partition)
+                self._reduce(i, partition)
             else:
-                partition, later, late_params = pending[i]
+                partition, later = pending[i]
                 if any(later):
-                    self._reduce(i, self._flat_gradients(i, late_params), partition, later)
+                    self._reduce(i, partition, later)
             opt.averaged_gradients[i] = partition
             opt.all_grad_tensors[i] = None
         opt._clear_param_grad_only()
