@@ -93,29 +93,32 @@ def flat_fill(flat: torch.Tensor, size: int) -> Fill:
 
 
 def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *, bucket_elements: int,
-                       ranges: Ranges | None = None) -> None:
+                       ranges: Ranges | None = None, dtype: torch.dtype | None = None,
+                       post_scale: float | None = None) -> None:
     """``out`` (numel P) at ``ranges[r]`` = the sum over the group's d ranks of their values of partition
     r at those ranges, r this rank's index in ``group`` (all ranges when None). ``source``: this rank's
-    flat buffer (d*P elements, read only), or a :data:`Fill` writing any window of it on demand."""
+    flat buffer (d*P elements, read only; ``out`` may be its own partition r), or a :data:`Fill` writing
+    any window of it on demand. ``dtype``: the buckets' (the communication's; ``out``'s when None);
+    ``post_scale``: the sum multiplied by it in that dtype before it reaches ``out``."""
     d, r = dist.get_world_size(group), dist.get_rank(group)
-    size = out.numel()
+    size, dtype = out.numel(), out.dtype if dtype is None else dtype
     if isinstance(source, torch.Tensor):
         if source.numel() != d * size:
             raise ValueError(f"reduce_scatter_sum: {source.numel()} elements do not split into {d} partitions of {size}")
         source = flat_fill(source, size)
     ranges = whole(d, size) if ranges is None else ranges
-    if d == 1:      # nothing to sum: straight into the partition, no scratch
+    if d == 1 and dtype == out.dtype and post_scale is None:      # nothing to sum: straight into the partition
         for offset, length in ranges[0]:
             source(0, offset, out.narrow(0, offset, length))
         return
-    native = dist.get_backend(group) != "gloo"
-    ring = None if native else _Ring(group)
+    native = d > 1 and dist.get_backend(group) != "gloo"
+    ring = None if native or d == 1 else _Ring(group)
     scratch = None
     for windows in buckets(ranges, bucket_elements):
         counts = [sum(length for _, length in w) for w in windows]
         n = max(counts)
         if scratch is None:     # the first bucket is the longest: (d+1) n <= bucket_elements
-            scratch = torch.empty((d + 1) * n, dtype=out.dtype, device=out.device)
+            scratch = torch.empty((d + 1) * n, dtype=dtype, device=out.device)
         bucket = scratch[:d * n].view(d, n)         # row c: partition c's window, zero-padded to n
         pieces = [bucket[c, :counts[c]] for c in range(d)]
         for c in range(d):
@@ -129,9 +132,13 @@ def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *,
                 bucket[c, counts[c]:].zero_()
             dist.reduce_scatter_tensor(spare, bucket.view(-1), group=group)
             mine = spare[:counts[r]]
-        else:
+        elif d > 1:
             ring.reduce_scatter(pieces, spare)
             mine = pieces[r]
+        else:
+            mine = pieces[0]
+        if post_scale is not None:
+            mine.mul_(post_scale)
         at = 0
         for offset, length in windows[r]:
             out.narrow(0, offset, length).copy_(mine.narrow(0, at, length))

@@ -5,7 +5,8 @@ import math
 import torch
 
 from mtds.testing import spawn
-from tests.training_helpers import LR, TINY, ds_config, hf_reference_losses, max_rel_diff, run_layouts, train_config
+from tests.training_helpers import (LR, TINY, assert_dp_bytes_at_ring_minimum, ds_config, hf_reference_losses,
+                                    max_rel_diff, run_layouts, train_config)
 
 # bf16 against the bf16 (1,1,1) run on the same DeepSpeed path (measured over 10 steps, 2026-11-23):
 # - fp32 gradient accumulation (BF16_Optimizer: ZeRO-1 with data_types.grad_accum_dtype fp32, and
@@ -32,9 +33,13 @@ def test_bf16_layouts_match_the_bf16_single_rank_run_of_their_path():
     cases = [((2, 2), bf16(1, True), 1.0, "fp32-acc"), ((2, 1), bf16(1), 1.0, "fp32-acc"),
              ((1, 2), bf16(0), 1.0, "fp32-acc"),        # ZeRO-0 under a pipeline: BF16_Optimizer
              ((2, 1), bf16(0), 1.0, "bf16-acc"),
-             ((2, 2), bf16(1, True), 0.75, "fp32-acc"), ((2, 1), bf16(0), 0.75, "bf16-acc")]
+             ((2, 2), bf16(1, True), 0.75, "fp32-acc"), ((2, 1), bf16(0), 0.75, "bf16-acc"),
+             ((1, 2), bf16(1, True), 1.0, "fp32-acc")]  # BF16_Optimizer at d = 2: reduce-scattered
     configs = [train_config(tp=t, pp=p, deepspeed_config=c, lr=LR * f) for (t, p), c, f, _ in cases]
-    results = run_layouts(4, configs)[-1]     # the last rank is on the last stage: it reports
+    per_rank = run_layouts(4, configs)
+    results = per_rank[-1]     # the last rank is on the last stage: it reports
+    # bf16 gradients reduce-scattered, bf16 parameters all-gathered: 2Ψ(d-1)/d x 2 bytes (DeepSpeed: 3)
+    assert_dp_bytes_at_ring_minimum(per_rank, len(cases) - 1, 2, "(1,2,2) BF16_Optimizer", value_bytes=2)
     for ((t, p), _, factor, path), result in zip(cases, results):
         base, tol = (fp32_acc, BF16_TIGHT) if path == "fp32-acc" else (bf16_acc, BF16_LOOSE)
         what = f"({t},{p},{4 // (t * p)}) {path} lr x{factor}"

@@ -168,16 +168,17 @@ def assert_same_up_to_norm_order(got, want, what: str, history_equal: bool = Tru
 DP_BYTES_TOL = 0.01   # DeepSpeed pads its flat partitions; the loss and norm scalars ride the same group
 
 
-def assert_dp_bytes_at_ring_minimum(per_rank: list, index: int, dp: int, what: str, factor: int = 2) -> None:
-    """ZeRO-1 (``factor`` 2): every rank's data-parallel collectives in the last step put 2Ψ(d-1)/d x 4
-    bytes on its link (mtds.ring's bus bytes, by the tracer, per direction), Ψ its trainable parameters: a
-    gradient reduce-scatter and a parameter all-gather, each (d-1)/d. DeepSpeed's all-reduce + all-gather
-    is 3."""
+def assert_dp_bytes_at_ring_minimum(per_rank: list, index: int, dp: int, what: str, factor: int = 2,
+                                    value_bytes: int = 4) -> None:
+    """ZeRO-1 (``factor`` 2): every rank's data-parallel collectives in the last step put 2Ψ(d-1)/d x
+    ``value_bytes`` bytes on its link (mtds.ring's bus bytes, by the tracer, per direction), Ψ its trainable
+    parameters: a gradient reduce-scatter and a parameter all-gather, each (d-1)/d. DeepSpeed's all-reduce
+    + all-gather is 3."""
     for rank, results in enumerate(per_rank):
         result = results[index]
         # what the rank sends: a point-to-point ring's receives are its neighbours' sends, counted there
         bus = sum(v["bus_bytes"] for key, v in result.comm.items() if key.endswith("/dp") and not key.startswith("recv/"))
-        want = factor * (dp - 1) / dp * 4 * result.params
+        want = factor * (dp - 1) / dp * value_bytes * result.params
         assert result.params > 0 and abs(bus / want - 1) <= DP_BYTES_TOL, \
             (f"{what} rank {rank}: data-parallel bus bytes {bus} = {bus / want:.4f} x {factor}Ψ(d-1)/d "
              f"(Ψ = {result.params}, d = {dp})", result.comm)

@@ -10,6 +10,7 @@ from typing import Callable
 
 from mtds.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
+from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.dp_reduce import reduce_scatter_sum, split_by_spans
 from mtds.pipe.select import OWN_ENGINE
@@ -56,12 +57,14 @@ def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
     """ZeRO-1's gradients reduce-scattered (DeepSpeed's all-reduce stays where that cannot apply). On a
     pipeline each stage starts reducing as soon as its last backward (or W) ends: mtds's engine calls
     ``reduce_early`` itself, DeepSpeed's are hooked at their ReduceTiedGrads instruction. Late: the tied
-    weights (summed across stages after that) and the sequence-parallel weights (summed over TP)."""
+    weights (summed across stages after that) and the sequence-parallel weights (summed over TP).
+    DeepSpeed's BF16_Optimizer (bf16 with fp32 accumulation) reduce-scatters at ReduceGrads instead."""
     def late_params():
         deferred = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_grads_deferred", False)]
         return ds_pipeline.tied_parameters(engine.module) + deferred
 
     if install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None:
+        install_bf16_reduce_scatter(engine, reduce_scatter_sum)
         return
     if cfg.pp > 1 and cfg.pipeline_schedule not in OWN_ENGINE:
         ds_pipeline.before_tied_reduction(engine, lambda: reduce_early(engine))

@@ -1,0 +1,115 @@
+"""DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation: the shipped bf16 configs) with
+its gradients reduce-scattered: 2Ψ(d−1)/d values per rank and step (this reduce-scatter, then the bf16
+parameter all-gather BF16_Optimizer already does) instead of 3Ψ(d−1)/d.
+
+DeepSpeed 0.19.8's path: micro-batch gradients accumulate in one flat fp32 buffer per parameter group;
+at the boundary the engine's ``buffered_allreduce_fallback`` (from the pipeline's ReduceGrads, or
+``allreduce_gradients``) all-reduces all of it in buckets, cast to the communication dtype (bf16 unless
+configured), summed and then divided by d (``allreduce_bucket``'s post-scaling), copied back; every rank
+takes the norm over all of it, clips, and steps its partition of the buffer
+(``fp32_groups_gradient_flat_partition``). No option reduce-scatters: ZeRO's ``reduce_scatter``,
+``reduce_bucket_size`` and ``contiguous_gradients`` belong to DeepSpeedZeroOptimizer, which this
+path does not use.
+
+Here each group's fp32 buffer is reduce-scattered (``mtds.dp_reduce``, bucket by bucket of the engine's
+``elements_per_buffer``) into that partition: each bucket's window cast to the communication dtype,
+summed over the data-parallel ranks, divided by d in that dtype, copied into the fp32 partition -- the
+values DeepSpeed's all-reduce leaves there (bit-identical at d = 2; at d > 2 the ring adds in another
+order than gloo's all-reduce). The rest of the buffer is no longer summed, so the norm is taken over the
+partition: each parameter's slice in it (DeepSpeed's own selection: no pipeline-replicated copies,
+TP-duplicated parameters on TP rank 0 only), the squares summed over the data-parallel group, then over
+the model-parallel group as DeepSpeed does (the norm differs from DeepSpeed's by the order its ~10^6 fp32
+squares are summed in: 1e-5 relative measured).
+Clipping scales the whole buffer as before; the step reads only the partition.
+
+Installed only where that is exactly DeepSpeed's state otherwise: ZeRO stage 1, d > 1, fp32
+accumulation, 2-norm, post-scaled averaging without a predivide factor, no MoE, Muon or sequence-data
+-parallel group. Checked against DeepSpeed 0.19.8.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .ledger import ledger
+
+REDUCE = "BF16_Optimizer gradient reduction (engine.buffered_allreduce_fallback)"
+NORM = "BF16_Optimizer.get_grads_for_norm"
+
+
+def unsupported_reason(engine) -> str | None:
+    """Why this engine keeps DeepSpeed's bf16 all-reduce (None: the reduce-scatter applies)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    opt = engine.optimizer
+    if type(opt) is not BF16_Optimizer or engine.zero_optimization_stage() != 1:
+        return "not DeepSpeed's BF16_Optimizer under ZeRO-1"
+    if opt.grad_acc_dtype != torch.float32 or opt.norm_type != 2 or opt.has_moe_layers or opt._uses_muon:
+        return "bf16 accumulation, another norm, MoE or Muon"
+    if not engine.gradient_average or not engine.postscale_gradients() or engine.gradient_predivide_factor() != 1.0:
+        return "gradient averaging off, pre-scaled or with a predivide factor"
+    if engine.sequence_parallel_size != 1:
+        return "a sequence-data-parallel group"
+    ranks = {tuple(dist.get_process_group_ranks(group)) for group in opt.real_dp_process_group}
+    if len(ranks) != 1 or len(next(iter(ranks))) == 1:
+        return "no data parallelism (or several data-parallel groups)"
+    return None
+
+
+class Bf16ReduceScatter:
+    """The engine's ``buffered_allreduce_fallback`` (for the optimizer's own gradients) and the
+    optimizer's norm selection, for one engine."""
+
+    def __init__(self, engine, reduce_scatter_sum):
+        self.engine, self.opt, self.book = engine, engine.optimizer, ledger(engine)
+        self.reduce_scatter_sum = reduce_scatter_sum
+        self.fallback = engine.buffered_allreduce_fallback
+        self.grads_for_norm = self.opt.get_grads_for_norm
+        self.group = self.opt.real_dp_process_group[0]
+
+    def reduce(self, grads=None, elements_per_buffer=500000000) -> None:
+        if grads is not None:       # someone else's gradients: DeepSpeed's all-reduce
+            return self.fallback(grads=grads, elements_per_buffer=elements_per_buffer)
+        self.book.mark(REDUCE)
+        dtype = self.engine.communication_data_type
+        d = dist.get_world_size(self.group)
+        for flat, partition in zip(self.opt.fp32_groups_gradients_flat, self.opt.fp32_groups_gradient_flat_partition):
+            self.reduce_scatter_sum(flat, partition, self.group, bucket_elements=elements_per_buffer, dtype=dtype,
+                                    post_scale=1.0 / d)
+        return None
+
+    def norm_tensors(self, for_clipping=False):
+        """DeepSpeed's selection; for the norm, each tensor's slice in this rank's partition, summed over
+        data parallelism here (one tensor holding the square root of the sum)."""
+        if for_clipping:
+            return self.grads_for_norm(for_clipping=True)
+        self.book.mark(NORM)
+        tensors, expert = self.grads_for_norm(for_clipping=False)
+        norms = [piece.norm(2) for t in tensors for piece in self._in_partition(t)]
+        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float32)
+        dist.all_reduce(squares, group=self.group)
+        return [squares.sqrt().reshape(1)], expert
+
+    def _in_partition(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` (a parameter's fp32 gradient, a view into a group's flat buffer) cut to this rank's
+        partition of that buffer: one slice or none."""
+        for flat, partition in zip(self.opt.fp32_groups_gradients_flat, self.opt.fp32_groups_gradient_flat_partition):
+            base, size = flat.data_ptr(), flat.element_size()
+            offset = (t.data_ptr() - base) // size
+            if 0 <= offset < flat.numel() and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                start = (partition.data_ptr() - base) // size
+                lo, hi = max(offset, start), min(offset + t.numel(), start + partition.numel())
+                return [t.reshape(-1)[lo - offset:hi - offset]] if hi > lo else []
+        raise RuntimeError("bf16 reduce-scatter: a gradient is not a view into BF16_Optimizer's flat fp32 buffer")
+
+
+def install_bf16_reduce_scatter(engine, reduce_scatter_sum) -> Bf16ReduceScatter | None:
+    """Replace the engine's bf16 gradient all-reduce and the optimizer's norm selection (see the module
+    docstring); None (nothing changed) where :func:`unsupported_reason` says DeepSpeed's path stays."""
+    if unsupported_reason(engine) is not None:
+        return None
+    reducer = Bf16ReduceScatter(engine, reduce_scatter_sum)
+    reducer.book.expect(REDUCE)
+    reducer.book.expect(NORM)
+    object.__setattr__(engine, "buffered_allreduce_fallback", reducer.reduce)
+    reducer.opt.get_grads_for_norm = reducer.norm_tensors
+    return reducer
