@@ -123,6 +123,16 @@ CAPABILITIES = (
             "communication_data_type", "gradient_accumulation_dtype", "gradient_average")),
         Target(PIPE_MODULE, "get_tied_weights_and_groups", M),
         Target(PIPE_ENGINE, "_INSTRUCTION_MAP", A))),
+    Capability("reduce-scatter BF16_Optimizer's gradients into the partition its step reads", (
+        Target(ENGINE, "buffered_allreduce_fallback", ("grads", "elements_per_buffer")),
+        Target(ENGINE, "postscale_gradients", M),
+        Target(ENGINE, "gradient_predivide_factor", M),
+        Target(ENGINE, "communication_data_type", A),
+        Target(ENGINE, "gradient_average", A, instance=True),
+        Target(BF16, "get_grads_for_norm", ("for_clipping",)),
+        *(Target(BF16, name, A, instance=True) for name in (
+            "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition", "real_dp_process_group",
+            "grad_acc_dtype", "norm_type", "has_moe_layers", "_uses_muon")))),
     Capability("durable checkpoint writes and safe loads", (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),
     Capability("load a universal checkpoint", (
