@@ -219,7 +219,7 @@ def test_zb_h1_four_ranks():
     (residual dropout on each rank's own stream) zb-h1 and interleaved bit-identical to 1F1B. bf16 and fp16 at (2,2,1): bit-identical to 1F1B in the same
     precision -- W's gradients reach the optimizer's fp32 (or bf16) accumulation exactly once per
     micro-batch, in 1F1B's order -- and the fp16 loss scale is carried by the queued output gradients."""
-    per_rank = [results[:-len(OVERLAP_SCHEDULES)] for results in zb_four_rank_runs()[0]]   # without the timelines
+    per_rank = [results[:-len(OVERLAP_RUNS)] for results in zb_four_rank_runs()[0]]   # without the timelines
     dp0, dp1, tp1, sp, recompute, no_recompute, base, zb_sp, ilv_sp, base_sp, *mixed = per_rank[-1]   # last stage
     assert_dp_bytes_at_ring_minimum(per_rank, 1, 2, "zb-h1 (1,2,2) ZeRO-1")
     ref = reference()
@@ -250,15 +250,18 @@ def test_zb_h1_four_ranks():
 
 
 OVERLAP_SCHEDULES = ("1f1b", "zb-h1")     # DeepSpeed's engine (hooked at ReduceTiedGrads), mtds's own
-BUCKET = 2 ** 16    # reduce_bucket_size of the overlap runs: a stage's ~0.8 M gradients in ~37 buckets
+OVERLAP_RUNS = OVERLAP_SCHEDULES + ("1f1b-bf16",)    # and DeepSpeed's BF16 optimizer (fp32 accumulation)
+BUCKET = 2 ** 16    # reduce_bucket_size of the ZeRO-1 overlap runs: ~17 buckets per reduction of a stage
 
 
 def overlap_runs(out: str):
-    """(1,2,2) ZeRO-1, 2 steps with --timeline and small reduce buckets (launched with
-    test_zb_h1_four_ranks' ranks)."""
+    """(1,2,2), 2 steps with --timeline: ZeRO-1 with small reduce buckets, and bf16's BF16 optimizer
+    (launched with test_zb_h1_four_ranks' ranks)."""
     ds = ds_config(zero_optimization={"stage": 1, "reduce_bucket_size": BUCKET})
-    return [train_config(pp=2, pipeline_schedule=name, steps=2, timeline=os.path.join(out, f"{name}.json"),
-                         deepspeed_config=ds) for name in OVERLAP_SCHEDULES]
+    bf16 = ds_config(precision="bf16", data_types={"grad_accum_dtype": "fp32"})
+    return [train_config(pp=2, pipeline_schedule=name.split("-bf16")[0], steps=2,
+                         timeline=os.path.join(out, f"{name}.json"),
+                         deepspeed_config=bf16 if name.endswith("bf16") else ds) for name in OVERLAP_RUNS]
 
 
 def test_zero1_reduction_overlaps_the_cool_down():
@@ -269,9 +272,12 @@ def test_zero1_reduction_overlaps_the_cool_down():
     Under 1F1B the first stage's last backward needs the last stage's last gradient, so it always ends
     after the last stage's compute: the check is strict. zb-h1 may defer the last stage's final W past the
     first stage's end; a run where that happened has no cool-down left to overlap, and only the order on
-    the last stage is checked (reduce-scatter right after its own last compute)."""
-    _, out = zb_four_rank_runs()
-    for name in OVERLAP_SCHEDULES:
+    the last stage is checked (reduce-scatter right after its own last compute). The BF16 optimizer's
+    reduce-scatter (1f1b bf16) too, at the ring minimum in bf16 values."""
+    per_rank, out = zb_four_rank_runs()
+    assert_dp_bytes_at_ring_minimum(per_rank, len(per_rank[0]) - 1, 2, "1f1b (1,2,2) bf16 BF16_Optimizer",
+                                    value_bytes=2)
+    for name in OVERLAP_RUNS:
         with open(os.path.join(out, f"{name}.json")) as f:
             events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
         first_done = max(e["ts"] + e["dur"] for e in events if e["pid"] == 0 and e["cat"] in ("B", "W"))
@@ -279,17 +285,17 @@ def test_zero1_reduction_overlaps_the_cool_down():
         early = [e for e in events if e["pid"] == 1 and e["cat"] == "reduce"]
         start = min(e["ts"] for e in early)
         assert last_done <= start, (name, "reduced before its own last compute ended", last_done, start)
-        if name == "1f1b" or last_done < first_done:
+        if name.startswith("1f1b") or last_done < first_done:
             assert start < first_done, (name, last_done, start, first_done, early)
 
 
 def test_zero1_reduction_goes_bucket_by_bucket():
-    """The overlap runs reduce in buckets of ``BUCKET`` elements (~37 per stage), early and late: no
+    """The ZeRO-1 overlap runs reduce in buckets of ``BUCKET`` elements, early and late: no
     tensor the reduction allocates is larger than one bucket, the bytes stay at the ring minimum, and
     losses and grad norms are bit-identical to the same layout reduced in one bucket (zb-h1 (1,2,2)
     ZeRO-1 above, 1F1B's arithmetic; the first two steps' LR is the warm-up's in both)."""
     per_rank = zb_four_rank_runs()[0]
-    bucketed = len(per_rank[0]) - len(OVERLAP_SCHEDULES)
+    bucketed = len(per_rank[0]) - len(OVERLAP_RUNS)
     for index, name in enumerate(OVERLAP_SCHEDULES, start=bucketed):
         what = f"{name} (1,2,2) ZeRO-1 reduce_bucket_size {BUCKET}"
         assert_dp_bytes_at_ring_minimum(per_rank, index, 2, what)

@@ -20,7 +20,10 @@ partition: each parameter's slice in it (DeepSpeed's own selection: no pipeline-
 TP-duplicated parameters on TP rank 0 only), the squares summed over the data-parallel group, then over
 the model-parallel group as DeepSpeed does (the norm differs from DeepSpeed's by the order its ~10^6 fp32
 squares are summed in: 1e-5 relative measured).
-Clipping scales the whole buffer as before; the step reads only the partition.
+Clipping scales the whole buffer as before; the step reads only the partition. On a pipeline the
+reduction starts, as ZeRO-1's does (``zero1_reduce.reduce_early``), as soon as a stage's last backward
+ends, for everything but the tied weights (whose fp32 gradients the tied all-reduce still changes),
+and ends at ReduceGrads.
 
 Installed only where that is exactly DeepSpeed's state otherwise: ZeRO stage 1, d > 1, fp32
 accumulation, 2-norm, post-scaled averaging without a predivide factor, no MoE, Muon or sequence-data
@@ -35,6 +38,8 @@ from .ledger import ledger
 
 REDUCE = "BF16_Optimizer gradient reduction (engine.buffered_allreduce_fallback)"
 NORM = "BF16_Optimizer.get_grads_for_norm"
+EARLY = "Bf16ReduceScatter.reduce_early"
+EARLY_BUCKET = 500_000_000      # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE, the pipeline's ReduceGrads bucket
 
 
 def unsupported_reason(engine) -> str | None:
@@ -57,24 +62,55 @@ def unsupported_reason(engine) -> str | None:
 
 class Bf16ReduceScatter:
     """The engine's ``buffered_allreduce_fallback`` (for the optimizer's own gradients) and the
-    optimizer's norm selection, for one engine."""
+    optimizer's norm selection, for one engine; :meth:`reduce_early` as ZeRO-1's reducer has it."""
 
-    def __init__(self, engine, reduce_scatter_sum):
+    def __init__(self, engine, reduce_scatter_sum, split_by_spans, late_params):
         self.engine, self.opt, self.book = engine, engine.optimizer, ledger(engine)
-        self.reduce_scatter_sum = reduce_scatter_sum
+        self.reduce_scatter_sum, self.split_by_spans, self.late_params = reduce_scatter_sum, split_by_spans, late_params
         self.fallback = engine.buffered_allreduce_fallback
         self.grads_for_norm = self.opt.get_grads_for_norm
         self.group = self.opt.real_dp_process_group[0]
+        self.pending = None     # per group: the late ranges, after reduce_early
+        self.timeline = None    # a TimelineRecorder: reduce_early records its span
 
-    def reduce(self, grads=None, elements_per_buffer=500000000) -> None:
+    def _reduce(self, flat, partition, bucket: int, ranges=None) -> None:
+        self.reduce_scatter_sum(flat, partition, self.group, bucket_elements=bucket, ranges=ranges,
+                                dtype=self.engine.communication_data_type,
+                                post_scale=1.0 / dist.get_world_size(self.group))
+
+    def reduce_early(self) -> None:
+        """Reduce-scatter every gradient but the late parameters' (the tied weights)."""
+        self.book.mark(EARLY)
+        if self.timeline is None:
+            return self._reduce_early()
+        with self.timeline.record("reduce", name="early"):
+            return self._reduce_early()
+
+    def _reduce_early(self) -> None:
+        late, opt = {id(p) for p in self.late_params()}, self.opt
+        d = dist.get_world_size(self.group)
+        self.pending = []
+        for i, (flat, partition) in enumerate(zip(opt.fp32_groups_gradients_flat, opt.fp32_groups_gradient_flat_partition)):
+            spans = []
+            for lp, grad in zip(opt.bf16_groups[i], opt.fp32_groups_gradients[i]):
+                if id(lp) in late:
+                    offset = (grad.data_ptr() - flat.data_ptr()) // flat.element_size()
+                    spans.append((offset, offset + grad.numel()))
+            now, later = self.split_by_spans(spans, d, partition.numel())
+            self._reduce(flat, partition, EARLY_BUCKET, now)
+            self.pending.append(later)
+
+    def reduce(self, grads=None, elements_per_buffer=EARLY_BUCKET) -> None:
         if grads is not None:       # someone else's gradients: DeepSpeed's all-reduce
             return self.fallback(grads=grads, elements_per_buffer=elements_per_buffer)
         self.book.mark(REDUCE)
-        dtype = self.engine.communication_data_type
-        d = dist.get_world_size(self.group)
-        for flat, partition in zip(self.opt.fp32_groups_gradients_flat, self.opt.fp32_groups_gradient_flat_partition):
-            self.reduce_scatter_sum(flat, partition, self.group, bucket_elements=elements_per_buffer, dtype=dtype,
-                                    post_scale=1.0 / d)
+        pending, self.pending = self.pending, None
+        for i, (flat, partition) in enumerate(zip(self.opt.fp32_groups_gradients_flat,
+                                                  self.opt.fp32_groups_gradient_flat_partition)):
+            if pending is None:
+                self._reduce(flat, partition, elements_per_buffer)
+            elif any(pending[i]):
+                self._reduce(flat, partition, elements_per_buffer, pending[i])
         return None
 
     def norm_tensors(self, for_clipping=False):
@@ -102,14 +138,17 @@ class Bf16ReduceScatter:
         raise RuntimeError("bf16 reduce-scatter: a gradient is not a view into BF16_Optimizer's flat fp32 buffer")
 
 
-def install_bf16_reduce_scatter(engine, reduce_scatter_sum) -> Bf16ReduceScatter | None:
+def install_bf16_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) -> Bf16ReduceScatter | None:
     """Replace the engine's bf16 gradient all-reduce and the optimizer's norm selection (see the module
-    docstring); None (nothing changed) where :func:`unsupported_reason` says DeepSpeed's path stays."""
+    docstring); the reducer, also kept as ``engine.mtds_zero1_reduce`` for ``zero1_reduce.reduce_early``
+    (arguments: as ``zero1_reduce.install_reduce_scatter``'s). None (nothing changed) where
+    :func:`unsupported_reason` says DeepSpeed's path stays."""
     if unsupported_reason(engine) is not None:
         return None
-    reducer = Bf16ReduceScatter(engine, reduce_scatter_sum)
+    reducer = Bf16ReduceScatter(engine, reduce_scatter_sum, split_by_spans, late_params)
     reducer.book.expect(REDUCE)
     reducer.book.expect(NORM)
     object.__setattr__(engine, "buffered_allreduce_fallback", reducer.reduce)
     reducer.opt.get_grads_for_norm = reducer.norm_tensors
+    object.__setattr__(engine, "mtds_zero1_reduce", reducer)
     return reducer

@@ -131,7 +131,8 @@ CAPABILITIES = (
         Target(ENGINE, "gradient_average", A, instance=True),
         Target(BF16, "get_grads_for_norm", ("for_clipping",)),
         *(Target(BF16, name, A, instance=True) for name in (
-            "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition", "real_dp_process_group",
+            "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition", "fp32_groups_gradients",
+            "bf16_groups", "real_dp_process_group",
             "grad_acc_dtype", "norm_type", "has_moe_layers", "_uses_muon")))),
     Capability("durable checkpoint writes and safe loads", (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),

@@ -58,13 +58,13 @@ def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
     pipeline each stage starts reducing as soon as its last backward (or W) ends: mtds's engine calls
     ``reduce_early`` itself, DeepSpeed's are hooked at their ReduceTiedGrads instruction. Late: the tied
     weights (summed across stages after that) and the sequence-parallel weights (summed over TP).
-    DeepSpeed's BF16_Optimizer (bf16 with fp32 accumulation) reduce-scatters at ReduceGrads instead."""
+    DeepSpeed's BF16_Optimizer (bf16 with fp32 accumulation) likewise, from its fp32 gradient buffer."""
     def late_params():
         deferred = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_grads_deferred", False)]
         return ds_pipeline.tied_parameters(engine.module) + deferred
 
-    if install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None:
-        install_bf16_reduce_scatter(engine, reduce_scatter_sum)
+    if (install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None and
+            install_bf16_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None):
         return
     if cfg.pp > 1 and cfg.pipeline_schedule not in OWN_ENGINE:
         ds_pipeline.before_tied_reduction(engine, lambda: reduce_early(engine))
