@@ -121,7 +121,8 @@ class Bf16ReduceScatter:
         self.book.mark(NORM)
         tensors, expert = self.grads_for_norm(for_clipping=False)
         norms = [piece.norm(2) for t in tensors for piece in self._in_partition(t)]
-        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float32)
+        device = self.opt.fp32_groups_gradients_flat[0].device
+        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
         dist.all_reduce(squares, group=self.group)
         return [squares.sqrt().reshape(1)], expert
 
@@ -131,7 +132,7 @@ class Bf16ReduceScatter:
         for flat, partition in zip(self.opt.fp32_groups_gradients_flat, self.opt.fp32_groups_gradient_flat_partition):
             base, size = flat.data_ptr(), flat.element_size()
             offset = (t.data_ptr() - base) // size
-            if 0 <= offset < flat.numel() and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            if t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and 0 <= offset <= flat.numel():
                 start = (partition.data_ptr() - base) // size
                 lo, hi = max(offset, start), min(offset + t.numel(), start + partition.numel())
                 return [t.reshape(-1)[lo - offset:hi - offset]] if hi > lo else []
