@@ -94,7 +94,8 @@ def run_sweep(args) -> tuple[list[dict], dict]:
         os.makedirs(args.out, exist_ok=True)
         print("[compare] calibrating this machine for the planner (mtds-plan --calibrate, ~1 min)", flush=True)
         with held(args.lock):
-            profile = calibrate(os.path.join(args.out, "device_profile.json"))
+            # every node of the emulated cluster runs on this host: measure with all its ranks at once
+            profile = calibrate(os.path.join(args.out, "device_profile.json"), world_size=world)
     batch = dict(global_batch=args.global_batch, micro_batch=args.micro_batch)
     references = {}
     for model in dict.fromkeys(s.model for s in schemes if s.model):
@@ -114,7 +115,10 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                 print(f"[compare] {len(rows) + 1}/{total} {speed} {s.name}: {args.nodes} nodes x {args.ranks_per_node} "
                       f"ranks", flush=True)
                 row = {"scheme": s.name, "kind": s.kind, "tp": s.tp, "pp": s.pp, "dp": s.data_parallel(world),
-                       "model": s.model or args.model}
+                       "model": s.model or args.model, "grad_reduce": s.grad_reduce}
+                if s.pp > 1:     # the partition train.py builds (compare.predict.run_partition re-derives it)
+                    from mtds.training.stage_plan import DEFAULT_BALANCE
+                    row["pipeline_balance"] = DEFAULT_BALANCE
                 try:
                     launched = launch_on_cluster(cluster, s, model=args.model, steps=args.steps,
                                                  seq_length=args.seq_length, out_dir=out_dir, timeout=args.timeout,
@@ -132,7 +136,8 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                         row["predicted"] = predict_cell(s, model=s.model_path(args.model), seq=args.seq_length,
                                                         global_batch=args.global_batch, micro_batch=args.micro_batch,
                                                         world=world, ranks_per_node=args.ranks_per_node,
-                                                        link_bytes_per_s=spec.link_bytes_per_s, profile=profile)
+                                                        link_bytes_per_s=spec.link_bytes_per_s, profile=profile,
+                                                        balance=row.get("pipeline_balance"))
                     except (ValueError, RuntimeError) as err:
                         row["predicted"] = {"error": str(err).splitlines()[0]}
                 rows.append(row)

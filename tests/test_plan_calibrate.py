@@ -31,8 +31,10 @@ def test_cli_calibrate_writes_profile(tmp_path, capsys):
     out = tmp_path / "prof.json"
     assert main(["--calibrate", "--profile", str(out), "--json"]) == 0
     prof = json.loads(out.read_text())
-    for key in ("matmul_tflops", "memory_gbps", "allreduce_busbw_gbps", "allreduce_latency_s"):
+    for key in ("matmul_tflops", "memory_gbps", "allreduce_busbw_gbps", "allreduce_latency_s",
+                "optimizer_s_per_param"):
         assert prof[key] > 0
+    assert prof["concurrency"] == 2 and prof["host_cores"] >= 1     # the contention it was measured at
     assert main(["--gpu", "local", "--profile", str(out), "--layers", "2", "--hidden", "64", "--heads", "4",
                  "--vocab", "256", "--seq", "32", "--gpus", "2", "--global-batch", "4", "--tp", "2", "--pp", "1",
                  "--json"]) == 0

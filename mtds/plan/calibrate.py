@@ -13,6 +13,9 @@ operation (the fastest of three such means is kept, to shed bursts of unrelated 
     gives both the peak and n_half;
   * element-wise kernels (GeLU, layer norm, residual add, row max, exp) as bytes moved per second; on a CPU they
     are limited by arithmetic, not by memory bandwidth, so their rate is well below a copy's;
+  * the trainer's optimizer step as it runs: torch AdamW (single-tensor loop on CPU, as DeepSpeed builds
+    it with torch_adam) after global-norm gradient clipping, on a few large and on many small tensors,
+    solved for seconds per parameter and per tensor (host_costs.optimizer_step_time);
   * all-reduce, each call right after a burst of compute (as the tensor-parallel all-reduces
     follow a GEMM), at several sizes, fitted to the ring model t(S) = 2 (n-1) alpha +
     2 (n-1)/n S / busbw (comm.all_reduce); busbw uses the nccl-tests convention.
@@ -111,6 +114,43 @@ def measure_elementwise_bandwidth(numel: int = 2 ** 20, device: str = "cpu") -> 
     return moved / _mean_time(run) / 1e9
 
 
+OPTIMIZER_SETS = ((4, 2 ** 18), (256, 256))     # (tensors, elements each): per-parameter vs per-tensor cost
+
+
+def solve_per_param_and_tensor(samples: dict[tuple[int, int], float]) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of t = a * params + b * tensors through two measured
+    (tensors, elements) sets; each clamped at 0 (noise can make the small one negative)."""
+    (n1, e1), (n2, e2) = samples
+    t1, t2 = samples[(n1, e1)], samples[(n2, e2)]
+    p1, p2 = n1 * e1, n2 * e2
+    det = p1 * n2 - p2 * n1
+    a = (t1 * n2 - t2 * n1) / det
+    b = (p1 * t2 - p2 * t1) / det
+    if a <= 0:
+        return max(t1 / p1, 0.0), 0.0
+    return a, max(b, 0.0)
+
+
+def measure_optimizer(device: str = "cpu", sets=OPTIMIZER_SETS) -> tuple[float, float]:
+    """(s/param, s/tensor) of one trainer optimizer step: clip_grad_norm_ (DeepSpeed's gradient_clipping),
+    torch AdamW with the run's hyper-parameters, gradients dropped after it (zero_grad)."""
+    times = {}
+    for tensors, numel in sets:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+        grads = [torch.randn(numel, device=device) * 1e-3 for _ in range(tensors)]
+        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+        def run():
+            for p, g in zip(params, grads):
+                p.grad = g
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+        times[(tensors, numel)] = _mean_time(run, seconds=0.05)
+    return solve_per_param_and_tensor(times)
+
+
 def fit_ring_all_reduce(times: dict[int, float], n: int) -> tuple[float, float]:
     """(bus bandwidth GB/s, per-hop latency s) of t(S) = 2 (n-1) alpha + 2 (n-1)/n S / busbw
     fitted by least squares to {S bytes: mean seconds}."""
@@ -162,7 +202,8 @@ def _measure_compute(device: str = "cpu") -> dict:
     return {"matmul_tflops": peak, "gemm_half_dim": half,
             "matmul_tflops_by_size": {str(n): r for n, r in curve.items()},
             "memory_gbps": measure_memory_bandwidth(device=device),
-            "elementwise_gbps": measure_elementwise_bandwidth(device=device)}
+            "elementwise_gbps": measure_elementwise_bandwidth(device=device),
+            **dict(zip(("optimizer_s_per_param", "optimizer_s_per_tensor"), measure_optimizer(device)))}
 
 
 def _free_port() -> int:
@@ -189,8 +230,13 @@ def _worker(rank: int, world: int, port: int, threads: int, queue) -> None:
 
 
 def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) -> dict:
-    """Measure with `world_size` gloo ranks in-process (or the existing process group)."""
+    """Measure with `world_size` gloo ranks in-process (or the existing process group). Give the
+    number of ranks the runs to predict will place on this host: compute is measured with that many
+    processes on the cores at once (contention), not one rank alone."""
     import torch.distributed as dist
+
+    if world_size < 2:
+        raise ValueError(f"calibration needs at least 2 ranks (it fits a ring all-reduce), got {world_size}")
 
     if dist.is_available() and dist.is_initialized():
         result = _measure_compute("cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -218,6 +264,8 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
     # a synchronous step runs at the pace of its slowest rank
     prof = {k: min(r[k] for r in results) for k in ("matmul_tflops", "memory_gbps", "elementwise_gbps",
                                                      "allreduce_busbw_gbps")}
+    for k in ("optimizer_s_per_param", "optimizer_s_per_tensor"):     # the slowest rank sets the pace
+        prof[k] = max(r[k] for r in results)
     slowest = min(results, key=lambda r: r["matmul_tflops"])
     prof["gemm_half_dim"] = slowest["gemm_half_dim"]
     prof["matmul_tflops_by_size"] = slowest["matmul_tflops_by_size"]
@@ -233,6 +281,9 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
         mem_gib = 8.0
     prof.update({"device": "cuda" if backend == "nccl" else "cpu", "dtype": "fp32", "backend": backend,
                  "devices_per_node": world_size,
+                 # every rank measured at once: the rates are per-rank rates with this many processes
+                 # sharing the host's cores (host_costs.contention_factor)
+                 "concurrency": world_size, "host_cores": os.cpu_count() or 1,
                  "threads_per_rank": torch.get_num_threads() if dist.is_initialized() else threads,
                  "memory_gib": mem_gib, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return prof

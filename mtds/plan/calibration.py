@@ -71,6 +71,22 @@ class Calibration:
     # backward -- they recompute them -- only a per-row logsumexp. "math": the explicit kernel of
     # Megatron 2021-22 (what Korthikanti et al.'s 5 a s^2 b term counts), and torch's CPU path with dropout.
     attention_kernel: str = "flash"
+    # Host-side costs a calibrated CPU profile measures (mtds.plan.host_costs); None on GPUs, where the
+    # roofline terms above stand for them.
+    # Processes that ran the profile's measurements at once on the machine's `host_cores` cores: its
+    # rates are per-rank rates at that concurrency (host_costs.contention_factor rescales to another).
+    calibrated_concurrency: int | None = None
+    host_cores: int | None = None
+    # The trainer's optimizer step as it runs (torch AdamW, single-tensor loop, plus the global-norm
+    # gradient clipping and zeroing of the gradients): seconds per parameter and per parameter tensor.
+    optimizer_s_per_param: float | None = None
+    optimizer_s_per_tensor: float | None = None
+    # Bytes/s one rank's collective moves through the host's own stack (gloo: TCP, copies and the
+    # reductions, on the cores that compute) -- the calibrated all-reduce bus bandwidth. A shaped
+    # inter-node link and this host cost are paid one after the other (host_costs.serial_link_gbps).
+    host_transport_gbps: float | None = None
+    # The collectives' library: gloo runs reduce_scatter as an all-reduce (host_costs.zero3_traffic).
+    collective_backend: str = "nccl"
 
     def with_overrides(self, **kw) -> "Calibration":
         return replace(self, **kw)

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from mtds.plan.candidate import Layout, Workload
 from mtds.plan.hardware import Cluster
+from mtds.plan.host_costs import contention_factor, optimizer_step_time
 from mtds.plan.model_spec import ModelSpec
 
 
@@ -37,11 +38,13 @@ def gemm_time(m: float, n: float, k: float, cluster: Cluster, batch: float = 1.0
     eff = c.gemm_max_fraction * smallest / (smallest + c.gemm_half_dim)
     flops = 2.0 * m * n * k * batch
     bytes_moved = elem_bytes * (m * k + k * n + m * n) * batch
-    return max(flops / (peak * eff), bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * c.hbm_efficiency))
+    return max(flops / (peak * eff), bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * c.hbm_efficiency)) \
+        * contention_factor(cluster)
 
 
 def elementwise_time(bytes_moved: float, cluster: Cluster) -> float:
-    return bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * cluster.calib.hbm_efficiency)
+    """Memory-bound kernel; on a shared host slowed by the ranks beside it (host_costs.contention_factor)."""
+    return bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * cluster.calib.hbm_efficiency) * contention_factor(cluster)
 
 
 def layer_forward(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> PassTimes:
@@ -136,7 +139,12 @@ def grad_accumulation_time(n_params_local: float, grad_bytes: float, acc_bytes: 
     return elementwise_time((grad_bytes + 2.0 * acc_bytes) * n_params_local, cluster)
 
 
-def optimizer_time(n_params_local: float, cluster: Cluster) -> float:
-    """Adam step, memory bound: ~28 bytes per local parameter (read fp32 master, m, v and the
-    grad, write master, m, v and the 16-bit copy)."""
+def optimizer_time(n_params_local: float, cluster: Cluster, n_tensors: float = 0.0) -> float:
+    """Adam step. With a calibrated optimizer (CPU profile): host_costs.optimizer_step_time, the
+    trainer's clip + AdamW + zero_grad as measured per parameter and per tensor. Else memory bound:
+    ~28 bytes per local parameter (read fp32 master, m, v and the grad, write master, m, v and the
+    16-bit copy)."""
+    measured = optimizer_step_time(n_params_local, n_tensors, cluster)
+    if measured is not None:
+        return measured
     return elementwise_time(28.0 * n_params_local, cluster)

@@ -82,7 +82,12 @@ def _profile_calibration(prof: dict) -> Calibration:
     curve (n_half) and element-wise kernels, which run below copy bandwidth on a CPU."""
     memory = float(prof["memory_gbps"])
     elementwise = float(prof.get("elementwise_gbps", memory))
+    optional = {k: prof.get(k) for k in ("optimizer_s_per_param", "optimizer_s_per_tensor")}
     return LOCAL_CALIBRATION.with_overrides(
+        calibrated_concurrency=prof.get("concurrency"), host_cores=prof.get("host_cores"),
+        host_transport_gbps=float(prof["allreduce_busbw_gbps"]) if "concurrency" in prof else None,
+        collective_backend=prof.get("backend", "gloo"),
+        **optional,
         hop_latency_s=float(prof.get("allreduce_latency_s", 50e-6)),
         gemm_half_dim=float(prof.get("gemm_half_dim", LOCAL_CALIBRATION.gemm_half_dim)),
         hbm_efficiency=min(1.0, elementwise / memory) if memory > 0 else 1.0,
@@ -91,13 +96,15 @@ def _profile_calibration(prof: dict) -> Calibration:
 
 @dataclass(frozen=True)
 class Cluster:
-    """`nodes` x `gpus_per_node` GPUs of one type; bandwidth overrides in GB/s."""
+    """`nodes` x `gpus_per_node` GPUs of one type; bandwidth overrides in GB/s. ``ranks_per_host``: how
+    many ranks share one host's cores (a CPU profile's contention term; None: one device per rank)."""
 
     gpu: GPUSpec
     gpus: int
     gpus_per_node: int | None = None
     intra_gbps: float | None = None
     inter_gbps: float | None = None
+    ranks_per_host: int | None = None
 
     @property
     def per_node(self) -> int:
@@ -116,8 +123,16 @@ class Cluster:
         consecutive GPUs: NVLink if they fit in one node, else the per-GPU InfiniBand HCA
         (the slowest link of the ring bounds it)."""
         if group_span <= self.per_node:
-            return (self.intra_gbps or self.gpu.nvlink_gbps) * self.calib.nvlink_efficiency
-        return (self.inter_gbps or self.gpu.internode_gbps) * self.calib.ib_efficiency
+            intra = (self.intra_gbps or self.gpu.nvlink_gbps) * self.calib.nvlink_efficiency
+            if self.calib.host_transport_gbps:   # measured on the host's cores: shared as compute is
+                from mtds.plan.host_costs import contention_factor
+                intra /= contention_factor(self)
+            return intra
+        link = (self.inter_gbps or self.gpu.internode_gbps) * self.calib.ib_efficiency
+        if self.inter_gbps:      # a shaped link: its bytes also cross the host's stack (host_costs)
+            from mtds.plan.host_costs import serial_link_gbps
+            return serial_link_gbps(link, self)
+        return link
 
     def with_gpu(self, **kw) -> "Cluster":
         return replace(self, **kw)

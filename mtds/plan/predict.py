@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan import comm, compute, pipeline, tp_comm
+from mtds.plan import comm, compute, host_costs, pipeline, tp_comm
 from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Layout, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
@@ -116,8 +116,12 @@ def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluste
     return out
 
 
-def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages=None) -> Prediction:
+def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages=None,
+            zero1_grad_reduce: str = "reduce-scatter") -> Prediction:
     """Evaluate one layout (structural problems are reported, numbers still computed if possible).
+    ``zero1_grad_reduce``: how ZeRO-1/2 reduce gradients -- "reduce-scatter" (mtds's, Megatron's
+    distributed optimizer: RS + parameter AG, 2 Psi (d-1)/d) or "all-reduce" (DeepSpeed's own ZeRO-1:
+    AR + AG, 3 Psi (d-1)/d).
     ``stages``: the partition the run uses (an ``mtds.pipeline_layout.StageLayout``, p > 1): its critical
     rank sets the compute and the bubble (:func:`partition_times`); None: l/p blocks per rank, the LM
     head's rank critical (the uniform partition of a model whose l divides by p·v)."""
@@ -140,7 +144,7 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
     t_acc = compute.grad_accumulation_time(n_acc, w, grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes),
                                            cluster)
     compute_s = (m * layers_per_stage * t_layer + m * t_out + m * t_acc
-                 + compute.optimizer_time(n_opt, cluster))
+                 + compute.optimizer_time(n_opt, cluster, host_costs.optimizer_tensors(model, layout.zero_stage, t, p)))
     # the last stage's GPU (the LM head and loss; with p = 1 also the embedding): mtds.plan.tp_comm
     grad_bytes_tp = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
     tp_s = tp_comm.per_step_time(model, layout, work, cluster, "last" if p > 1 else "all", m, grad_bytes_tp)
@@ -163,7 +167,10 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
 
     grad_bytes = n_local * w
     if layout.zero_stage >= 3:
-        per_mb = (2 * comm.all_gather(grad_bytes, d, t, cluster) + comm.reduce_scatter(grad_bytes, d, t, cluster))
+        if cluster.calib.collective_backend == "gloo":   # persistent parameters, gloo's reduce-scatter
+            per_mb = host_costs.zero3_traffic(model, d, t, w, cluster, "gloo")
+        else:
+            per_mb = (2 * comm.all_gather(grad_bytes, d, t, cluster) + comm.reduce_scatter(grad_bytes, d, t, cluster))
         z = m * per_mb / cluster.calib.zero3_comm_efficiency
         busy = compute_s + tp_s
         # prefetching overlaps gathers with compute, but both contend for SMs and HBM: the
@@ -171,7 +178,11 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
         k = cluster.calib.zero3_overlap_exponent
         dp_s = (busy ** k + z ** k) ** (1.0 / k) - busy
     else:
+        # ZeRO-0: all-reduce; ZeRO-1/2 reduce-scatter + all-gather, the same ring volume; DeepSpeed's own
+        # ZeRO-1 all-reduces the gradients and then all-gathers the updated parameters
         dp_s = (1.0 - cluster.calib.dp_overlap) * comm.all_reduce(grad_bytes, d, t, cluster)
+        if layout.zero_stage in (1, 2) and zero1_grad_reduce == "all-reduce":
+            dp_s += (1.0 - cluster.calib.dp_overlap) * comm.all_gather(grad_bytes, d, t, cluster)
 
     stage_info = {}
     if stages is not None and p > 1:

@@ -1,0 +1,120 @@
+"""Costs of the host a run shares, measured by a CPU device profile (``mtds-plan --calibrate``), one
+named term each. On GPUs (no profile fields) every term is neutral and the roofline terms stand.
+
+contention_factor   k ranks on c cores, each rank single-threaded, share the cores (processor sharing):
+                    a rank's compute rate is c / k of a core's when k > c. The profile measured with
+                    k_cal processes at once, so a run with k ranks on the host computes
+                        slowdown = max(1, k / c) / max(1, k_cal / c)
+                    times slower than the profile says (1 when the profile was taken at the run's
+                    concurrency, which is what compare and check_local do).
+optimizer_step_time the trainer's per-step work outside forward/backward: clip the gradients to a global
+                    norm, AdamW step, drop the gradients. Calibrated as it runs (torch AdamW, one tensor
+                    at a time) on large and on many small tensors:
+                        t = a * N_local + b * T_local
+                    a = s/parameter, b = s/tensor; T_local the optimizer's tensors: every parameter
+                    tensor without ZeRO, DeepSpeed's flat fp32 partition (one per group) with it.
+serial_link_gbps    a collective between hosts is paid twice per byte, on the shaped link and in the host's
+                    own stack (gloo: TCP through the kernel, copies, the reductions on the cores that
+                    compute; the calibrated all-reduce bus bandwidth B_host):
+                        1 / B = 1 / B_link + 1 / B_host
+                    (a 10 Gbit/s link on 2 shared cores runs at the host's rate, not at 10 Gbit/s).
+zero3_traffic       ZeRO-3 per micro-batch (DeepSpeed stage 3): forward and backward all-gather only the
+                    partitioned parameters -- tensors of fewer than ``persistence_threshold`` elements
+                    stay whole on every rank (stage3_param_persistence_threshold, 1e5) --
+                        gathered = 2 (Psi - Psi_p),
+                    and reduce-scatter every gradient, which gloo's reduce_scatter runs as an all-reduce
+                    (2 (d-1)/d link bytes per byte, not (d-1)/d); one gather call per partitioned
+                    tensor per pass and one reduce per bucket, each paying the ring's step latency.
+"""
+from __future__ import annotations
+
+import math
+
+from mtds.plan.hardware import Cluster
+from mtds.plan.model_spec import ModelSpec
+
+PERSISTENCE_THRESHOLD = 100_000      # DeepSpeed's stage3_param_persistence_threshold default
+ZERO3_REDUCE_BUCKET = 500_000_000    # DeepSpeed's reduce_bucket_size default (elements)
+
+
+def contention_factor(cluster: Cluster) -> float:
+    """How much slower a rank computes than the profile measured, from the ranks sharing the host."""
+    c = cluster.calib
+    k_run = cluster.ranks_per_host
+    if not (c.calibrated_concurrency and c.host_cores and k_run):
+        return 1.0
+    cores = c.host_cores
+    return max(1.0, k_run / cores) / max(1.0, c.calibrated_concurrency / cores)
+
+
+def optimizer_step_time(n_params: float, n_tensors: float, cluster: Cluster) -> float | None:
+    """Seconds of the calibrated optimizer step (clip + AdamW + zero_grad) for this rank's parameters;
+    None when the profile has no such measurement (GPUs: the roofline in compute.optimizer_time)."""
+    c = cluster.calib
+    if c.optimizer_s_per_param is None:
+        return None
+    return (n_params * c.optimizer_s_per_param + n_tensors * (c.optimizer_s_per_tensor or 0.0)) \
+        * contention_factor(cluster)
+
+
+def serial_link_gbps(link_gbps: float, cluster: Cluster) -> float:
+    """Effective GB/s of a link whose bytes also pass through the host's stack (see module doc)."""
+    host = cluster.calib.host_transport_gbps
+    if not host:
+        return link_gbps
+    return 1.0 / (1.0 / link_gbps + contention_factor(cluster) / host)
+
+
+def param_tensor_sizes(model: ModelSpec, tp: int = 1) -> list[float]:
+    """Elements of every parameter tensor of one rank's whole model (GPT family; p = 1)."""
+    h, f, t = model.hidden, model.ffn, tp
+    norm = [h] if model.rmsnorm else [h, h]
+    qkv = (h + 2 * model.kv_width) / t
+    fc1 = f * (model.mlp_matrices - 1) / t
+    block = [*norm, h * qkv, h * h / t, *norm, h * fc1, f / t * h]
+    if model.qkv_bias:
+        block.append(qkv)
+    if model.linear_bias:
+        block += [h, fc1, h]
+    out = block * model.layers + [model.padded_vocab(t) * h / t] + list(norm)
+    if not model.rotary:
+        out.append(model.seq * h)
+    if model.untied_head:
+        out.append(model.padded_vocab(t) * h / t)
+    return out
+
+
+def optimizer_tensors(model: ModelSpec, zero_stage: int, tp: int = 1, pp: int = 1) -> float:
+    """Tensors the optimizer steps over: one rank's parameter tensors without ZeRO; DeepSpeed's ZeRO
+    flattens each parameter group (decay, no decay) into one fp32 partition."""
+    if zero_stage >= 1:
+        return 2.0
+    return len(param_tensor_sizes(model, tp)) / pp
+
+
+def persistent_params(model: ModelSpec, threshold: float = PERSISTENCE_THRESHOLD) -> tuple[float, int]:
+    """(Psi_p, partitioned tensor count): elements of the tensors ZeRO-3 keeps whole, and how many
+    tensors it partitions (and gathers)."""
+    sizes = param_tensor_sizes(model)
+    return sum(n for n in sizes if n < threshold), sum(1 for n in sizes if n >= threshold)
+
+
+def zero3_traffic(model: ModelSpec, d: int, stride: int, bytes_per_value: float, cluster: Cluster,
+                  backend: str = "gloo") -> float:
+    """Seconds of one micro-batch's ZeRO-3 collectives (see the module doc), before overlap."""
+    from mtds.plan import comm
+    if d <= 1:
+        return 0.0
+    psi = sum(param_tensor_sizes(model))
+    psi_p, gathered_tensors = persistent_params(model)
+    gather_bytes = (psi - psi_p) * bytes_per_value
+    grad_bytes = psi * bytes_per_value
+    buckets = max(1, math.ceil(psi / ZERO3_REDUCE_BUCKET))
+    hop = cluster.calib.hop_latency_s
+    # bandwidth part: the volume in one call; latency part: each extra call pays the ring's steps again
+    gather = 2 * comm.all_gather(gather_bytes, d, stride, cluster) \
+        + 2 * max(0, gathered_tensors - 1) * (d - 1) * hop
+    kind = comm.all_reduce if backend == "gloo" else comm.reduce_scatter
+    steps = 2 * (d - 1) if backend == "gloo" else d - 1
+    reduce = kind(grad_bytes, d, stride, cluster) + (buckets - 1) * steps * hop
+    return gather + reduce
