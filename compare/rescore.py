@@ -50,8 +50,11 @@ def scheme_of(row: dict):
     return None
 
 
-def rescore(data: dict, profile: str, fit_on=("10gbit", "1gbit")) -> list[dict]:
+def rescore(data: dict, profile: str, fit_on=("10gbit", "1gbit"), fit_model: str | None = None) -> list[dict]:
+    """One dict per modelled cell: predicted / measured tokens/s now and as saved; ``held_out`` unless
+    the cell's column is in ``fit_on`` and its model is ``fit_model`` (default: this sweep's)."""
     meta = data["meta"]
+    fit_model = fit_model or meta["model"]
     out = []
     for row in data["rows"]:
         scheme = scheme_of(row)
@@ -65,11 +68,14 @@ def rescore(data: dict, profile: str, fit_on=("10gbit", "1gbit")) -> list[dict]:
                             grad_reduce=row.get("grad_reduce", "all-reduce"))
         if "error" in pred:
             continue
-        out.append({"scheme": row["scheme"], "link": row["link"], "measured_tokens_per_s": row["tokens_per_s"],
+        model = row["model"]
+        label = row["scheme"] + ("" if model == fit_model else f" [{os.path.basename(model)}]")
+        out.append({"scheme": label, "model": model, "link": row["link"], "measured_tokens_per_s": row["tokens_per_s"],
                     "predicted_tokens_per_s": pred["tokens_per_s"],
                     "ratio": pred["tokens_per_s"] / row["tokens_per_s"],
                     "old_ratio": (row.get("predicted") or {}).get("tokens_per_s", 0) / row["tokens_per_s"],
-                    "held_out": row["link"] not in fit_on, "breakdown_s": pred["breakdown_s"]})
+                    "held_out": row["link"] not in fit_on or model != fit_model,
+                    "breakdown_s": pred["breakdown_s"]})
     return out
 
 
@@ -77,16 +83,20 @@ def table(rows: list[dict]) -> list[str]:
     links = list(dict.fromkeys(r["link"] for r in rows))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     cell = {(r["scheme"], r["link"]): r for r in rows}
-    head = [f"{link}{' (held out)' if any(r['held_out'] for r in rows if r['link'] == link) else ''}" for link in links]
-    lines = ["predicted / measured tokens/s (old model's in brackets)", "",
+    head = [f"{link}{' (held out)' if all(r['held_out'] for r in rows if r['link'] == link) else ''}" for link in links]
+    lines = ["predicted / measured tokens/s (as saved in brackets); rows of another model than the fitted "
+             "one are held out in every column", "",
              "| scheme | " + " | ".join(head) + " |", "|---|" + "---:|" * len(links)]
     for s in schemes:
         lines.append(f"| {s} | " + " | ".join(
             f"{cell[(s, link)]['ratio']:.2f} ({cell[(s, link)]['old_ratio']:.2f})" if (s, link) in cell else "-"
             for link in links) + " |")
-    for label, key in (("winner, measured", "measured_tokens_per_s"), ("winner, predicted", "predicted_tokens_per_s")):
-        lines.append(f"| *{label}* | " + " | ".join(
-            max((r for r in rows if r["link"] == link), key=lambda r: r[key])["scheme"] for link in links) + " |")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        for label, key in (("winner, measured", "measured_tokens_per_s"), ("winner, predicted", "predicted_tokens_per_s")):
+            lines.append(f"| *{label}, {os.path.basename(model)}* | " + " | ".join(
+                max((r for r in mine if r["link"] == link), key=lambda r: r[key], default={"scheme": "-"})["scheme"]
+                for link in links) + " |")
     inside = sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
     lines += ["", f"{inside} of {len(rows)} cells within ±25 %"]
     return lines
@@ -112,7 +122,7 @@ def main(argv=None) -> int:
               f"--calibrate-ranks N writes one)", file=sys.stderr)
         return 2
     fit_on = tuple(x.strip() for x in a.fit_on.split(",") if x.strip())
-    rows = [r for d in datas for r in rescore(d, profile, fit_on)]
+    rows = [r for d in datas for r in rescore(d, profile, fit_on, datas[0]["meta"]["model"])]
     print(json.dumps(rows, indent=2) if a.json else "\n".join(table(rows)))
     return 0
 

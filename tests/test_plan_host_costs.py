@@ -134,7 +134,7 @@ def test_rescore_reads_a_saved_sweep(tmp_path, capsys):
     row = {"scheme": "zero1", "kind": "zero1", "tp": 1, "pp": 1, "model": "gpt2-tiny", "status": "ok",
            "link": "1gbit", "link_bits_per_s": 1e9, "nodes": 2, "ranks_per_node": 2, "tokens_per_s": 1000.0,
            "predicted": {"tokens_per_s": 2000.0}}
-    meta = {"seq_length": 128, "global_batch": 64, "micro_batch": 4, "nodes": 2, "ranks_per_node": 2,
+    meta = {"seq_length": 128, "global_batch": 64, "micro_batch": 4, "nodes": 2, "ranks_per_node": 2, "model": "gpt2-tiny",
             "profile": str(profile)}
     res = tmp_path / "results.json"
     res.write_text(json.dumps({"meta": meta, "rows": [row, {**row, "link": "30mbit", "link_bits_per_s": 3e7}]}))

@@ -78,7 +78,9 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
     gpu = get_gpu("local", profile=profile)
     spec = ModelSpec.from_config(model_cfg, seq=seq)
     lay = Layout(t, p, d, micro_batch, recompute="none", zero_stage=0)
-    return predict(spec, lay, Workload(global_batch, precision="fp32"), Cluster(gpu, t * p * d, gpus_per_node=2))
+    # the run's ranks share this host's cores (the profile's contention term rescales to them)
+    return predict(spec, lay, Workload(global_batch, precision="fp32"),
+                   Cluster(gpu, t * p * d, gpus_per_node=2, ranks_per_host=t * p * d))
 
 
 def check_local(steps: int = 8, hidden: int = 256, layers: int = 4, seq: int = 128, global_batch: int = 8,
