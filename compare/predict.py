@@ -15,7 +15,8 @@ def calibrate(path: str, threads_per_rank: int = 1, world_size: int = 2) -> str:
     """Measure this machine (GEMM curve, element-wise rates, optimizer step, all-reduce) into a profile
     at `path`, with `world_size` ranks measuring at once (the ranks the runs will put on this host)."""
     from mtds.plan.calibrate import run_calibration, save_profile
-    return str(save_profile(run_calibration(world_size=world_size, threads_per_rank=threads_per_rank), path))
+    return str(save_profile(run_calibration(world_size=world_size, threads_per_rank=threads_per_rank, engine=True),
+                            path))
 
 
 def run_partition(spec, layout, work, world: int, ranks_per_node: int, balance: str | None):

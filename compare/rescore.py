@@ -18,6 +18,26 @@ from .predict import predict_cell
 from .schemes import parse_scheme
 
 
+RATES = ("matmul_tflops", "memory_gbps", "elementwise_gbps", "allreduce_busbw_gbps")
+TIMES = ("optimizer_s_per_param", "optimizer_s_per_tensor", "allreduce_latency_s")
+
+
+def slowed_profile(profile: dict, factor: float) -> dict:
+    """The profile of a host ``factor`` x slower at everything it measured (rates divided, times
+    multiplied): to re-score a sweep whose own profile is lost on another day's machine, with the factor
+    recovered from the sweep's saved predictions (see docs/cluster.md), never from its measurements."""
+    out = dict(profile)
+    for k in RATES:
+        if k in out:
+            out[k] = out[k] / factor
+    for k in TIMES:
+        if out.get(k) is not None:
+            out[k] = out[k] * factor
+    if "engine_overhead" in out:
+        out["engine_overhead"] = {s: [c * factor for c in v] for s, v in out["engine_overhead"].items()}
+    return out
+
+
 def load(path: str, meta: dict | None = None) -> dict:
     """A sweep's results.json, or its results.csv (flat rows; nodes, ranks per node and the batch taken
     from ``meta``, the first results.json given)."""
@@ -107,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="results.json of one or more sweeps (their rows are pooled)")
     ap.add_argument("--profile", help="device profile (default: the first sweep's meta.profile)")
     ap.add_argument("--fit-on", default="10gbit,1gbit", help="columns counted in-sample (default 10gbit,1gbit)")
+    ap.add_argument("--slower", type=float, default=1.0,
+                    help="model a host this many times slower than the profile (a lost profile of another day)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     datas = []
@@ -121,6 +143,17 @@ def main(argv=None) -> int:
         print(f"error: no device profile at {profile!r}; pass --profile FILE (mtds-plan --calibrate "
               f"--calibrate-ranks N writes one)", file=sys.stderr)
         return 2
+    if a.slower <= 0:
+        print(f"error: --slower must be > 0, got {a.slower}", file=sys.stderr)
+        return 2
+    if a.slower != 1.0:
+        import tempfile
+        with open(profile) as f:
+            slowed = slowed_profile(json.load(f), a.slower)
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(slowed, tmp)
+        tmp.close()
+        profile = tmp.name
     fit_on = tuple(x.strip() for x in a.fit_on.split(",") if x.strip())
     rows = [r for d in datas for r in rescore(d, profile, fit_on, datas[0]["meta"]["model"])]
     print(json.dumps(rows, indent=2) if a.json else "\n".join(table(rows)))

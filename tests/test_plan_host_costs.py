@@ -117,10 +117,14 @@ def test_compare_prediction_models_the_run(tmp_path, monkeypatch):
     path = save_profile(dict(PROFILE), tmp_path / "p.json")
     kw = dict(model="gpt2-tiny", seq=128, global_batch=64, micro_batch=4, world=4, ranks_per_node=2,
               link_bytes_per_s=1.25e8, profile=str(path))
-    uniform = predict_cell(parse_scheme("ptdp:tp=2,pp=2"), balance="uniform", **kw)
-    cost = predict_cell(parse_scheme("ptdp:tp=2,pp=2"), balance="cost", **kw)
+    uniform = predict_cell(parse_scheme("ptdp:tp=2,pp=2"), balance="uniform", ranks_per_host=2, **kw)
+    cost = predict_cell(parse_scheme("ptdp:tp=2,pp=2"), balance="cost", ranks_per_host=2, **kw)
     assert uniform["stages"] == [2, 2] and cost["stages"] != [2, 2]
-    assert cost["step_s"] < uniform["step_s"]
+    assert cost["step_s"] < 0.9 * uniform["step_s"]     # a core per rank: balance pays
+    # 4 ranks on 2 cores: the idle stage's core goes to the busy one, balance gains little (busy_share)
+    uniform4 = predict_cell(parse_scheme("ptdp:tp=2,pp=2"), balance="uniform", **kw)
+    cost4 = predict_cell(parse_scheme("ptdp:tp=2,pp=2"), balance="cost", **kw)
+    assert abs(cost4["step_s"] / uniform4["step_s"] - 1) < 0.05
     one_rank = predict_cell(parse_scheme("zero1"), ranks_per_host=2, **kw)
     four = predict_cell(parse_scheme("zero1"), **kw)        # default: all 4 ranks on this host, 2x contention
     assert four["breakdown_s"]["compute"] == pytest.approx(2 * one_rank["breakdown_s"]["compute"])
@@ -144,3 +148,26 @@ def test_rescore_reads_a_saved_sweep(tmp_path, capsys):
     assert rows[0]["old_ratio"] == 2.0 and rows[1]["ratio"] < rows[0]["ratio"]   # slower link, slower step
     assert main([str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.startswith("error: cannot read")
+
+
+def test_pipeline_idle_ranks_leave_their_cores_to_the_busy(gpu):
+    """busy_share: max(1, u k / c) / max(1, k / c), u = mean rank time / critical rank time."""
+    cl = Cluster(gpu, 4, gpus_per_node=2, ranks_per_host=4)
+    assert host_costs.busy_share(cl, 1.0) == 1.0
+    assert host_costs.busy_share(cl, 0.75) == pytest.approx(0.75)
+    assert host_costs.busy_share(cl, 0.4) == pytest.approx(0.5)      # 1.6 busy ranks on 2 cores: no contention
+    assert host_costs.busy_share(Cluster(gpu, 2, ranks_per_host=2), 0.5) == 1.0
+    # inside a prediction: an unbalanced pipeline's compute is scaled by it
+    from mtds.pipeline_layout import StageLayout
+    from mtds.plan import balance
+    lay = Layout(1, 2, 2, 2, recompute="none", zero_stage=1)
+    work = Workload(16, "fp32")
+    stages = StageLayout((1, 1))
+    report = balance.stage_report(GPT2_TINY, lay, work, cl, stages)
+    u = sum(report.rank_s) / 2 / report.critical_s
+    assert u < 1
+    shared = predict(GPT2_TINY, lay, work, cl, stages=stages).time_breakdown_s
+    alone = predict(GPT2_TINY, lay, work, Cluster(gpu, 4, gpus_per_node=2, ranks_per_host=2), stages=stages)
+    # 4 ranks vs 2: contention doubles every compute time, busy_share gives back the idle ranks' share
+    ratio = shared["compute"] / alone.time_breakdown_s["compute"]
+    assert ratio == pytest.approx(2 * host_costs.busy_share(cl, u), rel=1e-6)

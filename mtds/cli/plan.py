@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also rank layouts train.py cannot run yet (flagged; see mtds/plan/runnable.py)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--calibrate", action="store_true", help="measure this machine and save a device profile")
-    o.add_argument("--calibrate-ranks", type=int, default=2, help="gloo ranks for --calibrate")
+    o.add_argument("--calibrate-ranks", type=int, default=2,
+                   help="gloo ranks for --calibrate: as many as the runs to predict put on this host (contention)")
+    o.add_argument("--calibrate-engine", action="store_true",
+                   help="with --calibrate: also measure DeepSpeed's per-micro-batch engine overhead (~15 s)")
     return ap
 
 
@@ -94,7 +97,7 @@ def _cluster(args, precision: str) -> Cluster:
 def _calibrate(args) -> int:
     from mtds.plan.calibrate import run_calibration, save_profile
 
-    prof = run_calibration(world_size=args.calibrate_ranks)
+    prof = run_calibration(world_size=args.calibrate_ranks, engine=args.calibrate_engine)
     path = save_profile(prof, args.profile)
     if args.json:
         print(json.dumps({**prof, "path": str(path)}, indent=2))

@@ -42,13 +42,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _mean_time(fn, seconds: float = 0.2, min_calls: int = 3, repeats: int = 3) -> float:
+def _mean_time(fn, seconds: float = 0.2, min_calls: int = 3, repeats: int = 3, sync=None) -> float:
     """Mean seconds per call over a sustained loop of at least `seconds` (after one warm-up call);
     the fastest of `repeats` such loops, so that a burst of unrelated load on a shared machine
     does not become part of the profile (it only ever slows a loop down)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
+        if sync is not None:     # all ranks start each loop together: they contend as a run's ranks do
+            sync()
         calls, start = 0, time.perf_counter()
         while calls < min_calls or time.perf_counter() - start < seconds:
             fn()
@@ -57,7 +59,7 @@ def _mean_time(fn, seconds: float = 0.2, min_calls: int = 3, repeats: int = 3) -
     return best
 
 
-def measure_matmul(n: int = 1024, dtype=torch.float32, device: str = "cpu", seconds: float = 0.15) -> float:
+def measure_matmul(n: int = 1024, dtype=torch.float32, device: str = "cpu", seconds: float = 0.15, sync=None) -> float:
     """Sustained TFLOP/s of an n x n x n matmul (2 n^3 FLOPs)."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -65,7 +67,7 @@ def measure_matmul(n: int = 1024, dtype=torch.float32, device: str = "cpu", seco
     def run():
         torch.mm(a, b)
         _sync(device)
-    return 2.0 * n ** 3 / _mean_time(run, seconds) / 1e12
+    return 2.0 * n ** 3 / _mean_time(run, seconds, sync=sync) / 1e12
 
 
 def fit_gemm_curve(rates: dict[int, float]) -> tuple[float, float]:
@@ -83,7 +85,7 @@ def fit_gemm_curve(rates: dict[int, float]) -> tuple[float, float]:
     return 1.0 / intercept, max(slope / intercept, 1.0)
 
 
-def measure_memory_bandwidth(nbytes: int = 64 * 2 ** 20, device: str = "cpu") -> float:
+def measure_memory_bandwidth(nbytes: int = 64 * 2 ** 20, device: str = "cpu", sync=None) -> float:
     """GB/s of a large tensor copy (read + write = 2 x nbytes moved)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
@@ -91,10 +93,10 @@ def measure_memory_bandwidth(nbytes: int = 64 * 2 ** 20, device: str = "cpu") ->
     def run():
         dst.copy_(src)
         _sync(device)
-    return 2.0 * nbytes / _mean_time(run) / 1e9
+    return 2.0 * nbytes / _mean_time(run, sync=sync) / 1e9
 
 
-def measure_elementwise_bandwidth(numel: int = 2 ** 20, device: str = "cpu") -> float:
+def measure_elementwise_bandwidth(numel: int = 2 ** 20, device: str = "cpu", sync=None) -> float:
     """GB/s (bytes read + written) of the element-wise kernels of a transformer layer and its
     loss, fp32: tanh-GeLU, layer norm, residual add, and the cross entropy's row max and exp.
     On a CPU their speeds differ several-fold (a row max or exp is arithmetic-bound, a copy is
@@ -111,7 +113,7 @@ def measure_elementwise_bandwidth(numel: int = 2 ** 20, device: str = "cpu") -> 
         torch.exp(x)
         _sync(device)
     moved = 4 * numel * (2 + 2 + 3 + 1 + 2)      # r+w, r+w, 2r+w, r, r+w
-    return moved / _mean_time(run) / 1e9
+    return moved / _mean_time(run, sync=sync) / 1e9
 
 
 OPTIMIZER_SETS = ((4, 2 ** 18), (256, 256))     # (tensors, elements each): per-parameter vs per-tensor cost
@@ -131,7 +133,7 @@ def solve_per_param_and_tensor(samples: dict[tuple[int, int], float]) -> tuple[f
     return a, max(b, 0.0)
 
 
-def measure_optimizer(device: str = "cpu", sets=OPTIMIZER_SETS) -> tuple[float, float]:
+def measure_optimizer(device: str = "cpu", sets=OPTIMIZER_SETS, sync=None) -> tuple[float, float]:
     """(s/param, s/tensor) of one trainer optimizer step: clip_grad_norm_ (DeepSpeed's gradient_clipping),
     torch AdamW with the run's hyper-parameters, gradients dropped after it (zero_grad)."""
     times = {}
@@ -147,7 +149,7 @@ def measure_optimizer(device: str = "cpu", sets=OPTIMIZER_SETS) -> tuple[float, 
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
-        times[(tensors, numel)] = _mean_time(run, seconds=0.05)
+        times[(tensors, numel)] = _mean_time(run, seconds=0.05, sync=sync)
     return solve_per_param_and_tensor(times)
 
 
@@ -196,14 +198,15 @@ def measure_all_reduce(group=None, sizes=ALLREDUCE_SIZES, calls: int = 20, repea
     return busbw, latency, times
 
 
-def _measure_compute(device: str = "cpu") -> dict:
-    curve = {n: measure_matmul(n, device=device) for n in GEMM_SIZES}
+def _measure_compute(device: str = "cpu", sync=None) -> dict:
+    """sync: a barrier of the ranks measuring at once, so every loop runs with all of them computing."""
+    curve = {n: measure_matmul(n, device=device, sync=sync) for n in GEMM_SIZES}
     peak, half = fit_gemm_curve(curve)
     return {"matmul_tflops": peak, "gemm_half_dim": half,
             "matmul_tflops_by_size": {str(n): r for n, r in curve.items()},
-            "memory_gbps": measure_memory_bandwidth(device=device),
-            "elementwise_gbps": measure_elementwise_bandwidth(device=device),
-            **dict(zip(("optimizer_s_per_param", "optimizer_s_per_tensor"), measure_optimizer(device)))}
+            "memory_gbps": measure_memory_bandwidth(device=device, sync=sync),
+            "elementwise_gbps": measure_elementwise_bandwidth(device=device, sync=sync),
+            **dict(zip(("optimizer_s_per_param", "optimizer_s_per_tensor"), measure_optimizer(device, sync=sync)))}
 
 
 def _free_port() -> int:
@@ -212,27 +215,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, threads: int, queue) -> None:
+ENGINE_STAGES = (0, 1, 3)
+
+
+def _worker(rank: int, world: int, port: int, threads: int, queue, engine: bool = False) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         # every rank measures at once, so shared cores are contended as in a real run
-        dist.barrier()
-        result = _measure_compute()
+        result = _measure_compute(sync=dist.barrier)
         dist.barrier()
         result["allreduce_busbw_gbps"], result["allreduce_latency_s"], times = measure_all_reduce()
         result["allreduce_mean_s_by_bytes"] = {str(k): v for k, v in times.items()}
+        if engine:
+            from mtds.plan.calibrate_engine import measure_engine_overhead
+            result["engine_overhead"] = {str(s): measure_engine_overhead(s, sync=dist.barrier) for s in ENGINE_STAGES}
         queue.put((rank, result))
     finally:
         dist.destroy_process_group()
 
 
-def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) -> dict:
+def run_calibration(world_size: int = 2, threads_per_rank: int | None = None, engine: bool = False) -> dict:
     """Measure with `world_size` gloo ranks in-process (or the existing process group). Give the
     number of ranks the runs to predict will place on this host: compute is measured with that many
-    processes on the cores at once (contention), not one rank alone."""
+    processes on the cores at once (contention), not one rank alone. ``engine``: also measure what
+    DeepSpeed's engine adds per micro-batch at ZeRO 0, 1 and 3 (mtds.plan.calibrate_engine, ~15 s more)."""
     import torch.distributed as dist
 
     if world_size < 2:
@@ -250,7 +259,8 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, queue)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, queue, engine))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         try:
@@ -270,6 +280,9 @@ def run_calibration(world_size: int = 2, threads_per_rank: int | None = None) ->
     prof["gemm_half_dim"] = slowest["gemm_half_dim"]
     prof["matmul_tflops_by_size"] = slowest["matmul_tflops_by_size"]
     prof["allreduce_latency_s"] = max(r["allreduce_latency_s"] for r in results)
+    if "engine_overhead" in results[0]:      # the slowest rank's, stage by stage
+        prof["engine_overhead"] = {s: max((r["engine_overhead"][s] for r in results), key=sum)
+                                   for s in results[0]["engine_overhead"]}
     if "allreduce_mean_s_by_bytes" in results[0]:
         prof["allreduce_mean_s_by_bytes"] = results[0]["allreduce_mean_s_by_bytes"]
     try:

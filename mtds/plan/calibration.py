@@ -85,6 +85,9 @@ class Calibration:
     # reductions, on the cores that compute) -- the calibrated all-reduce bus bandwidth. A shaped
     # inter-node link and this host cost are paid one after the other (host_costs.serial_link_gbps).
     host_transport_gbps: float | None = None
+    # What DeepSpeed's engine adds per micro-batch beside FLOPs and bytes (hooks, bucketing, bookkeeping),
+    # measured by mtds.plan.calibrate_engine: ((zero_stage, s per micro-batch, s per module per micro-batch), ...)
+    engine_overhead: tuple = ()
     # The collectives' library: gloo runs reduce_scatter as an all-reduce (host_costs.zero3_traffic).
     collective_backend: str = "nccl"
 

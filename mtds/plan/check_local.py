@@ -85,12 +85,14 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
 
 def check_local(steps: int = 8, hidden: int = 256, layers: int = 4, seq: int = 128, global_batch: int = 8,
                 micro_batch: int = 4, layouts=LAYOUTS, profile: str | None = None,
-                calibrate_each: bool = True) -> list[dict]:
+                calibrate_each: bool = True, calibrate_engine: bool = False) -> list[dict]:
     """Calibrate (unless a profile is given), predict and measure each layout; one dict per layout
     with predicted and measured step time, tokens/s and the ratio measured / predicted.
 
     calibrate_each: calibrate again right before each layout's run, so that the prediction and
-    the measurement see the same state of a shared machine (its speed drifts over minutes)."""
+    the measurement see the same state of a shared machine (its speed drifts over minutes).
+    calibrate_engine: also measure DeepSpeed's per-micro-batch engine overhead (~15 s per calibration;
+    the command line does)."""
     from mtds.plan.calibrate import run_calibration, save_profile
 
     cfg = model_config(hidden=hidden, layers=layers, seq=seq)
@@ -98,7 +100,8 @@ def check_local(steps: int = 8, hidden: int = 256, layers: int = 4, seq: int = 1
 
     def fresh_profile() -> str:
         # one thread per rank, as the training ranks spawned by mtds.testing.spawn run
-        return str(save_profile(run_calibration(world_size=2, threads_per_rank=1), Path(tmp.name) / "p.json"))
+        return str(save_profile(run_calibration(world_size=2, threads_per_rank=1, engine=calibrate_engine),
+                                Path(tmp.name) / "p.json"))
     out = []
     try:
         calibrate = profile is None
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON list (predicted and measured per layout)")
     a = ap.parse_args(argv)
     rows = check_local_repeated(a.repeats, steps=a.steps, hidden=a.hidden, layers=a.layers, seq=a.seq,
-                                global_batch=a.global_batch, micro_batch=a.microbatch, profile=a.profile)
+                                global_batch=a.global_batch, micro_batch=a.microbatch, profile=a.profile,
+                                calibrate_engine=True)
     for r in rows:
         r["within_tolerance"] = abs(r["ratio_measured_over_predicted"] - 1) <= a.tolerance
     if a.json:

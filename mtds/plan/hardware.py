@@ -87,6 +87,7 @@ def _profile_calibration(prof: dict) -> Calibration:
         calibrated_concurrency=prof.get("concurrency"), host_cores=prof.get("host_cores"),
         host_transport_gbps=float(prof["allreduce_busbw_gbps"]) if "concurrency" in prof else None,
         collective_backend=prof.get("backend", "gloo"),
+        engine_overhead=tuple((int(k), float(c0), float(c1)) for k, (c0, c1) in prof.get("engine_overhead", {}).items()),
         **optional,
         hop_latency_s=float(prof.get("allreduce_latency_s", 50e-6)),
         gemm_half_dim=float(prof.get("gemm_half_dim", LOCAL_CALIBRATION.gemm_half_dim)),

@@ -7,6 +7,11 @@ contention_factor   k ranks on c cores, each rank single-threaded, share the cor
                         slowdown = max(1, k / c) / max(1, k_cal / c)
                     times slower than the profile says (1 when the profile was taken at the run's
                     concurrency, which is what compare and check_local do).
+busy_share          a pipeline's ranks are not all computing at once: a non-critical stage idles for the
+                    part of the step its work does not fill, and its cores go to the ranks that compute.
+                    With utilisation u = mean rank time / critical rank time, k u ranks compete:
+                        scale = max(1, u k / c) / max(1, k / c)
+                    applied to the pipeline's compute and bubble (1 for u = 1 or k <= c).
 optimizer_step_time the trainer's per-step work outside forward/backward: clip the gradients to a global
                     norm, AdamW step, drop the gradients. Calibrated as it runs (torch AdamW, one tensor
                     at a time) on large and on many small tensors:
@@ -18,6 +23,13 @@ serial_link_gbps    a collective between hosts is paid twice per byte, on the sh
                     compute; the calibrated all-reduce bus bandwidth B_host):
                         1 / B = 1 / B_link + 1 / B_host
                     (a 10 Gbit/s link on 2 shared cores runs at the host's rate, not at 10 Gbit/s).
+engine_overhead     what DeepSpeed's engine adds per micro-batch beside FLOPs and bytes (ZeRO-3's pre/post
+                    hooks on every module in both passes, the gradient hooks and bucketing of ZeRO-1/2,
+                    the engine's own bookkeeping), measured by mtds.plan.calibrate_engine as c0 + c1 M on
+                    a stack of M small layers; applied per micro-batch with M = the stage's modules that
+                    hold parameters (6 per GPT block, embeddings, final norm):
+                        t = m (c0 + c1 M) x contention
+                    (ZeRO-2 takes ZeRO-1's measurement).
 zero3_traffic       ZeRO-3 per micro-batch (DeepSpeed stage 3): forward and backward all-gather only the
                     partitioned parameters -- tensors of fewer than ``persistence_threshold`` elements
                     stay whole on every rank (stage3_param_persistence_threshold, 1e5) --
@@ -47,6 +59,16 @@ def contention_factor(cluster: Cluster) -> float:
     return max(1.0, k_run / cores) / max(1.0, c.calibrated_concurrency / cores)
 
 
+def busy_share(cluster: Cluster, utilisation: float) -> float:
+    """How much of the contention a pipeline's critical rank really sees (module doc: busy_share)."""
+    c = cluster.calib
+    k_run = cluster.ranks_per_host
+    if not (c.calibrated_concurrency and c.host_cores and k_run):
+        return 1.0
+    cores = c.host_cores
+    return max(1.0, utilisation * k_run / cores) / max(1.0, k_run / cores)
+
+
 def optimizer_step_time(n_params: float, n_tensors: float, cluster: Cluster) -> float | None:
     """Seconds of the calibrated optimizer step (clip + AdamW + zero_grad) for this rank's parameters;
     None when the profile has no such measurement (GPUs: the roofline in compute.optimizer_time)."""
@@ -63,6 +85,24 @@ def serial_link_gbps(link_gbps: float, cluster: Cluster) -> float:
     if not host:
         return link_gbps
     return 1.0 / (1.0 / link_gbps + contention_factor(cluster) / host)
+
+
+def modules_with_parameters(model: ModelSpec, pp: int = 1) -> float:
+    """Modules holding parameters on one pipeline stage: per block two norms, QKV, projection and the
+    MLP's two (a gated MLP's gate and up are one module); word and position embeddings, final norm and an
+    untied head once, spread over the stages."""
+    ends = 2 + (0 if model.rotary else 1) + (1 if model.untied_head else 0)
+    return (6 * model.layers + ends) / pp
+
+
+def engine_overhead(model: ModelSpec, zero_stage: int, microbatches: int, cluster: Cluster, pp: int = 1) -> float:
+    """Seconds per step of the calibrated engine overhead (module doc); 0 without a measurement."""
+    measured = {stage: (c0, c1) for stage, c0, c1 in cluster.calib.engine_overhead}
+    stage = 1 if zero_stage == 2 else zero_stage
+    if stage not in measured:
+        return 0.0
+    c0, c1 = measured[stage]
+    return microbatches * (c0 + c1 * modules_with_parameters(model, pp)) * contention_factor(cluster)
 
 
 def param_tensor_sizes(model: ModelSpec, tp: int = 1) -> list[float]:

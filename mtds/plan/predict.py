@@ -13,6 +13,8 @@ Step time of one pipeline (PTD-P, arXiv 2104.04473, eq. 1 extended with communic
            + 2 (v m + p - 1) * t_p2p                 activations/gradients between stages
            + t_tied_embedding                        first/last stage embedding-gradient all-reduce
            + exposed data-parallel communication
+           + m * engine overhead                     DeepSpeed's per-micro-batch hooks and bookkeeping,
+                                                     calibrated on CPU hosts (mtds.plan.host_costs)
 with m = B/(b d) microbatches. Tensor parallelism issues 2 all-reduces of s b h values in the
 forward and 2 in the backward of every layer (Megatron, arXiv 1909.08053 Section 3), plus 2 more
 when the forward is recomputed; sequence parallelism swaps each for an all-gather +
@@ -41,7 +43,7 @@ class Prediction:
 
     layout: Layout
     step_time_s: float
-    time_breakdown_s: dict            # compute, tp_comm, pp_comm, dp_comm, bubble
+    time_breakdown_s: dict            # compute, tp_comm, pp_comm, dp_comm, bubble, engine (host_costs)
     memory: MemoryBreakdown
     memory_capacity_gib: float
     tflops_per_gpu: float             # hardware FLOPs (with recomputation), as PTD-P reports
@@ -188,7 +190,8 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
     if stages is not None and p > 1:
         compute_s, tp_s, bubble_s, stage_info = partition_times(model, layout, work, cluster, stages, m, t_acc,
                                                                 compute_s, t_tp_one)
-    step = compute_s + tp_s + bubble_s + pp_s + dp_s
+    engine_s = host_costs.engine_overhead(model, layout.zero_stage, m, cluster, p)
+    step = compute_s + tp_s + bubble_s + pp_s + dp_s + engine_s
     mem = predict_memory(model, layout, work, cluster)
     capacity = cluster.gpu.hbm_gib
     fits = mem.total <= capacity * GIB
@@ -203,7 +206,8 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
     days = work.train_tokens / (work.global_batch * s) * step / 86400.0
     return Prediction(
         layout=layout, step_time_s=step,
-        time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s},
+        time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s,
+                          "engine": engine_s},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
         not_runnable=tuple(not_runnable(layout, work.precision)), stages=stage_info,
@@ -219,7 +223,7 @@ def partition_times(model: ModelSpec, layout: Layout, work: Workload, cluster: C
     accumulation, optimizer, the sequence-parallel gradient sum) stay. The bubble: with unequal stages
     1F1B's fill and drain take the other ranks' F + B + W once each, sum(ranks) − critical (= (p − 1) x
     stage for equal stages), so the schedule's (F, B, W) are scaled by the mean other rank's time over
-    the uniform stage's."""
+    the uniform stage's. On a shared host, compute and bubble are scaled by host_costs.busy_share."""
     from mtds.plan import balance
     p = layout.pp
     report = balance.stage_report(model, layout, work, cluster, stages)
@@ -234,7 +238,9 @@ def partition_times(model: ModelSpec, layout: Layout, work: Workload, cluster: C
     f, b, w = stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc)
     bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, layout.virtual_stages, f * scale, b * scale,
                                     w * scale)
-    return compute_s, tp_s, bubble_s, report.as_dict()
+    # on a shared host the idle ranks' cores go to the busy ones (host_costs.busy_share)
+    share = host_costs.busy_share(cluster, sum(report.rank_s) / p / report.critical_s)
+    return compute_s * share, tp_s, bubble_s * share, report.as_dict()
 
 
 def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, t_tp_one: float,
