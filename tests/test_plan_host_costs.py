@@ -14,7 +14,8 @@ from mtds.plan.predict import predict
 PROFILE = {"device": "cpu", "dtype": "fp32", "backend": "gloo", "matmul_tflops": 0.05, "gemm_half_dim": 8.0,
            "memory_gbps": 10.0, "elementwise_gbps": 4.0, "allreduce_busbw_gbps": 0.5, "allreduce_latency_s": 1e-3,
            "memory_gib": 4.0, "devices_per_node": 2, "concurrency": 2, "host_cores": 2,
-           "optimizer_s_per_param": 5e-9, "optimizer_s_per_tensor": 1e-4}
+           "optimizer_s_per_param": 5e-9, "optimizer_s_per_tensor": 1e-4,
+           "engine_overhead": {"0": [1e-3, 1e-5], "1": [2e-3, 2e-5], "3": [1e-2, 1e-3]}}
 MODEL = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq=32)
 # gpt2-tiny at its position-table length (256): DeepSpeed measured Psi_p = 826,112 (docs/cluster.md)
 GPT2_TINY = ModelSpec(layers=4, hidden=128, heads=4, vocab=8192, seq=256)
@@ -55,6 +56,18 @@ def test_optimizer_step_is_the_calibrated_rate(gpu):
     gpu0 = dataclasses.replace(gpu, calibration=gpu.calibration.with_overrides(optimizer_s_per_tensor=0.0))
     without = predict(MODEL, lay, work, Cluster(gpu0, 1, ranks_per_host=2)).time_breakdown_s["compute"]
     assert with_opt - without == pytest.approx(28 * 1e-4)
+
+
+@pytest.mark.parametrize("stage, c0, c1", [(0, 1e-3, 1e-5), (1, 2e-3, 2e-5), (2, 2e-3, 2e-5), (3, 1e-2, 1e-3)])
+def test_engine_overhead_per_micro_batch_and_module(gpu, stage, c0, c1):
+    """m (c0 + c1 M) x contention, M = 6 l + 3 modules holding parameters (ZeRO-2 takes ZeRO-1's)."""
+    cl = Cluster(gpu, 4, gpus_per_node=4, ranks_per_host=4)
+    modules = 6 * GPT2_TINY.layers + 3
+    assert host_costs.modules_with_parameters(GPT2_TINY) == modules
+    lay = Layout(1, 1, 4, 4, recompute="none", zero_stage=stage)
+    pr = predict(GPT2_TINY, lay, Workload(64, "fp32"), cl)
+    assert pr.time_breakdown_s["engine"] == pytest.approx(4 * (c0 + c1 * modules) * 2.0)
+    assert pr.step_time_s == pytest.approx(sum(pr.time_breakdown_s.values()))
 
 
 def test_per_param_and_tensor_solve():
