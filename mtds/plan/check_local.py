@@ -79,8 +79,20 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
     spec = ModelSpec.from_config(model_cfg, seq=seq)
     lay = Layout(t, p, d, micro_batch, recompute="none", zero_stage=0)
     # the run's ranks share this host's cores (the profile's contention term rescales to them)
-    return predict(spec, lay, Workload(global_batch, precision="fp32"),
-                   Cluster(gpu, t * p * d, gpus_per_node=2, ranks_per_host=t * p * d))
+    # the partition the run builds (train.py's default balance; check_local passes no layout option)
+    from mtds.pipeline_layout import uniform_layout
+    from mtds.training.stage_plan import DEFAULT_BALANCE
+    work = Workload(global_batch, precision="fp32")
+    stages = None
+    if p > 1:
+        if DEFAULT_BALANCE == "uniform":
+            stages = uniform_layout(spec.layers, p)
+        else:
+            from mtds.training.stage_plan import REFERENCE_GPU
+            from mtds.plan.balance import balanced_layout
+            stages = balanced_layout(spec, lay, work, Cluster(get_gpu(REFERENCE_GPU, "fp32"), gpus=t * p * d))
+    return predict(spec, lay, work, Cluster(gpu, t * p * d, gpus_per_node=2, ranks_per_host=t * p * d),
+                   stages=stages)
 
 
 def check_local(steps: int = 8, hidden: int = 256, layers: int = 4, seq: int = 128, global_batch: int = 8,
