@@ -25,7 +25,8 @@ def run_partition(spec, layout, work, world: int, ranks_per_node: int, balance: 
     if layout.pp == 1:
         return None
     from mtds.pipeline_layout import uniform_layout
-    from mtds.training.stage_plan import DEFAULT_BALANCE, REFERENCE_GPU
+    from mtds.plan.balance import DEFAULT_BALANCE
+    from mtds.training.stage_plan import REFERENCE_GPU
     if (balance or DEFAULT_BALANCE) == "uniform":
         return uniform_layout(spec.layers, layout.pp * layout.virtual_stages)
     from mtds.plan.balance import balanced_layout

@@ -117,7 +117,7 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                 row = {"scheme": s.name, "kind": s.kind, "tp": s.tp, "pp": s.pp, "dp": s.data_parallel(world),
                        "model": s.model or args.model, "grad_reduce": s.grad_reduce}
                 if s.pp > 1:     # the partition train.py builds (compare.predict.run_partition re-derives it)
-                    from mtds.training.stage_plan import DEFAULT_BALANCE
+                    from mtds.plan.balance import DEFAULT_BALANCE
                     row["pipeline_balance"] = DEFAULT_BALANCE
                 try:
                     launched = launch_on_cluster(cluster, s, model=args.model, steps=args.steps,

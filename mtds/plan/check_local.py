@@ -81,7 +81,7 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
     # the run's ranks share this host's cores (the profile's contention term rescales to them)
     # the partition the run builds (train.py's default balance; check_local passes no layout option)
     from mtds.pipeline_layout import uniform_layout
-    from mtds.training.stage_plan import DEFAULT_BALANCE
+    from mtds.plan.balance import DEFAULT_BALANCE
     work = Workload(global_batch, precision="fp32")
     stages = None
     if p > 1:
