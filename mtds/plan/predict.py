@@ -180,8 +180,10 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
         k = cluster.calib.zero3_overlap_exponent
         dp_s = (busy ** k + z ** k) ** (1.0 / k) - busy
     else:
-        # ZeRO-0: all-reduce; ZeRO-1/2 reduce-scatter + all-gather, the same ring volume; DeepSpeed's own
-        # ZeRO-1 all-reduces the gradients and then all-gathers the updated parameters
+        # ZeRO-0: all-reduce; ZeRO-1/2 reduce-scatter + all-gather, the same ring volume (on gloo too: mtds's
+        # ZeRO-1 reduce-scatter is its own ring of sends, mtds/dp_reduce.py, not gloo's reduce_scatter, which
+        # all-reduces -- that one is ZeRO-3's, host_costs.zero3_traffic); DeepSpeed's own ZeRO-1 all-reduces
+        # the gradients and then all-gathers the updated parameters
         dp_s = (1.0 - cluster.calib.dp_overlap) * comm.all_reduce(grad_bytes, d, t, cluster)
         if layout.zero_stage in (1, 2) and zero1_grad_reduce == "all-reduce":
             dp_s += (1.0 - cluster.calib.dp_overlap) * comm.all_gather(grad_bytes, d, t, cluster)
