@@ -184,3 +184,11 @@ def test_pipeline_idle_ranks_leave_their_cores_to_the_busy(gpu):
     # 4 ranks vs 2: contention doubles every compute time, busy_share gives back the idle ranks' share
     ratio = shared["compute"] / alone.time_breakdown_s["compute"]
     assert ratio == pytest.approx(2 * host_costs.busy_share(cl, u), rel=1e-6)
+
+
+def test_calibrate_needs_a_ring(capsys):
+    from mtds.cli.plan import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--calibrate", "--calibrate-ranks", "1"])
+    assert exc.value.code == 2
+    assert "error: --calibrate-ranks must be >= 2" in capsys.readouterr().err

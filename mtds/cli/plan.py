@@ -132,8 +132,11 @@ def with_partition(model, work, cluster, pr, layout_text: str | None, balance: s
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.calibrate:
+        if args.calibrate_ranks < 2:     # the all-reduce fit needs a ring
+            parser.error(f"--calibrate-ranks must be >= 2 (it fits a ring all-reduce), got {args.calibrate_ranks}")
         return _calibrate(args)
     if not args.global_batch:
         raise SystemExit("mtds-plan: --global-batch is required")
