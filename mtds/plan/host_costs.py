@@ -49,23 +49,31 @@ PERSISTENCE_THRESHOLD = 100_000      # DeepSpeed's stage3_param_persistence_thre
 ZERO3_REDUCE_BUCKET = 500_000_000    # DeepSpeed's reduce_bucket_size default (elements)
 
 
-def contention_factor(cluster: Cluster) -> float:
-    """How much slower a rank computes than the profile measured, from the ranks sharing the host."""
+def _sharing(cluster: Cluster) -> tuple[int, int, int] | None:
+    """(ranks of the run on the host, host cores, ranks the profile ran at once), or None where the
+    profile or the cluster does not say (GPUs): then the sharing terms are neutral."""
     c = cluster.calib
     k_run = cluster.ranks_per_host
     if not (c.calibrated_concurrency and c.host_cores and k_run):
+        return None
+    return k_run, c.host_cores, c.calibrated_concurrency
+
+
+def contention_factor(cluster: Cluster) -> float:
+    """How much slower a rank computes than the profile measured, from the ranks sharing the host."""
+    sharing = _sharing(cluster)
+    if sharing is None:
         return 1.0
-    cores = c.host_cores
-    return max(1.0, k_run / cores) / max(1.0, c.calibrated_concurrency / cores)
+    k_run, cores, k_cal = sharing
+    return max(1.0, k_run / cores) / max(1.0, k_cal / cores)
 
 
 def busy_share(cluster: Cluster, utilisation: float) -> float:
     """How much of the contention a pipeline's critical rank really sees (module doc: busy_share)."""
-    c = cluster.calib
-    k_run = cluster.ranks_per_host
-    if not (c.calibrated_concurrency and c.host_cores and k_run):
+    sharing = _sharing(cluster)
+    if sharing is None:
         return 1.0
-    cores = c.host_cores
+    k_run, cores, _ = sharing
     return max(1.0, utilisation * k_run / cores) / max(1.0, k_run / cores)
 
 
