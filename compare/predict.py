@@ -24,16 +24,9 @@ def run_partition(spec, layout, work, world: int, ranks_per_node: int, balance: 
     the cost model on the planner's reference GPU with this host's memory per rank); None without a pipeline."""
     if layout.pp == 1:
         return None
-    from mtds.pipeline_layout import uniform_layout
-    from mtds.plan.balance import DEFAULT_BALANCE
-    from mtds.training.stage_plan import REFERENCE_GPU
-    if (balance or DEFAULT_BALANCE) == "uniform":
-        return uniform_layout(spec.layers, layout.pp * layout.virtual_stages)
-    from mtds.plan.balance import balanced_layout
-    from mtds.plan.hardware import Cluster, get_gpu
+    from mtds.plan.balance import run_partition
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return balanced_layout(spec, layout, work, Cluster(get_gpu(REFERENCE_GPU, work.precision), gpus=world),
-                           capacity_bytes=ram / ranks_per_node)
+    return run_partition(spec, layout, work, world, balance, capacity_bytes=ram / ranks_per_node)
 
 
 def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, micro_batch: int, world: int,

@@ -32,6 +32,10 @@ BALANCE_CHOICES = ("uniform", "cost")
 # train.py and mtds-plan without --pipeline-balance: cost beat uniform in every repeat of the quiet
 # measurement (docs/pipeline.md, run D: +13% tokens/s at p = 2).
 DEFAULT_BALANCE = "cost"
+# The cost model prices layers on one fixed device (the planner's A100 numbers) rather than the one
+# the run happens to be on: every rank gets the same partition from the same config, and the ratio that
+# matters (LM head + loss : block) is a property of the model shapes more than of the chip.
+REFERENCE_GPU = "A100"
 
 
 @dataclass(frozen=True)
@@ -197,5 +201,17 @@ def balanced_layout(model: ModelSpec, layout: Layout, work: Workload, cluster: C
     return best
 
 
-__all__ = ["BALANCE_CHOICES", "LayerCosts", "StageReport", "balanced_layout", "cost_layout", "layer_costs",
+__all__ = ["BALANCE_CHOICES", "DEFAULT_BALANCE", "REFERENCE_GPU", "run_partition", "LayerCosts", "StageReport", "balanced_layout", "cost_layout", "layer_costs",
            "rank_of_stage", "rank_memory", "stage_report"]
+
+
+def run_partition(model: ModelSpec, layout: Layout, work: Workload, world: int, balance: str | None,
+                  capacity_bytes: float) -> StageLayout:
+    """The partition train.py builds without ``--pipeline-layout``: ``balance`` (None: DEFAULT_BALANCE),
+    priced on REFERENCE_GPU, each rank's memory within ``capacity_bytes``. The one rule train.py,
+    compare and check_local share."""
+    if (balance or DEFAULT_BALANCE) == "uniform":
+        return uniform_layout(model.layers, layout.pp * layout.virtual_stages)
+    from mtds.plan.hardware import get_gpu
+    return balanced_layout(model, layout, work, Cluster(get_gpu(REFERENCE_GPU, work.precision), gpus=world),
+                           capacity_bytes=capacity_bytes)

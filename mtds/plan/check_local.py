@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -80,17 +81,12 @@ def predict_local(layout, model_cfg, seq: int, global_batch: int, micro_batch: i
     lay = Layout(t, p, d, micro_batch, recompute="none", zero_stage=0)
     # the run's ranks share this host's cores (the profile's contention term rescales to them)
     # the partition the run builds (train.py's default balance; check_local passes no layout option)
-    from mtds.pipeline_layout import uniform_layout
-    from mtds.plan.balance import DEFAULT_BALANCE
+    from mtds.plan.balance import run_partition
     work = Workload(global_batch, precision="fp32")
     stages = None
-    if p > 1:
-        if DEFAULT_BALANCE == "uniform":
-            stages = uniform_layout(spec.layers, p)
-        else:
-            from mtds.training.stage_plan import REFERENCE_GPU
-            from mtds.plan.balance import balanced_layout
-            stages = balanced_layout(spec, lay, work, Cluster(get_gpu(REFERENCE_GPU, "fp32"), gpus=t * p * d))
+    if p > 1:      # the run's ranks share this host's RAM (stage_plan.device_memory_bytes)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        stages = run_partition(spec, lay, work, t * p * d, None, capacity_bytes=ram / (t * p * d))
     return predict(spec, lay, work, Cluster(gpu, t * p * d, gpus_per_node=2, ranks_per_host=t * p * d),
                    stages=stages)
 

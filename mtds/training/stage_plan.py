@@ -9,12 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mtds.pipeline_layout import StageLayout, parse_layout, uniform_layout
-from mtds.plan.balance import DEFAULT_BALANCE
-
-# The cost model prices layers on one fixed device (the planner's A100 numbers) rather than the one
-# the run happens to be on: every rank gets the same partition from the same config, and the ratio that
-# matters (LM head + loss : block) is a property of the model shapes more than of the chip.
-REFERENCE_GPU = "A100"
+from mtds.plan.balance import DEFAULT_BALANCE, REFERENCE_GPU
 
 
 def device_memory_bytes(device: torch.device) -> float:
@@ -47,11 +42,12 @@ def resolve_stage_layout(cfg, model_cfg, layout, batch, precision: str, zero_sta
         return parse_layout(cfg.pipeline_layout, stages=stages, num_layers=model_cfg.num_layers)
     if (cfg.pipeline_balance or DEFAULT_BALANCE) == "uniform":
         return uniform_layout(model_cfg.num_layers, stages)
-    from mtds.plan.balance import balanced_layout
+    from mtds.plan.balance import run_partition
     decided = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        view = planner_view(cfg, model_cfg, layout, batch, precision, zero_stage)
-        decided[0] = balanced_layout(*view, capacity_bytes=device_memory_bytes(device)).blocks
+        spec, plan_layout, work, _ = planner_view(cfg, model_cfg, layout, batch, precision, zero_stage)
+        decided[0] = run_partition(spec, plan_layout, work, layout.world_size, cfg.pipeline_balance,
+                                   device_memory_bytes(device)).blocks
     if dist.is_initialized():
         dist.broadcast_object_list(decided, src=0)
     return StageLayout(tuple(decided[0]))
