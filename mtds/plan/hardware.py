@@ -126,14 +126,40 @@ class Cluster:
         if group_span <= self.per_node:
             intra = (self.intra_gbps or self.gpu.nvlink_gbps) * self.calib.nvlink_efficiency
             if self.calib.host_transport_gbps:   # measured on the host's cores: shared as compute is
-                from mtds.plan.host_costs import contention_factor
                 intra /= contention_factor(self)
             return intra
         link = (self.inter_gbps or self.gpu.internode_gbps) * self.calib.ib_efficiency
-        if self.inter_gbps:      # a shaped link: its bytes also cross the host's stack (host_costs)
-            from mtds.plan.host_costs import serial_link_gbps
+        if self.inter_gbps:      # a shaped link: its bytes also cross the host's stack (serial_link_gbps)
             return serial_link_gbps(link, self)
         return link
 
     def with_gpu(self, **kw) -> "Cluster":
         return replace(self, **kw)
+
+
+# Two of mtds.plan.host_costs's terms (described there), here because Cluster.link_gbps applies them.
+def host_sharing(cluster: Cluster) -> tuple[int, int, int] | None:
+    """(ranks of the run on the host, host cores, ranks the profile ran at once), or None where the
+    profile or the cluster does not say (GPUs): then the sharing terms are neutral."""
+    c = cluster.calib
+    k_run = cluster.ranks_per_host
+    if not (c.calibrated_concurrency and c.host_cores and k_run):
+        return None
+    return k_run, c.host_cores, c.calibrated_concurrency
+
+
+def contention_factor(cluster: Cluster) -> float:
+    """How much slower a rank computes than the profile measured, from the ranks sharing the host."""
+    sharing = host_sharing(cluster)
+    if sharing is None:
+        return 1.0
+    k_run, cores, k_cal = sharing
+    return max(1.0, k_run / cores) / max(1.0, k_cal / cores)
+
+
+def serial_link_gbps(link_gbps: float, cluster: Cluster) -> float:
+    """Effective GB/s of a link whose bytes also pass through the host's stack (mtds.plan.host_costs)."""
+    host = cluster.calib.host_transport_gbps
+    if not host:
+        return link_gbps
+    return 1.0 / (1.0 / link_gbps + contention_factor(cluster) / host)

@@ -42,35 +42,18 @@ from __future__ import annotations
 
 import math
 
-from mtds.plan.hardware import Cluster
+# contention_factor and serial_link_gbps live beside Cluster (its link_gbps applies them); they are
+# this module's terms all the same, and re-exported here.
+from mtds.plan.hardware import Cluster, contention_factor, host_sharing, serial_link_gbps
 from mtds.plan.model_spec import ModelSpec
 
 PERSISTENCE_THRESHOLD = 100_000      # DeepSpeed's stage3_param_persistence_threshold default
 ZERO3_REDUCE_BUCKET = 500_000_000    # DeepSpeed's reduce_bucket_size default (elements)
 
 
-def _sharing(cluster: Cluster) -> tuple[int, int, int] | None:
-    """(ranks of the run on the host, host cores, ranks the profile ran at once), or None where the
-    profile or the cluster does not say (GPUs): then the sharing terms are neutral."""
-    c = cluster.calib
-    k_run = cluster.ranks_per_host
-    if not (c.calibrated_concurrency and c.host_cores and k_run):
-        return None
-    return k_run, c.host_cores, c.calibrated_concurrency
-
-
-def contention_factor(cluster: Cluster) -> float:
-    """How much slower a rank computes than the profile measured, from the ranks sharing the host."""
-    sharing = _sharing(cluster)
-    if sharing is None:
-        return 1.0
-    k_run, cores, k_cal = sharing
-    return max(1.0, k_run / cores) / max(1.0, k_cal / cores)
-
-
 def busy_share(cluster: Cluster, utilisation: float) -> float:
     """How much of the contention a pipeline's critical rank really sees (module doc: busy_share)."""
-    sharing = _sharing(cluster)
+    sharing = host_sharing(cluster)
     if sharing is None:
         return 1.0
     k_run, cores, _ = sharing
@@ -85,14 +68,6 @@ def optimizer_step_time(n_params: float, n_tensors: float, cluster: Cluster) -> 
         return None
     return (n_params * c.optimizer_s_per_param + n_tensors * (c.optimizer_s_per_tensor or 0.0)) \
         * contention_factor(cluster)
-
-
-def serial_link_gbps(link_gbps: float, cluster: Cluster) -> float:
-    """Effective GB/s of a link whose bytes also pass through the host's stack (see module doc)."""
-    host = cluster.calib.host_transport_gbps
-    if not host:
-        return link_gbps
-    return 1.0 / (1.0 / link_gbps + contention_factor(cluster) / host)
 
 
 def modules_with_parameters(model: ModelSpec, pp: int = 1) -> float:
@@ -166,3 +141,6 @@ def zero3_traffic(model: ModelSpec, d: int, stride: int, bytes_per_value: float,
     steps = 2 * (d - 1) if backend == "gloo" else d - 1
     reduce = kind(grad_bytes, d, stride, cluster) + (buckets - 1) * steps * hop
     return gather + reduce
+
+
+__all__ = ["PERSISTENCE_THRESHOLD", "busy_share", "contention_factor", "engine_overhead", "modules_with_parameters", "optimizer_step_time", "optimizer_tensors", "param_tensor_sizes", "persistent_params", "serial_link_gbps", "zero3_traffic"]
