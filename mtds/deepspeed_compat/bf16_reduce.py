@@ -34,11 +34,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ledger import ledger
+from .zero1_reduce import EarlyReducer
 
 REDUCE = "BF16_Optimizer gradient reduction (engine.buffered_allreduce_fallback)"
 NORM = "BF16_Optimizer.get_grads_for_norm"
-EARLY = "Bf16ReduceScatter.reduce_early"
 EARLY_BUCKET = 500_000_000      # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE, the pipeline's ReduceGrads bucket
 
 
@@ -60,31 +59,23 @@ def unsupported_reason(engine) -> str | None:
     return None
 
 
-class Bf16ReduceScatter:
+class Bf16ReduceScatter(EarlyReducer):
     """The engine's ``buffered_allreduce_fallback`` (for the optimizer's own gradients) and the
     optimizer's norm selection, for one engine; :meth:`reduce_early` as ZeRO-1's reducer has it."""
 
+    early_mark = "Bf16ReduceScatter.reduce_early"
+
     def __init__(self, engine, reduce_scatter_sum, split_by_spans, late_params):
-        self.engine, self.opt, self.book = engine, engine.optimizer, ledger(engine)
-        self.reduce_scatter_sum, self.split_by_spans, self.late_params = reduce_scatter_sum, split_by_spans, late_params
+        super().__init__(engine, reduce_scatter_sum, split_by_spans, late_params)
+        self.engine = engine
         self.fallback = engine.buffered_allreduce_fallback
         self.grads_for_norm = self.opt.get_grads_for_norm
         self.group = self.opt.real_dp_process_group[0]
-        self.pending = None     # per group: the late ranges, after reduce_early
-        self.timeline = None    # a TimelineRecorder: reduce_early records its span
 
     def _reduce(self, flat, partition, bucket: int, ranges=None) -> None:
         self.reduce_scatter_sum(flat, partition, self.group, bucket_elements=bucket, ranges=ranges,
                                 dtype=self.engine.communication_data_type,
                                 post_scale=1.0 / dist.get_world_size(self.group))
-
-    def reduce_early(self) -> None:
-        """Reduce-scatter every gradient but the late parameters' (the tied weights)."""
-        self.book.mark(EARLY)
-        if self.timeline is None:
-            return self._reduce_early()
-        with self.timeline.record("reduce", name="early"):
-            return self._reduce_early()
 
     def _reduce_early(self) -> None:
         late, opt = {id(p) for p in self.late_params()}, self.opt

@@ -67,19 +67,44 @@ def _sorted_layout(flat: torch.Tensor, params) -> tuple[list[int], list[tuple[in
     return [offset for offset, _ in spans], spans
 
 
-class Zero1ReduceScatter:
-    """The reduction of one engine's ZeRO-1 optimizer, in up to two parts per step: :meth:`reduce_early`
-    (a pipeline stage's gradients that are final once its last backward ends: all but ``late`` ones), then
-    ``reduce_gradients`` at DeepSpeed's usual place (what is left: everything, when nothing ran early)."""
+class EarlyReducer:
+    """What the ZeRO-1 and BF16 reducers share: DeepSpeed's optimizer and the ledger, mtds's reduce-scatter
+    (``reduce_scatter_sum``, ``split_by_spans``), the late parameters, and :meth:`reduce_early` recording
+    its span on the timeline. Subclasses name their early mark (``early_mark``) and do ``_reduce_early``."""
+
+    early_mark = ""
 
     def __init__(self, engine, reduce_scatter_sum, split_by_spans, late_params):
         self.opt, self.book = engine.optimizer, ledger(engine)
         self.reduce_scatter_sum, self.split_by_spans, self.late_params = reduce_scatter_sum, split_by_spans, late_params
+        self.pending = None     # the late ranges per group, after reduce_early
+        self.timeline = None    # a TimelineRecorder: reduce_early records its span (DeepSpeed's engines)
+
+    def reduce_early(self) -> None:
+        """Reduce-scatter every gradient but the late parameters' (tied weights, whose cross-stage sum
+        comes later; sequence-parallel weights, summed over TP later)."""
+        self.book.mark(self.early_mark)
+        if self.timeline is None:
+            return self._reduce_early()
+        with self.timeline.record("reduce", name="early"):
+            return self._reduce_early()
+
+    def _reduce_early(self) -> None:
+        raise NotImplementedError
+
+
+class Zero1ReduceScatter(EarlyReducer):
+    """The reduction of one engine's ZeRO-1 optimizer, in up to two parts per step: :meth:`reduce_early`
+    (a pipeline stage's gradients that are final once its last backward ends: all but ``late`` ones), then
+    ``reduce_gradients`` at DeepSpeed's usual place (what is left: everything, when nothing ran early)."""
+
+    early_mark = "Zero1ReduceScatter.reduce_early"
+
+    def __init__(self, engine, reduce_scatter_sum, split_by_spans, late_params):
+        super().__init__(engine, reduce_scatter_sum, split_by_spans, late_params)
         opt = self.opt
         self.layout = [_sorted_layout(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
         self.bucket = int(opt.reduce_bucket_size)
-        self.pending = None     # {group: (partition buffer, late ranges)} after reduce_early
-        self.timeline = None    # a TimelineRecorder: reduce_early records its span (DeepSpeed's engines)
 
     def _fill(self, i: int):
         """Group i's gradients as a ``mtds.dp_reduce`` fill: any window of the flat buffer DeepSpeed laid
@@ -109,15 +134,6 @@ class Zero1ReduceScatter:
     def _reduce(self, i: int, partition, ranges=None) -> None:
         self.reduce_scatter_sum(self._fill(i), partition.flat_partition, self.opt.real_dp_process_group[i],
                                 bucket_elements=self.bucket, ranges=ranges)
-
-    def reduce_early(self) -> None:
-        """Reduce-scatter every gradient but the late parameters' (tied weights, whose cross-stage sum
-        comes later; sequence-parallel weights, summed over TP later)."""
-        self.book.mark(EARLY)
-        if self.timeline is None:
-            return self._reduce_early()
-        with self.timeline.record("reduce", name="early"):
-            return self._reduce_early()
 
     def _reduce_early(self) -> None:
         opt, late = self.opt, {id(p) for p in self.late_params()}
@@ -151,8 +167,6 @@ class Zero1ReduceScatter:
             opt.all_grad_tensors[i] = None
         opt._clear_param_grad_only()
 
-
-EARLY = "Zero1ReduceScatter.reduce_early"
 
 
 def install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) -> Zero1ReduceScatter | None:
