@@ -160,6 +160,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _dropout_caveat(model) -> str:
+    """Dropout masks are keyed by layer and rank, so layouts draw different masks (Megatron's do too):
+    with dropout on, equal losses are not expected, and the line says why rather than hide it."""
+    if not model:
+        return ""
+    from mtds.config import resolve_model_config
+    try:
+        cfg = resolve_model_config(model)
+    except (OSError, ValueError):
+        return ""
+    p = max(cfg.hidden_dropout, cfg.attention_dropout)
+    return (f" The model has dropout (p = {p:g}): its masks differ between layouts, so the losses agree only "
+            f"statistically; set the dropouts to 0 to compare them exactly." if p > 0 else "")
+
+
 def write_results(rows: list[dict], meta: dict, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     worst = add_loss_agreement(rows, meta.get("references"))
@@ -167,7 +182,8 @@ def write_results(rows: list[dict], meta: dict, out_dir: str) -> str:
     meta["loss_agreement"] = (f"Loss agreement: every {meta.get('model')} scheme's loss at every step is within "
                               f"{main:.1e} (relative) of the first scheme's (same initial weights, samples and seed)."
                               + "".join(f" {m}: within {w:.1e} of mtds on one rank on this host (same model, data, seed)."
-                                        for m, w in worst.items()))
+                                        for m, w in worst.items())
+                              + _dropout_caveat(meta.get("model")))
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:

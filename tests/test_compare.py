@@ -146,3 +146,16 @@ def test_compare_run_on_emulated_nodes(tmp_path):
     for r in (ptdp, hf):    # counters vs formula: within 3% (tests/test_cluster.py states the overhead)
         assert r["link_formula_bytes"] * 0.99 <= r["link_bytes_per_step_per_node"] <= r["link_formula_bytes"] * 1.03, r
     assert "failed" in (out / "results.md").read_text()
+
+
+def test_shipped_models_compare_exactly_and_dropout_is_called_out(tmp_path):
+    """The sweep's models have no dropout (HF's GPT-2 default is 0.1, whose masks differ per layout, so the
+    loss-agreement line would measure dropout, not the schemes); a model with dropout gets the caveat."""
+    from compare.results import _dropout_caveat
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wide = os.path.join(here, "compare", "gpt2_wide.json")
+    assert _dropout_caveat("gpt2-tiny") == "" and _dropout_caveat(wide) == ""
+    cfg = json.load(open(wide))
+    cfg.update(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    (tmp_path / "drop.json").write_text(json.dumps(cfg))
+    assert "dropout (p = 0.1)" in _dropout_caveat(str(tmp_path / "drop.json"))
