@@ -168,7 +168,7 @@ def test_plan_cli_reports_and_recommends_a_partition(capsys):
             "--precision", "fp32", "--pipeline-schedule", "1f1b"]
     main(args + ["--pipeline-balance", "uniform"])
     out = capsys.readouterr().out
-    assert "pipeline layout: Et*4|t*4L" in out and "recommended (--pipeline-balance cost): Et*5|t*3L" in out, out
+    assert "pipeline layout: Et*4|t*4L" in out and "recommended for this cluster (--pipeline-layout): Et*5|t*3L" in out, out
     main(args)      # the default is train.py's: cost
     assert "pipeline layout: Et*5|t*3L" in capsys.readouterr().out
     main(args + ["--pipeline-layout", "Et*6|t*2L"])

@@ -110,20 +110,19 @@ def _calibrate(args) -> int:
 
 def with_partition(model, work, cluster, pr, layout_text: str | None, balance: str | None):
     """``pr`` re-predicted under the partition train.py would build (--pipeline-layout, else
-    --pipeline-balance), with the cost partition the planner recommends and its step time."""
+    --pipeline-balance through train.py's own rule, :func:`run_partition`, which prices ``cost`` on
+    REFERENCE_GPU), with the cost partition priced on *this* cluster beside it as the recommendation
+    (pass it as --pipeline-layout where the two differ)."""
     from dataclasses import replace
 
-    from mtds.pipeline_layout import parse_layout, uniform_layout
-    from mtds.plan.balance import DEFAULT_BALANCE, balanced_layout
+    from mtds.pipeline_layout import parse_layout
+    from mtds.plan.balance import balanced_layout, run_partition
     from mtds.plan.predict import predict
     lay = pr.layout
-    count = lay.pp * lay.virtual_stages
     if layout_text:
-        stages = parse_layout(layout_text, stages=count, num_layers=model.layers)
-    elif (balance or DEFAULT_BALANCE) == "cost":
-        stages = balanced_layout(model, lay, work, cluster)
+        stages = parse_layout(layout_text, stages=lay.pp * lay.virtual_stages, num_layers=model.layers)
     else:
-        stages = uniform_layout(model.layers, count)
+        stages = run_partition(model, lay, work, cluster.gpus, balance, cluster.gpu.hbm_gib * 1024 ** 3)
     used = predict(model, lay, work, cluster, stages=stages)
     best = balanced_layout(model, lay, work, cluster)
     recommended = predict(model, lay, work, cluster, stages=best)

@@ -101,11 +101,13 @@ def render_text(pr: Prediction) -> str:
 
 def partition_line(pr: Prediction) -> str:
     """The pipeline partition modelled: per-rank compute per micro-batch, the critical rank, memory,
-    and the cost partition recommended (mtds.plan.balance)."""
+    and the cost partition priced on this cluster (mtds.plan.balance), which train.py builds only when
+    passed as --pipeline-layout: its own ``cost`` prices on REFERENCE_GPU so every rank decides alike."""
     st = pr.stages
     line = (f"pipeline layout: {st['pipeline_layout']}; per-rank compute per micro-batch "
             f"{' / '.join(f'{x:.3g}' for x in st['rank_ms'])} ms (critical rank {st['critical_rank']}, "
             f"{st['imbalance']:.2f}x the mean); memory {' / '.join(f'{x:.1f}' for x in st['rank_memory_gib'])} GiB")
     if "recommended" in st:
-        line += f"; recommended (--pipeline-balance cost): {st['recommended']}, step {st['recommended_step_time_s']:.4g} s"
+        line += (f"; recommended for this cluster (--pipeline-layout): {st['recommended']}, "
+                 f"step {st['recommended_step_time_s']:.4g} s")
     return line
