@@ -177,6 +177,25 @@ def test_plan_cli_reports_and_recommends_a_partition(capsys):
         main(args + ["--pipeline-layout", "Et*5|t*2L"])
 
 
+def test_plan_cli_models_the_partition_train_py_builds(capsys, monkeypatch):
+    """mtds-plan's modelled partition comes from train.py's own rule (run_partition, priced on
+    REFERENCE_GPU), not from a cost partition priced on the user's cluster, which it only recommends."""
+    import mtds.plan.balance as balance
+    from mtds.cli.plan import main
+    seen = []
+
+    def fake_run_partition(model, layout, work, world, chosen, capacity_bytes):
+        seen.append((world, chosen, capacity_bytes))
+        return StageLayout((6, 2))
+    monkeypatch.setattr(balance, "run_partition", fake_run_partition)
+    main(["--layers", "8", "--hidden", "256", "--heads", "4", "--vocab", "8192", "--seq", "128", "--gpus", "2",
+          "--tp", "1", "--pp", "2", "--dp", "1", "--global-batch", "8", "--microbatch", "1", "--recompute", "none",
+          "--precision", "fp32", "--pipeline-schedule", "1f1b", "--gpu", "V100"])
+    out = capsys.readouterr().out
+    assert "pipeline layout: Et*6|t*2L" in out and "recommended for this cluster (--pipeline-layout): Et*5|t*3L" in out, out
+    assert seen and seen[0][0] == 2 and seen[0][1] is None and seen[0][2] > 0
+
+
 @pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
 @pytest.mark.parametrize("costs", [LayerCosts(0.05, 1.0, 2.5), LayerCosts(0.3, 1.0, 1.2)])
 @pytest.mark.parametrize("layers", [4, 7, 8])
