@@ -12,8 +12,11 @@ import time
 import torch
 
 
-def cpu_gemm_peak(dtype: torch.dtype = torch.float32, n: int = 384, reps: int = 5) -> float:
-    """FLOP/s of ``torch.matmul`` on two n x n matrices in this process (its threads), best of ``reps``."""
+def cpu_gemm_peak(dtype: torch.dtype = torch.float32, n: int = 512, reps: int = 10) -> float:
+    """FLOP/s of ``torch.matmul`` on two n x n matrices in this process (its threads), best of ``reps``.
+    ~30 ms at one thread here. Shorter reads low in a fresh process (384³ best of 5: 95 GFLOP/s in three
+    of five fresh processes where 512³ best of 10 gave 114-116 in all five): the core has not reached its
+    steady speed yet, and a low peak would inflate MFU."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     torch.matmul(a, b)                         # first call: allocation and kernel selection

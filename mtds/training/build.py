@@ -132,6 +132,8 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
                 f"{' (TF32 matmuls)' if tf32 else ''}, "
                 f"ZeRO-{zero}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
                 f"accumulation {batch.accumulation} x dp {layout.dp}")
+    if world.allocator:
+        logger.info(f"cpu: {world.allocator}")
 
     stream, eval_stream = build_data(cfg, world, batch, logger)
     stage_layout = resolve_stage_layout(cfg, world.model_cfg, layout, batch, prec, zero, world.device)

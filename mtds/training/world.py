@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from mtds.comm_trace import CommTracer
 from mtds.config import ModelConfig, resolve_model_config
+from mtds.cpu_allocator import tune_cpu_allocator
 from mtds.layout import ParallelGroups, ParallelLayout
 from mtds.pipeline_layout import parse_layout
 from mtds.safety.heartbeat import Heartbeat
@@ -35,6 +36,7 @@ class World:
     groups: ParallelGroups
     rng: RNGTracker                # dropout streams, masks keyed by (step, micro-batch, layer)
     tracer: CommTracer | None      # bytes per collective (None: --trace-comm off)
+    allocator: str | None = None   # what mtds.cpu_allocator set (CPU runs), for the start-up log
 
 
 def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
@@ -47,6 +49,8 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
         raise rendezvous_error(err, cfg.dist_timeout_s) from None
     heartbeat.start()
     size = dist.get_world_size()
+    # Before the model and the first step allocate: large temporaries then come back from the heap.
+    allocator = tune_cpu_allocator() if device.type == "cpu" else None
 
     dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
     layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages)
@@ -65,4 +69,4 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
             tracer.name_group(getattr(groups, f"{name}_group"), name)
     rng = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
     return World(device=device, backend=backend, size=size, layout=layout, model_cfg=model_cfg, groups=groups,
-                 rng=rng, tracer=tracer)
+                 rng=rng, tracer=tracer, allocator=allocator)
