@@ -98,10 +98,18 @@ def test_two_stages_interleaved_and_dualpipev():
     # interleaved chunks and DualPipeV's V (layers on other ranks, forwards in another order), with or
     # without recomputation, draw 1F1B's masks. They also put other layers together on a rank, so the
     # global norm sums its squares in another order: seen 1 ulp at step 4 (interleaved, AMD EPYC) and
-    # step 3 (DualPipeV); losses bit-equal until a norm differs, everything within 1e-6.
-    for what, result in (("interleaved recompute", recompute), ("interleaved", no_recompute),
-                         ("dualpipev recompute", dpv_dropout)):
-        assert_same_up_to_norm_order(result, base_dropout, f"(1,2,1) {what} with dropout vs 1f1b")
+    # step 3 (DualPipeV); losses bit-equal until a norm differs, everything within 1e-6. DualPipeV also
+    # holds both ends of the tied word embedding on one rank, where the two uses' gradients accumulate in
+    # one tensor micro-batch by micro-batch (1F1B: two copies, summed by an all-reduce at the end): another
+    # order, so that one gradient is ulps apart (measured at step 1, ZeRO-0: 1,864 of its 524,288
+    # elements, at most 1.9e-9; every other parameter's gradient bit-equal). Whether an AdamW step rounds
+    # that into a different weight is luck (unfused: not within 5 steps here; torch's fused kernel: one
+    # ulp in the 5th loss), so its losses are held to the tolerance, not to bit-equality.
+    for what, result, same_history in (("interleaved recompute", recompute, True),
+                                       ("interleaved", no_recompute, True),
+                                       ("dualpipev recompute", dpv_dropout, False)):
+        assert_same_up_to_norm_order(result, base_dropout, f"(1,2,1) {what} with dropout vs 1f1b",
+                                     history_equal=same_history)
     # recompute vs not: the same layers on the same ranks in the same order -- bit-identical
     assert (recompute.losses, recompute.grad_norms) == (no_recompute.losses, no_recompute.grad_norms)
     assert max_rel_diff(recompute.losses, reference().losses[:SHORT]) > 1e-4    # dropout was on
