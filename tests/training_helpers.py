@@ -153,7 +153,9 @@ def assert_same_up_to_norm_order(got, want, what: str, history_equal: bool = Tru
     differs between CPU models). Grad norms within :data:`NORM_ORDER_TOL` relative; losses bit-equal
     up to and including the first step whose norm differs (a clipped step then scales the gradients by
     a coefficient an ulp apart), after that within the same tolerance. ``history_equal``: the runs
-    began from bit-equal states (False for a resume whose saving run had already diverged by an ulp)."""
+    began from bit-equal states and compute bit-equal per-parameter gradients (False for a resume whose
+    saving run had already diverged by an ulp, and for DualPipeV against 1F1B, whose tied embedding
+    gradient is summed in another order)."""
     assert len(got.losses) == len(want.losses), (what, got.losses, want.losses)
     diff = max_rel_diff(got.grad_norms, want.grad_norms)
     assert diff <= NORM_ORDER_TOL, f"{what}: grad norms max rel diff {diff:.2e}\n{got.grad_norms}\n{want.grad_norms}"
