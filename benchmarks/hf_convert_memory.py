@@ -55,7 +55,8 @@ def write_llama(out: str, *, layers: int, hidden: int, heads: int, kv_heads: int
 
 
 def run(args: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "mtds.cli.convert", *args], capture_output=True, text=True, env=env)
     if proc.returncode:

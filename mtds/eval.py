@@ -65,7 +65,8 @@ def read_rows(path: str, *, tokenizer: str | None, seq_length: int) -> list[list
 
 # ---- model ----------------------------------------------------------------------------------------
 def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None, device=None):
-    """This rank's layers with weights from a checkpoint or HF dir, in eval mode, on ``device``."""
+    """This rank's layers with weights from a checkpoint or HF dir, in eval mode, on ``device`` (default: the
+    process group's -- this rank's GPU under NCCL, else the host)."""
     from mtds.hf.init import load_hf_into_stages
     from mtds.pipe import build_model
     from mtds.reshard.load import load_checkpoint_into_stages
@@ -76,13 +77,21 @@ def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = N
         load_checkpoint_into_stages(model, ckpt, cfg, groups.tp_group)
     else:
         load_hf_into_stages(model, hf, cfg, groups)
-    return model.to(device).eval() if device is not None else model.eval()
+    return model.to(device if device is not None else group_device()).eval()
+
+
+def group_device() -> torch.device:
+    """The device collectives of the default group take: this rank's GPU under NCCL, else the host."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @torch.no_grad()
 def stage_forward(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor | None:
     """Run the pipeline on one batch; the last stage returns vocab-sharded logits, others None."""
     layout = groups.layout
+    input_ids = input_ids.to(next(model.parameters()).device)     # the caller's batch may be on the host
     if layout.pp == 1:
         return model.logits(input_ids)
     b, s = input_ids.shape
@@ -129,7 +138,7 @@ def evaluation_totals(model, rows: list[list[int]], cfg, groups, device) -> torc
 
 def evaluate(model, rows: list[list[int]], cfg, groups, device=None) -> dict:
     """Mean next-token loss over ``rows``, with the token count and perplexity."""
-    device = device if device is not None else next(model.parameters()).device
+    device = device if device is not None else group_device()
     loss_sum, tokens = evaluation_totals(model, rows, cfg, groups, device).tolist()
     loss = loss_sum / max(tokens, 1)
     return {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}

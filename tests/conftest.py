@@ -2,7 +2,9 @@
 
 ``MTDS_TEST_DEVICE``: ``cpu`` (default; gloo, and CUDA hidden from every process of the suite so that
 training cannot pick a GPU the harness does not use) or ``cuda`` (NCCL, one rank per GPU; tests whose
-world size exceeds the GPUs present are skipped with that reason).
+world size exceeds the GPUs present are skipped with that reason; TF32 off through
+``NVIDIA_TF32_OVERRIDE=0``, since the suite holds fp32 to 1e-5 of the fp32 reference and mtds's fp32 runs
+use TF32 on CUDA by default -- an H100 showed a 1.2e-4 grad-norm difference with it on).
 ``MTDS_TEST_POOL=0``: start fresh processes for every multi-rank body instead of the live pools.
 """
 import os
@@ -25,6 +27,8 @@ def pytest_configure(config):
         raise ValueError(f"MTDS_TEST_DEVICE must be cpu or cuda, got {device!r}")
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        os.environ["NVIDIA_TF32_OVERRIDE"] = "0"     # read by cuBLAS/cuDNN in every rank: exact fp32 products
     os.environ["MTDS_TEST_DEVICE"] = device
     if os.environ.get("MTDS_TEST_POOL", "1") != "0":
         testing.use_pools(device)

@@ -224,6 +224,10 @@ DIST_CASES = [
      "holds 5 transformer blocks but the model has 4"),
     ("pipeline-layout-loss-not-last", ["--deepspeed_config", CPU, "--pp", "2", "--pipeline-layout", "Et*2|Lt*2"],
      "needs exactly one L, last in the last stage"),
+    ("global-batch-size-zero", ["--deepspeed_config", CPU, "--global-batch-size", "0"],
+     "--global-batch-size must be a positive number of sequences, got 0"),
+    ("global-batch-not-a-multiple", ["--deepspeed_config", CPU, "--global-batch-size", "10", "--micro-batch-size", "4"],
+     "train_batch_size 10 is not divisible by micro batch 4 x data parallel size"),
 ]
 
 PARSER_CASES = [

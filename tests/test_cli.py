@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtds.testing import free_port
+from mtds.testing import free_port, needs_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -42,6 +42,7 @@ def test_help_explains_the_options():
 
 def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
     """The README's first command (minus set-up and with fewer steps)."""
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     makefile = (ROOT / "Makefile").read_text()
     assert "--deepspeed_config ds_configs/cpu_fp32.json --model gpt2-tiny --tp 2 --pp 1" in makefile
     log = tmp_path / "log.jsonl"
@@ -65,6 +66,7 @@ def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
 
 
 def test_torchrun_pipeline_saves_and_resumes(tmp_path):
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     common = ["--deepspeed_config", CPU, "--tp", "1", "--pp", "2", "--seq-length", "64", "--eval-split", "0",
               "--save", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "log.jsonl")]
     first = _torchrun(2, *common, "--steps", "2", timeout=400)
@@ -106,6 +108,7 @@ def test_fp16_refused_where_unsupported():
 
 def test_bad_input_on_two_ranks():
     """The launcher's exit path: a rank's exit 2 becomes torchrun's exit 1 with its summary."""
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     zero3_with_pipeline = _torchrun(2, "--deepspeed_config", "ds_configs/cpu_zero3_fp32.json", "--pp", "2")
     _assert_one_line_error(zero3_with_pipeline, "ZeRO stage 3 cannot be combined with pipeline parallelism",
                            launcher=True)

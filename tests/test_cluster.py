@@ -76,7 +76,7 @@ time.sleep(300)
 def test_signal_tears_down_and_down_cleans_a_crashed_run(sig):
     """SIGINT (Ctrl-C) / SIGTERM: the holder's handler tears the cluster down. SIGKILL: nothing can run, the namespaces
     and the process inside survive, and `mtds-cluster down` removes both."""
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, PREFIX], stdout=subprocess.PIPE, text=True, env=env)
     inner = int(holder.stdout.readline())
     assert len(_leftovers()) == 3 and _alive(inner)

@@ -6,6 +6,7 @@ import os
 from compare.cli import main
 from compare.launch import entry_args
 from compare.schemes import parse_scheme
+from mtds.testing import needs_ranks
 
 TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 8192, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -34,6 +35,7 @@ def test_scheme_specs():
 
 
 def test_compare_run_tiny(tmp_path):
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     model = tmp_path / "config.json"
     model.write_text(json.dumps(TINY_GPT2))
     out = tmp_path / "out"

@@ -69,7 +69,8 @@ def test_bin_checkpoint_converts(tmp_path):
 
 
 def _subprocess_cli(*args):
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "mtds.cli.convert", *args], capture_output=True, text=True,
                           env=env, timeout=120)
 
@@ -178,7 +179,8 @@ def test_zero3_checkpoint_exports_and_evaluates(tmp_path):
     with torch.no_grad():
         total = sum(hf(torch.tensor([r]), labels=torch.tensor([r])).loss.item() * (len(r) - 1) for r in rows)
     ref = total / sum(len(r) - 1 for r in rows)
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "mtds.eval", "--ckpt", str(tmp_path / "z3"), "--data",
                            str(tmp_path / "rows.jsonl")], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -144,3 +144,24 @@ def test_fp32_on_cuda_turns_tf32_on_and_nothing_else_does():
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_a_local_rank_without_a_gpu_is_a_layout_error(monkeypatch):
+    """Two ranks on a one-GPU node (seen on an H100 when a launcher started 2): one error line naming the
+    GPUs and the launcher flag, not ``set_device``'s "invalid device ordinal" reported as a rendezvous
+    timeout. torch.cuda is patched: this machine has no GPU."""
+    import pytest
+    import torch
+
+    from mtds.layout import LayoutError
+    from mtds.training.distributed import device_and_backend
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert device_and_backend() == (torch.device("cuda", 0), "nccl") and chosen == [0]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(LayoutError, match=r"local rank 1 has no GPU of its own: 1 GPU\(s\) visible .*--num_gpus 1"):
+        device_and_backend()
+    assert chosen == [0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtds.testing import spawn
+from mtds.testing import needs_ranks, spawn
 from tests.test_hf_cases import VOCAB, hf_model
 
 TOL = 1e-5
@@ -83,7 +83,7 @@ def _rank_parity(root: str, world: int):
                 logits = full_logits(model, ids, cfg, groups)
                 result = evaluate(model, data, cfg, groups)
                 out[(name, t, p, source)] = {
-                    "logits": None if logits is None else float((logits - ref_logits).abs().max()),
+                    "logits": None if logits is None else float((logits.cpu() - ref_logits).abs().max()),
                     "loss": abs(result["loss"] - ref_loss), "tokens": (result["tokens"], ref_tokens)}
     return out
 
@@ -104,6 +104,7 @@ def test_logits_and_loss_match_hf(tmp_path, world):
 
 def test_eval_cli_under_torchrun(tmp_path):
     """The user's path: convert at (2,2), evaluate the checkpoint at (1,2) via torchrun."""
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     from mtds.cli.convert import main as convert
     hf = hf_model("llama")
     hf.save_pretrained(tmp_path / "hf")
@@ -111,7 +112,8 @@ def test_eval_cli_under_torchrun(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows()))
     ref_loss, ref_tokens = hf_reference(hf, rows())
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
     from mtds.testing import free_port
     for source, t, p in ((["--ckpt", str(tmp_path / "ck")], 1, 2),):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -8,6 +8,7 @@ import re
 import tempfile
 
 import pytest
+import torch
 
 from mtds.gpucheck import cli
 from mtds.gpucheck.machine import resolve
@@ -73,6 +74,13 @@ def test_parity_verdict():
     assert not judge("bf16", run(norms=[2.0, 1.5 * 1.2, 1.2]), ref)[0]
     assert "1 step(s) skipped" in judge("fp16", run(skipped=(False, True, False)), ref)[2]
     assert not judge("bf16", run(norms=[2.0, None, 1.2]), ref)[0]     # a norm the engine did not report
+    # A spike step: HF's own fp16 autocast run drifts 35 % there (seen on an H100), so mtds's 18 % is rounding;
+    # the same 18 % where the independent 16-bit run stays within 2 % is not.
+    spike = [2.0, 1.5 * 1.18, 1.2]
+    assert not judge("fp16", run(norms=spike), ref)[0]
+    assert judge("fp16", run(norms=spike), ref, Reference(ref.losses, [2.0, 1.5 * 1.35, 1.2]))[0]
+    assert not judge("fp16", run(norms=spike), ref, Reference(ref.losses, [2.0, 1.5 * 1.02, 1.2]))[0]
+    assert not judge("fp16", run(norm=1.02), ref, Reference(ref.losses, [2.0 * 1.3, 1.5, 1.2]))[0]  # step 1 stays
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -85,6 +93,8 @@ def test_parity_verdict():
     (["--device", "cpu", "--out", "/no/such/dir/report.md"], "No such file or directory"),
 ])
 def test_bad_input_is_one_error_line(argv, message, capsys):
+    if "torch sees no GPU" in message and torch.cuda.is_available():     # the suite's CUDA mode
+        pytest.skip("a GPU is visible here: --device cuda is valid input")
     try:
         code = cli.main(argv)
     except SystemExit as stop:       # argparse's own errors leave through _Parser.error

@@ -73,3 +73,38 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
             spawn(_rank_and_world, 2, timeout=60, fresh=True)
     finally:
         taken.close()
+
+
+_FORKSERVER_ENV_CHILD = """
+import os
+from mtds.testing import spawn
+
+def body():
+    # a forked CPU rank's parent is the forkserver; its environment is what the preloaded imports saw
+    with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\\0") if b"=" in kv)
+    return env.get(b"CUDA_VISIBLE_DEVICES")
+
+if __name__ == "__main__":
+    print("forkserver CUDA_VISIBLE_DEVICES=%r" % spawn(body, 1, on="cpu", timeout=120)[0])
+    print("parent CUDA_VISIBLE_DEVICES=%r" % os.environ.get("CUDA_VISIBLE_DEVICES"))
+"""
+
+
+def test_cpu_ranks_forkserver_starts_with_gpus_hidden(tmp_path):
+    """CPU ranks fork from a forkserver that preloads DeepSpeed, which asks torch for the device count. Started
+    where a GPU is visible (``python -m mtds.gpucheck --device cpu`` on a GPU machine), it must already hide
+    the GPUs, or every rank forked from it fails "No CUDA GPUs are available" (seen on an H100). A fresh
+    interpreter with CUDA_VISIBLE_DEVICES unset stands in for that machine; the caller's own value is kept."""
+    import subprocess
+    import sys
+    script = tmp_path / "child.py"
+    script.write_text(_FORKSERVER_ENV_CHILD)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env["MTDS_TEST_POOL"] = "0"
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "forkserver CUDA_VISIBLE_DEVICES=b''" in out.stdout, out.stdout
+    assert "parent CUDA_VISIBLE_DEVICES=None" in out.stdout, out.stdout

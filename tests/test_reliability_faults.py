@@ -13,12 +13,13 @@ import pytest
 from mtds.faults.harness import (EXIT_BOUND_S, REPO, _command, _env, _logged_steps, _rank_pids, run_try,
                                  write_inputs)
 from mtds.reshard.complete import find_complete
-from mtds.testing import free_port, spawn
+from mtds.testing import free_port, needs_ranks, spawn
 from tests.training_helpers import ds_config, train_config
 
 
 @pytest.mark.parametrize("mode, seed", [("train", 3), ("save", 1)])
 def test_kill_9_of_one_rank(tmp_path, mode, seed):
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     r = run_try(str(tmp_path), seed, mode)
     where = f"{mode} try: {r}; see {tmp_path}"
     assert r.exit_s < EXIT_BOUND_S, where
@@ -35,6 +36,7 @@ def _train_steps(path):
 
 
 def test_sigterm_and_sigint_finish_the_step_save_exit_0_and_resume_exactly(tmp_path):
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     work = str(tmp_path)
     write_inputs(work)
     layout = ("--tp", "2")

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mtds.eval import group_device
 from mtds.layout import ParallelLayout
 from mtds.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab_parallel_logits,
                      parallel_lm_logits, shard_rows, unshard_rows, vocab_parallel_cross_entropy)
@@ -26,7 +27,7 @@ def _gather_rows(shard, group, dim, segments=None):
 
 
 def _close(a, b):
-    a, b = a.detach(), b.detach()
+    a, b = a.detach().cpu(), b.detach().cpu()
     return torch.allclose(a, b, **TOL), float((a - b).abs().max())
 
 
@@ -34,16 +35,17 @@ def _layers_worker():
     t = dist.get_world_size()
     group = ParallelLayout.for_world(t, tp=t).build_groups().tp_group
     results = {}
-    x_full = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    dev = group_device()        # the suite's CUDA mode runs the same check on the rank's GPU under NCCL
+    x_full = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)).to(dev)
 
     # Column parallel, fused segments (like q|k|v with 2 kv heads), gather_output both ways.
     for gather in (False, True):
         segments = [16, 8, 8]
         col = ColumnParallelLinear(16, 32, group=group, init_method=_seeded_init(1), output_segments=segments,
-                                   gather_output=gather)
+                                   gather_output=gather).to(dev)
         with torch.no_grad():
             col.bias.copy_(shard_rows(torch.arange(32.0) / 32, 0, t, dist.get_rank(), segments))
-        dense = torch.nn.Linear(16, 32)
+        dense = torch.nn.Linear(16, 32).to(dev)
         with torch.no_grad():
             dense.weight.copy_(_gather_rows(col.weight.detach(), group, 0, segments))
             dense.bias.copy_(torch.arange(32.0) / 32)
@@ -55,7 +57,7 @@ def _layers_worker():
         y_ref = dense(x2)
         y_full = y if gather else _gather_rows(y.detach().transpose(0, -1), group, 0, segments).transpose(0, -1)
         results[f"col_fwd_{gather}"] = _close(y_full, y_ref)
-        grad_out = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3))
+        grad_out = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3)).to(dev)
         y.backward(grad_out if gather else shard_rows(grad_out.transpose(0, -1), 0, t, dist.get_rank(),
                                                       segments).transpose(0, -1))
         y_ref.backward(grad_out)
@@ -65,10 +67,10 @@ def _layers_worker():
 
     # Row parallel, parallel input and scattered input; bias added once.
     for parallel_in in (True, False):
-        row = RowParallelLinear(16, 12, group=group, init_method=_seeded_init(2), input_is_parallel=parallel_in)
+        row = RowParallelLinear(16, 12, group=group, init_method=_seeded_init(2), input_is_parallel=parallel_in).to(dev)
         with torch.no_grad():
             row.bias.copy_(torch.linspace(-1, 1, 12))
-        dense = torch.nn.Linear(16, 12)
+        dense = torch.nn.Linear(16, 12).to(dev)
         with torch.no_grad():
             dense.weight.copy_(_gather_rows(row.weight.detach(), group, 1))
             dense.bias.copy_(row.bias)
@@ -77,7 +79,7 @@ def _layers_worker():
         x1 = x_in.clone().requires_grad_()
         y, y_ref = row(x1), dense(x2)
         results[f"row_fwd_{parallel_in}"] = _close(y, y_ref)
-        grad_out = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
+        grad_out = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4)).to(dev)
         y.backward(grad_out)
         y_ref.backward(grad_out)
         dx_ref = x2.grad.chunk(t, dim=-1)[dist.get_rank()] if parallel_in else x2.grad
@@ -88,11 +90,11 @@ def _layers_worker():
     # Vocab-parallel embedding + tied LM head + cross entropy; vocab 250 is not divisible by t,
     # padding to a multiple of 8*t makes shards that hold padding only (t=4: 256/4 = 64 rows each).
     vocab, hidden = 250, 16
-    emb = VocabParallelEmbedding(vocab, hidden, group=group, init_method=_seeded_init(5), pad_to_multiple_of=8)
+    emb = VocabParallelEmbedding(vocab, hidden, group=group, init_method=_seeded_init(5), pad_to_multiple_of=8).to(dev)
     results["padded_size"] = emb.padded_vocab_size
     full_w = _gather_rows(emb.weight.detach(), group, 0)
     results["padding_rows_zero"] = bool((full_w[vocab:] == 0).all())
-    dense_emb = torch.nn.Embedding(vocab, hidden)
+    dense_emb = torch.nn.Embedding(vocab, hidden).to(dev)
     with torch.no_grad():
         dense_emb.weight.copy_(full_w[:vocab])
     ids = torch.randint(0, vocab, (3, 7), generator=torch.Generator().manual_seed(6))
@@ -100,6 +102,7 @@ def _layers_worker():
     labels = torch.randint(0, vocab, (3, 7), generator=torch.Generator().manual_seed(7))
     labels[0, :3] = -100
     labels[2, 6] = vocab - 1
+    ids, labels = ids.to(dev), labels.to(dev)
 
     h1 = emb(ids)
     logits = parallel_lm_logits(h1, emb.weight, group)

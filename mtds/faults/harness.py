@@ -64,7 +64,8 @@ def _command(work: str, layout, steps: int, extra=()) -> list[str]:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
 
 
 def _logged_steps(work: str) -> int:

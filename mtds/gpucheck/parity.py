@@ -4,6 +4,7 @@ pre-clip global gradient norm."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from .report import Section
@@ -26,10 +27,15 @@ class Tolerance:
 #   losses within 4.3e-4 (held to 5e-3, ~u); step-1 grad norm 4.1e-4 (held to 1e-2); later norms mostly
 #   1e-3 but 2.2e-2 (1f1b) and 5.8e-2 (interleaved) at a step whose gradient spikes, once bf16 rounding
 #   has moved the weights (held to 0.15: catches a lost loss scale or micro-batch factor, not drift).
-# fp16: 11-bit mantissa (2^-11), 8x finer than bf16, behind a power-of-two loss scale that divides out
-#   exactly: bf16's bounds hold for it with room to spare.
+# fp16: 11-bit mantissa (2^-11) behind a power-of-two loss scale that divides out exactly: the same bounds.
+# A spike step can amplify rounding past any fixed bound: on an H100 (2026-11-24) step 9 of the parity run
+#   had grad norm 1.767 in fp32 and 2.393 (+35 %) in HF's own fp16 autocast run, 2.081 (+18 %) in mtds fp16,
+#   every other step within 2e-3. So a later step's norm may also drift up to DRIFT_FACTOR times as far as
+#   the independent 16-bit run (reference.train_reference_autocast) drifts at that step: mtds is held to
+#   "no further from fp32 than 16-bit rounding itself goes", never looser than the fixed bound elsewhere.
 TOLERANCE = {"fp32": Tolerance(1e-5, 1e-5, 1e-5), "bf16": Tolerance(5e-3, 1e-2, 0.15),
              "fp16": Tolerance(5e-3, 1e-2, 0.15)}
+DRIFT_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -57,15 +63,17 @@ def _train(case: Case) -> dict:
     return {"losses": result.losses, "grad_norms": result.grad_norms, "skipped": result.skipped}
 
 
-def _reference(workload, device: str):
-    """On rank 0 only (the others wait at the barrier that follows): the HF reference on this rank's device."""
+def _reference(workload, device: str, precisions=()):
+    """On rank 0 only (the others wait at the barrier that follows): the fp32 HF reference on this rank's
+    device, and the HF autocast run of each 16-bit precision: (reference, {precision: autocast run})."""
     import torch
     import torch.distributed as dist
     if dist.get_rank() != 0:
         return None
-    from .reference import train_reference
+    from .reference import train_reference, train_reference_autocast
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    return train_reference(workload, dev)
+    return train_reference(workload, dev), {p: train_reference_autocast(workload, dev, p)
+                                            for p in precisions if p != "fp32"}
 
 
 def cases_for(machine, workload, precisions) -> dict[int, list[Case]]:
@@ -80,20 +88,44 @@ def cases_for(machine, workload, precisions) -> dict[int, list[Case]]:
     return out
 
 
-def judge(precision: str, value: dict, ref) -> tuple[bool, str, str]:
-    """(pass, numbers, why not) for one run's losses/grad norms/skipped steps against the reference."""
+def norm_bounds(tol: Tolerance, ref, rounding=None) -> list[float]:
+    """Per-step bound on the grad norm's relative difference: ``tol.first_norm`` at step 1 (same weights),
+    then ``tol.norm``, or DRIFT_FACTOR times the independent 16-bit run's own drift at that step if larger."""
+    bounds = [tol.first_norm] + [tol.norm] * (len(ref.grad_norms) - 1)
+    if rounding is not None and len(rounding.grad_norms) == len(ref.grad_norms):
+        for i in range(1, len(bounds)):
+            drift = abs(rounding.grad_norms[i] - ref.grad_norms[i]) / abs(ref.grad_norms[i])
+            bounds[i] = max(bounds[i], DRIFT_FACTOR * drift)
+    return bounds
+
+
+def judge(precision: str, value: dict, ref, rounding=None) -> tuple[bool, str, str]:
+    """(pass, numbers, why not) for one run's losses/grad norms/skipped steps against the fp32 reference;
+    ``rounding``: the HF autocast run of the same precision (widens a later step's norm bound, see TOLERANCE)."""
     from .reference import max_rel_diff
     tol = TOLERANCE[precision]
     dl = max_rel_diff(value["losses"], ref.losses)
     d1 = max_rel_diff(value["grad_norms"][:1], ref.grad_norms[:1])
-    dn = max_rel_diff(value["grad_norms"], ref.grad_norms)
+    bounds = norm_bounds(tol, ref, rounding)
+    norms = value["grad_norms"]
+    if len(norms) != len(ref.grad_norms) or any(x is None for x in norms):
+        diffs = [math.inf] * len(ref.grad_norms)
+    else:
+        diffs = [abs(x - y) / abs(y) for x, y in zip(norms, ref.grad_norms)]
+    dn = max(diffs)
+    worst = max(range(len(diffs)), key=lambda i: diffs[i] / bounds[i])
     skipped = sum(value["skipped"])
     why = "; ".join(w for w in (f"loss {dl:.2e} > {tol.loss:g}" if not dl <= tol.loss else "",
                                 f"step-1 grad norm {d1:.2e} > {tol.first_norm:g}" if not d1 <= tol.first_norm else "",
-                                f"grad norm {dn:.2e} > {tol.norm:g}" if not dn <= tol.norm else "",
+                                f"grad norm {diffs[worst]:.2e} > {bounds[worst]:.3g} at step {worst + 1}"
+                                if not diffs[worst] <= bounds[worst] else "",
                                 f"{skipped} step(s) skipped by the loss scaler" if skipped else "") if w)
-    numbers = (f"loss {dl:.2e}, grad norm {d1:.2e} at step 1, {dn:.2e} max, final loss {value['losses'][-1]:.4f} "
-               f"(HF {ref.losses[-1]:.4f})")
+    widened = f" (bound {bounds[worst]:.3g} there: HF autocast drifts {bounds[worst] / DRIFT_FACTOR:.2e})" \
+        if bounds[worst] > tol.norm and worst > 0 else ""
+    top = max(range(len(diffs)), key=diffs.__getitem__)
+    widened = widened if top == worst else ""
+    numbers = (f"loss {dl:.2e}, grad norm {d1:.2e} at step 1, {dn:.2e} max (step {top + 1}){widened}, "
+               f"final loss {value['losses'][-1]:.4f} (HF {ref.losses[-1]:.4f})")
     return not why, numbers, why
 
 
@@ -103,11 +135,12 @@ def check(machine, workload, precisions, timeout: float) -> Section:
     section = Section("HF parity matrix", f"Every schedule of mtds.pipe.select against HuggingFace GPT2LMHeadModel + "
                       f"torch AdamW in fp32 (one process, same weights, batches, LR schedule and clipping), "
                       f"{workload.describe()}. Max relative difference per step of the loss and the pre-clip "
-                      f"grad norm; tolerance {tol_text} (why: mtds/gpucheck/parity.py). A step skipped by the "
-                      f"loss scaler fails the case.")
+                      f"grad norm; tolerance {tol_text}, or after step 1 {DRIFT_FACTOR:g}x the drift of HF's own "
+                      f"autocast run of that precision at that step where larger (why: mtds/gpucheck/parity.py). "
+                      f"A step skipped by the loss scaler fails the case.")
     for world, cases in cases_for(machine, workload, precisions).items():
-        outcome, ref = run_cases(machine, world, _train, cases, timeout=timeout,
-                                 setup=functools.partial(_reference, workload, machine.device))
+        outcome, context = run_cases(machine, world, _train, cases, timeout=timeout,
+                                     setup=functools.partial(_reference, workload, machine.device, precisions))
         section.seconds += outcome.seconds
         if outcome.error:
             for case in cases:
@@ -121,5 +154,6 @@ def check(machine, workload, precisions, timeout: float) -> Section:
             if not ok:
                 section.fail(case.name, value)
                 continue
-            section.add(case.name, *judge(case.precision, value, ref))
+            ref, rounding = context
+            section.add(case.name, *judge(case.precision, value, ref, rounding.get(case.precision)))
     return section

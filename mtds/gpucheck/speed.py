@@ -79,7 +79,8 @@ def _hf_side(workload, precision: str, warmup: int) -> dict:
             **_peak_memory(device)}
 
 
-def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, int], log: str) -> dict:
+def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, int], log: str,
+               compile: bool = False) -> dict:
     import torch.distributed as dist
 
     from mtds.training import run
@@ -88,7 +89,7 @@ def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, in
     device = _device()
     _reset_peak(device)
     t, p, d = layout
-    cfg = train_config(workload, precision, device.type, tp=t, pp=p, dp=d, log_jsonl=log)
+    cfg = train_config(workload, precision, device.type, tp=t, pp=p, dp=d, log_jsonl=log, compile=compile)
     result = run(cfg)
     dist.barrier()                  # the log is written by the reporting rank only; every rank reads it
     with open(log) as f:
@@ -101,7 +102,7 @@ def _case(case):
     side, workload, precision, warmup, layout, log = case
     if side == "hf":
         return _hf_side(workload, precision, warmup)
-    return _mtds_side(workload, precision, warmup, layout, log)
+    return _mtds_side(workload, precision, warmup, layout, log, compile=side == "mtds-compile")
 
 
 def spread_layout(ranks: int) -> tuple[int, int, int] | None:
@@ -146,6 +147,8 @@ def check(machine, workload, precision: str, warmup: int, timeout: float) -> Sec
                       f"differs from the other side's (identical work).")
     runs = [("HF GPT2LMHeadModel + AdamW" + (" (fused)" if machine.cuda else ""), "hf", (1, 1, 1)),
             ("mtds (1,1,1)", "mtds", (1, 1, 1))]
+    if machine.cuda:        # what --compile buys on this GPU (Inductor's Triton kernels); CPU compiles are slow
+        runs.append(("mtds (1,1,1) --compile", "mtds-compile", (1, 1, 1)))
     spread = spread_layout(machine.ranks) if machine.cuda else None    # two CPU ranks say nothing about scaling
     if spread:
         runs.append((f"mtds ({','.join(map(str, spread))}) on {machine.ranks} ranks", "mtds", spread))
@@ -170,7 +173,7 @@ def check(machine, workload, precision: str, warmup: int, timeout: float) -> Sec
         row = _row(name, value, run_workload, precision, machine, world, global_batch)
         section.table = (section.table or []) + [row]
         ref = values.get(runs[0][0])
-        if side == "mtds" and ref is not None and layout == (1, 1, 1):
+        if side.startswith("mtds") and ref is not None and layout == (1, 1, 1):
             diff = max_rel_diff([value["first_loss"]], [ref["first_loss"]])
             tol = TOLERANCE[precision].loss
             speedup = ref["step_s"] / value["step_s"]

@@ -5,6 +5,6 @@
 - :mod:`mtds.testing.rank_setup` -- what both need to start a rank, join the group and leave.
 - :mod:`mtds.testing.reset` -- what a pooled rank puts back between bodies.
 """
-from mtds.testing.ranks import RankFailure, close_pools, device, free_port, pool_stats, spawn, use_pools
+from mtds.testing.ranks import RankFailure, close_pools, device, free_port, needs_ranks, pool_stats, spawn, use_pools
 
-__all__ = ["spawn", "RankFailure", "free_port", "use_pools", "close_pools", "pool_stats", "device"]
+__all__ = ["spawn", "RankFailure", "free_port", "use_pools", "close_pools", "pool_stats", "device", "needs_ranks"]

@@ -47,7 +47,26 @@ def start_context(dev: str):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    _start_forkserver_without_gpus()
     return ctx
+
+
+def _start_forkserver_without_gpus() -> None:
+    """Start the forkserver with every GPU hidden. Its PRELOAD imports DeepSpeed, which asks torch for the
+    device count: where a GPU is visible (``python -m mtds.gpucheck --device cpu`` on a GPU machine) the
+    forkserver would initialise CUDA, and its forked CPU ranks -- CUDA_VISIBLE_DEVICES= set only once they
+    run -- would fail "No CUDA GPUs are available" (seen on an H100, 2026-11-24). Ranks inherit the
+    forkserver's environment, so they start with the GPUs hidden too. A forkserver already running is kept."""
+    from multiprocessing import forkserver
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def join_group(rank: int, world: int, port: int, dev: str, timeout_s: float, env: dict[str, str] | None = None,

@@ -99,6 +99,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     raise AssertionError("unreachable")
 
 
+def needs_ranks(world: int) -> None:
+    """For tests that start ``world`` ranks through a launcher (deepspeed, torchrun) rather than
+    :func:`spawn`: under ``MTDS_TEST_DEVICE=cuda`` each rank needs its own GPU, so skip with the reason
+    where fewer are present; on CPU (gloo) any number of ranks runs."""
+    if device() == "cuda":
+        _skip_without_gpus(world)
+
+
 def _skip_without_gpus(world: int) -> None:
     import torch
     have = torch.cuda.device_count()

@@ -19,7 +19,7 @@ from mtds.safety.startup import BuildLockWatchdog
 
 from .config import TrainConfig
 from .distributed import configure_matmul_precision
-from .ds_config import BatchPlan, load_ds_config, precision, prepare_ds_config, zero_stage
+from .ds_config import BatchPlan, load_ds_config, override_batch, precision, prepare_ds_config, zero_stage
 from .engine_setup import create_engine, install_engine_patches
 from .logger import StepLogger
 from .stage_plan import describe, resolve_stage_layout
@@ -50,7 +50,8 @@ def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
     activations need, and the schedule's checks against it."""
     layout = world.layout
     dualpipev = cfg.pipeline_schedule == "dualpipev"
-    ds_config, batch = prepare_ds_config(load_ds_config(cfg.deepspeed_config), layout,
+    user = override_batch(load_ds_config(cfg.deepspeed_config), cfg.global_batch_size, cfg.micro_batch_size)
+    ds_config, batch = prepare_ds_config(user, layout,
                                          device_type=world.device.type, lr=cfg.lr)
     if cfg.sequence_parallel and layout.pp > 1:
         # DeepSpeed's pipeline splits a stage's output over the TP ranks and the next stage

@@ -12,10 +12,12 @@ EPILOG = textwrap.dedent("""\
     examples:
       deepspeed --num_gpus 2 train.py --deepspeed_config ds_configs/cpu_fp32.json --tp 2 --steps 50
       torchrun --nproc_per_node 8 train.py --deepspeed_config ds_configs/cpu_fp32.json --tp 2 --pp 2
-      deepspeed --num_gpus 8 train.py --deepspeed_config ds_configs/ptdp_bf16.json --model gpt2-medium --tp 4 --pp 2
+      deepspeed --num_gpus 8 train.py --deepspeed_config ds_configs/ptdp_bf16.json --model gpt2-medium --tp 4 --pp 2 \
+          --global-batch-size 64
 
     The data-parallel size is derived: d = world size / (tp * pp). Global and micro batch come from the
-    DeepSpeed config; gradient accumulation (= pipeline micro-batches) is derived from them and d.
+    DeepSpeed config or --global-batch-size / --micro-batch-size; gradient accumulation (= pipeline
+    micro-batches) is derived from them and d.
     """)
 
 
@@ -110,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps [100]")
+    g.add_argument("--global-batch-size", type=int, metavar="B",
+                   help="sequences per optimizer step over all data-parallel ranks (overrides the DeepSpeed "
+                        "config's train_batch_size; accumulation = B / (micro batch x dp))")
+    g.add_argument("--micro-batch-size", type=int, metavar="b",
+                   help="sequences per micro-batch per rank (overrides train_micro_batch_size_per_gpu)")
     g.add_argument("--lr", type=float, help="peak learning rate (overrides the DeepSpeed config)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay [0]")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps [0]")
@@ -195,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_data_path=tuple(args.eval_data_path) if args.eval_data_path else None, eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, steps=args.steps, lr=args.lr,
+        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay=args.lr_decay, seed=args.seed,
         recompute=recompute, recompute_interval=interval, compile=args.compile,
         init_from_hf=args.init_from_hf, save=args.save, save_interval=args.save_interval, keep_last=args.keep_last,

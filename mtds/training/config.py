@@ -44,6 +44,8 @@ class TrainConfig:
     # optimisation
     steps: int = 100
     lr: float | None = None                     # overrides optimizer.params.lr
+    global_batch_size: int | None = None        # overrides train_batch_size (Megatron's --global-batch-size)
+    micro_batch_size: int | None = None         # overrides train_micro_batch_size_per_gpu (--micro-batch-size)
     min_lr: float = 0.0
     warmup_steps: int = 0
     lr_decay: str = "cosine"                    # cosine | linear | constant (ignored if the config has a scheduler)

@@ -10,9 +10,20 @@ import torch.distributed as dist
 
 
 def device_and_backend() -> tuple[torch.device, str]:
-    """CUDA + NCCL where a GPU is visible, else CPU + gloo (never hard-coded)."""
+    """CUDA + NCCL where a GPU is visible, else CPU + gloo (never hard-coded). One GPU per local rank: a
+    local rank without its own GPU is a layout error with the fix (NCCL refuses two ranks on one GPU, and
+    ``set_device`` past the last GPU fails as "invalid device ordinal", which read like a rendezvous timeout)."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        have = torch.cuda.device_count()
+        if local_rank >= have:
+            from mtds.layout import LayoutError
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise LayoutError(
+                f"local rank {local_rank} has no GPU of its own: {have} GPU(s) visible on this node"
+                f"{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}; start at most {have} "
+                f"rank(s) per node (deepspeed --num_gpus {have}, torchrun --nproc_per_node {have}), or hide the "
+                f"GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on CPU with gloo")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
