@@ -55,3 +55,17 @@ def test_comm_trace_overhead_bench_times_every_way_and_the_tracer_counts_every_c
     for result in spawn(time_rank, 2, 40, 3):
         check_counts(result, 40, 3)
         assert all(len(result["times"][k][w]) == 3 and min(result["times"][k][w]) > 0 for k in KINDS for w in WAYS)
+
+
+def _link_probe():
+    from benchmarks.link_probe import probe
+    return probe(0.5, 1)
+
+
+def test_link_probe_times_every_pattern():
+    """benchmarks/link_probe.py on 4 gloo ranks of one host (the emulated cluster needs root and a minute; its
+    numbers are in docs/cluster.md): every pattern runs on every rank, takes time and reports a byte count."""
+    from mtds.testing import spawn
+    for result in spawn(_link_probe, 4, timeout=120):
+        assert set(result) == {"allreduce", "ring_rs", "ring_rs_x2", "pairs", "pairs_small"}, result
+        assert all(v["s"] > 0 and isinstance(v["tx"], int) for v in result.values()), result
