@@ -1,6 +1,7 @@
 """`mtds-plan --calibrate`: a few-second measurement that makes "local" a usable GPU type."""
 import json
 
+import pytest
 
 from mtds.plan.calibrate import measure_matmul, measure_memory_bandwidth, save_profile
 from mtds.plan.candidate import Layout, Workload
@@ -26,7 +27,9 @@ def test_profile_drives_predictions(tmp_path):
 
 
 def test_cli_calibrate_writes_profile(tmp_path, capsys):
-    from mtds.cli.plan import main
+    from mtds.cli.plan import main, visible_gpus
+    if visible_gpus():       # the suite's CUDA mode: --calibrate refuses (next test)
+        pytest.skip("a GPU is visible: --calibrate refuses to profile the host's cores here")
 
     out = tmp_path / "prof.json"
     assert main(["--calibrate", "--profile", str(out), "--json"]) == 0
@@ -38,3 +41,17 @@ def test_cli_calibrate_writes_profile(tmp_path, capsys):
     assert main(["--gpu", "local", "--profile", str(out), "--layers", "2", "--hidden", "64", "--heads", "4",
                  "--vocab", "256", "--seq", "32", "--gpus", "2", "--global-batch", "4", "--tp", "2", "--pp", "1",
                  "--json"]) == 0
+
+
+def test_cli_calibrate_refuses_a_gpu_machine(monkeypatch, capsys):
+    """--calibrate profiles CPU cores over gloo; where torch sees a GPU that profile would misplan GPU runs
+    (seen on an H100: 0.54 TFLOP/s). It refuses with the fix instead (torch.cuda patched: no GPU here)."""
+    import torch
+
+    from mtds.cli.plan import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as stop:
+        main(["--calibrate"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "torch sees 1 GPU(s) here" in err and "CUDA_VISIBLE_DEVICES=" in err, err

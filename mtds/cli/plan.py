@@ -94,6 +94,13 @@ def _cluster(args, precision: str) -> Cluster:
                    inter_gbps=args.inter_gbps)
 
 
+def visible_gpus() -> int:
+    """GPUs torch sees (0 on a CPU build or with CUDA_VISIBLE_DEVICES=). On an H100 machine --calibrate
+    silently profiled the host's cores (0.54 TFLOP/s, 2026-11-24): a profile nobody planning GPU runs wants."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _calibrate(args) -> int:
     from mtds.plan.calibrate import run_calibration, save_profile
 
@@ -136,6 +143,12 @@ def main(argv=None) -> int:
     if args.calibrate:
         if args.calibrate_ranks < 2:     # the all-reduce fit needs a ring
             parser.error(f"--calibrate-ranks must be >= 2 (it fits a ring all-reduce), got {args.calibrate_ranks}")
+        gpus = visible_gpus()
+        if gpus:
+            parser.error(f"--calibrate measures this host's CPU cores with gloo ranks (it has no GPU mode yet), "
+                         f"but torch sees {gpus} GPU(s) here: plan GPU runs with the datasheet entry "
+                         f"(--gpu {', '.join(g for g in gpu_names() if g != 'local')}), or hide the GPUs "
+                         f"(CUDA_VISIBLE_DEVICES= mtds-plan --calibrate) to profile the cores anyway")
         return _calibrate(args)
     if not args.global_batch:
         raise SystemExit("mtds-plan: --global-batch is required")
