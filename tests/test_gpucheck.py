@@ -53,6 +53,9 @@ def test_cpu_mode_report():
     # the speed table: a row per run with every column filled
     table = re.findall(r"^\| (HF GPT2LMHeadModel \+ AdamW|mtds \(1,1,1\)) \| ([0-9,]+) \|", text, re.M)
     assert len(table) == 2 and all(int(t.replace(",", "")) > 0 for _, t in table), table
+    # mtds's last warm-up step by kind of work (--profile-step), GEMMs among them
+    assert "Where step 1 of mtds (1,1,1) went (torch.profiler; cpu operators' own time" in text, text
+    assert re.search(r"^\| gemm \| [0-9.]+ \| [0-9]+% \| [0-9,]+ \|$", text, re.M), text
     assert "result: **PASS** (" in text
 
 

@@ -20,6 +20,7 @@ class Section:
     intro: str = ""             # what is checked and the tolerance, with why
     rows: list[Row] = field(default_factory=list)
     table: list[dict] | None = None     # free-form table (the speed table) below the rows
+    extra: list[str] = field(default_factory=list)      # markdown lines after the table (the step profile)
     seconds: float = 0.0
 
     def add(self, case: str, ok: bool, numbers: str = "", note: str = "") -> Row:
@@ -57,5 +58,7 @@ def render(header: list[str], sections: list[Section]) -> str:
             keys = list(s.table[0])
             lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             lines += ["| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |" for row in s.table]
+        if s.extra:
+            lines += [""] + s.extra
         lines += ["", f"({s.seconds:.0f} s)", ""]
     return "\n".join(lines)

@@ -89,13 +89,17 @@ def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, in
     device = _device()
     _reset_peak(device)
     t, p, d = layout
-    cfg = train_config(workload, precision, device.type, tp=t, pp=p, dp=d, log_jsonl=log, compile=compile)
+    # the last warm-up step (not timed) of the eager (1,1,1) run is profiled: where its time goes
+    profile = warmup if layout == (1, 1, 1) and not compile and warmup >= 1 else None
+    cfg = train_config(workload, precision, device.type, tp=t, pp=p, dp=d, log_jsonl=log, compile=compile,
+                       profile_step=profile)
     result = run(cfg)
     dist.barrier()                  # the log is written by the reporting rank only; every rank reads it
     with open(log) as f:
         records = [r for r in map(json.loads, f) if r.get("kind") == "train"]
     step_s = statistics.median(r["step_time_s"] for r in records[warmup:]) if records else None
-    return {"step_s": step_s, "first_loss": result.losses[0], "losses": result.losses, **_peak_memory(device)}
+    return {"step_s": step_s, "first_loss": result.losses[0], "losses": result.losses, "profile": result.profile,
+            **_peak_memory(device)}
 
 
 def _case(case):
@@ -121,6 +125,18 @@ def workload_for(workload, layout: tuple[int, int, int]):
     from dataclasses import replace
     p = layout[1]
     return workload if p == 1 else replace(workload, global_batch=workload.micro_batch * 4 * p)
+
+
+def profile_lines(name: str, summary: dict, step: int) -> list[str]:
+    """The step profile (mtds.step_profile) of one run as a markdown table: where its time went."""
+    what = "kernels" if summary["device"] == "cuda" else "operators"
+    busy = max(summary["busy_ms"], 1e-9)
+    lines = [f"Where step {step} of {name} went (torch.profiler; {summary['device']} {what}' own time, "
+             f"{summary['launches']:,} {what}, {summary['busy_ms']:.1f} ms busy of {summary['wall_ms']:.1f} ms "
+             f"wall, profiled so slower than the timed steps):", "",
+             f"| kind of work | ms | share | {what} |", "|---|---:|---:|---:|"]
+    lines += [f"| {c} | {ms:.2f} | {ms / busy:.0%} | {n:,} |" for c, ms, n in summary["rows"]]
+    return lines + [""]
 
 
 def _row(name, value, workload, precision, machine, world, global_batch) -> dict:
@@ -169,6 +185,8 @@ def check(machine, workload, precision: str, warmup: int, timeout: float) -> Sec
             section.fail(name, "no step time or a non-finite loss")
             continue
         values[name] = value
+        if value.get("profile"):
+            section.extra += profile_lines(name, value["profile"], warmup)
         global_batch = run_workload.global_batch * layout[2]
         row = _row(name, value, run_workload, precision, machine, world, global_batch)
         section.table = (section.table or []) + [row]

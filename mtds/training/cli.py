@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeline", metavar="JSON",
                    help="pipeline timeline: measured bubble per stage in every step's log; the last step as a "
                         "Chrome trace (open in Perfetto) here and a Gantt chart PNG next to it")
+    g.add_argument("--profile-step", type=int, metavar="N",
+                   help="profile step N with torch.profiler (CPU, and CUDA on GPUs): one console line of where its "
+                        "time went by kind of work (GEMM, attention, element-wise, copies, reductions, norms, "
+                        "optimizer, collectives), kernel count and how busy the device was")
+    g.add_argument("--profile-trace", metavar="JSON",
+                   help="with --profile-step: that step's Chrome trace, one file per rank (FILE.rankR.json)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps verify TP-replicated and tied weights are identical [off]")
@@ -207,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         recompute=recompute, recompute_interval=interval, compile=args.compile,
         init_from_hf=args.init_from_hf, save=args.save, save_interval=args.save_interval, keep_last=args.keep_last,
         load=args.load, log_jsonl=args.log_jsonl, tensorboard=args.tensorboard,
-        plot=args.plot, timeline=args.timeline,
+        plot=args.plot, timeline=args.timeline, profile_step=args.profile_step, profile_trace=args.profile_trace,
         progress=False if args.no_progress else None, check_replicas_interval=args.check_replicas,
         dist_timeout_s=args.dist_timeout, on_nan=args.on_nan, save_on_signal=args.save_on_signal,
         build_lock_timeout_s=args.build_lock_timeout, heartbeat_timeout_s=args.heartbeat_timeout)

@@ -53,6 +53,8 @@ class TrainConfig:
     recompute: str = "none"                     # none | selective (attention core) | full (whole blocks)
     recompute_interval: int = 1                 # full: every N consecutive blocks are recomputed as one unit
     compile: bool = False                       # torch.compile each transformer layer (mtds.model.compile)
+    profile_step: int | None = None             # profile this step (torch.profiler; mtds.step_profile)
+    profile_trace: str | None = None            # its Chrome trace, one file per rank (.rankR before the suffix)
     init_from_hf: str | None = None
     # checkpoints and logs
     save: str | None = None
@@ -87,6 +89,11 @@ class TrainConfig:
             raise ValueError(f"{flag} with --pp {self.pp} needs --pipeline-schedule 1f1b: the "
                              f"{self.pipeline_schedule} schedule sends one tensor between stages, not the "
                              f"document ids beside it")
+        if self.profile_step is not None and not 1 <= self.profile_step <= self.steps:
+            raise ValueError(f"--profile-step {self.profile_step} is not a step of this run: give 1..{self.steps} "
+                             f"(--steps {self.steps})")
+        if self.profile_trace and self.profile_step is None:
+            raise ValueError("--profile-trace needs --profile-step N (the step to trace)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
         if self.recompute != "full" and self.recompute_interval != 1:

@@ -14,7 +14,12 @@ A new per-step feature is one class here and one line in :func:`step_hooks`.
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Protocol
+
+import torch
+import torch.distributed as dist
 
 from mtds.deepspeed_compat import verify_ran
 from mtds.safety.numerics import StepFlags
@@ -89,6 +94,44 @@ class TimelineHook(Hook):
 
     def at_end(self, step, completed):
         self.timeline.write(title=f"{self.built.world.layout} {self.built.cfg.pipeline_schedule}, step {step}")
+
+
+class ProfileHook(Hook):
+    """--profile-step N: that step under torch.profiler (CPU, and CUDA where the run is on a GPU), first of
+    the hooks so that it holds exactly the step; its summary by kind of work (mtds.step_profile) goes to the
+    result and the console, the Chrome trace to --profile-trace (one file per rank)."""
+
+    def __init__(self, built: BuiltRun, result: RunResult):
+        self.built, self.result, self.prof, self.start = built, result, None, 0.0
+
+    def before_step(self, step):
+        if step != self.built.cfg.profile_step:
+            return
+        from torch.profiler import ProfilerActivity, profile
+        cuda = self.built.world.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self.prof.__enter__()
+        self.start = time.perf_counter()
+
+    def after_step(self, step, record):
+        if self.prof is None:
+            return None
+        from mtds.step_profile import format_summary, summarize
+        device = self.built.world.device.type
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.start
+        self.prof.__exit__(None, None, None)
+        self.result.profile = summarize(self.prof, wall, device)
+        trace = self.built.cfg.profile_trace
+        if trace:
+            root, ext = os.path.splitext(trace)
+            self.prof.export_chrome_trace(f"{root}.rank{dist.get_rank()}{ext or '.json'}")
+        self.built.logger.info(format_summary(self.result.profile, step))
+        self.prof = None
+        return None
 
 
 class LogHook(Hook):
@@ -211,7 +254,8 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
     the timeline its bubble before the record is logged; the non-finite check comes before evaluation
     and saving (its collective also agrees on signals); the signal check is last (it may save this step)."""
     cfg, tracer = built.cfg, built.world.tracer
-    hooks: list[Hook] = [PatchesRanHook(built.engine, start_step + 1)]
+    hooks: list[Hook] = [ProfileHook(built, result)] if cfg.profile_step else []
+    hooks.append(PatchesRanHook(built.engine, start_step + 1))
     if tracer is not None:
         hooks.append(CommTraceHook(tracer, result))
     if cfg.timeline and built.world.layout.pp > 1:

@@ -1,0 +1,57 @@
+"""--profile-step: one step under torch.profiler, summed by kind of work (mtds.step_profile) into the run's
+result, the console and a Chrome trace per rank; the kernel names are those an H100 showed (2026-11-24)."""
+import os
+
+import pytest
+
+from mtds.step_profile import categorize
+from mtds.testing import spawn
+
+H100_KERNELS = {
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_": "attention",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor": "optimizer",
+    "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16, float, 32>": "norm",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormTwoOps<float, float>>>":
+        "reduction",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)": "copy/cast",
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::GeluBackwardCUDAKernelImpl": "element-wise/other",
+    "aten::mm": "gemm", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::copy_": "copy/cast",
+    "aten::native_layer_norm": "norm", "aten::sum": "reduction", "aten::gelu": "element-wise/other",
+}
+
+
+@pytest.mark.parametrize("name", sorted(H100_KERNELS))
+def test_kernels_fall_into_their_kind_of_work(name):
+    assert categorize(name) == H100_KERNELS[name]
+
+
+def _profiled(workdir):
+    from mtds.training import run
+    from tests.training_helpers import train_config
+    plain = run(train_config(steps=2, eval_split=0.0))
+    profiled = run(train_config(steps=3, eval_split=0.0, profile_step=2,
+                                profile_trace=os.path.join(workdir, "step.json")))
+    return plain.profile, profiled.profile, sorted(os.listdir(workdir))
+
+
+def test_profile_step_sums_one_step_by_kind_and_writes_the_trace(tmp_path):
+    plain, summary, files = spawn(_profiled, 1, str(tmp_path), timeout=200)[0]
+    assert plain is None                                  # off unless asked
+    assert files == ["step.rank0.json"]
+    kinds = {c: (ms, n) for c, ms, n in summary["rows"]}
+    assert kinds["gemm"][0] > 0 and kinds["gemm"][1] > 0 and "optimizer" in kinds
+    assert abs(sum(ms for ms, _ in kinds.values()) - summary["busy_ms"]) < 1e-6
+    assert 0 < summary["busy_ms"] <= summary["wall_ms"] * 1.05     # own times of one thread's operators
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"profile_step": 4}, "--profile-step 4 is not a step of this run: give 1..3"),
+    ({"profile_trace": "t.json"}, "--profile-trace needs --profile-step N"),
+])
+def test_profile_flags_are_checked(kwargs, message):
+    from tests.training_helpers import train_config
+    with pytest.raises(ValueError, match=message):
+        train_config(steps=3, **kwargs)
