@@ -55,3 +55,26 @@ def test_profile_flags_are_checked(kwargs, message):
     from tests.training_helpers import train_config
     with pytest.raises(ValueError, match=message):
         train_config(steps=3, **kwargs)
+
+
+def test_cuda_branch_sums_kernels_only():
+    """The CUDA branch of the summary (no GPU here): only kernel events (device type CUDA) count, by their
+    own device time; the CPU operators that launched them (which also carry device time) do not."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from mtds.step_profile import summarize
+
+    def event(key, device_type, device_us, cpu_us, count):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us,
+                               self_cpu_time_total=cpu_us, count=count)
+    events = [event("aten::mm", DeviceType.CPU, 18_000, 900, 97),           # launches the nvjet kernels
+              event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", DeviceType.CUDA, 7_000, 0, 97),
+              event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", DeviceType.CUDA, 5_000, 0, 49),
+              event("void at::native::vectorized_elementwise_kernel<8, at::native::GeluBackwardCUDAKernelImpl",
+                    DeviceType.CUDA, 1_500, 0, 24)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    summary = summarize(prof, 0.020, "cuda")
+    assert summary["rows"] == [("gemm", 12.0, 146), ("element-wise/other", 1.5, 24)]
+    assert summary["busy_ms"] == 13.5 and summary["launches"] == 170 and summary["wall_ms"] == 20.0
