@@ -88,6 +88,8 @@ def test_parity_verdict():
 
 @pytest.mark.parametrize("argv, message", [
     (["--device", "gpu"], "invalid choice: 'gpu'"),
+    (["--device", "cpu", "--speed-models", "gpt2-xl"], "--speed-models applies to GPUs"),
+    (["--speed-models", "gpt2-huge"], "--speed-models: unknown model 'gpt2-huge'; choose from gpt2-medium"),
     (["--device", "cuda"], "--device cuda: torch sees no GPU"),
     (["--device", "cpu", "--gpus", "2"], "--gpus applies to --device cuda"),
     (["--gpus", "0"], "--gpus must be between 1 and 8"),
@@ -163,3 +165,11 @@ def test_gpu_shapes_are_runnable(monkeypatch):
                     check_schedule(schedule, pp=pp, virtual_stages=v, micro_batches=batch.accumulation)
                     check_schedule_config(schedule, cfg.deepspeed_config)
                 assert workload.seq <= m.max_position_embeddings
+
+
+def test_speed_models_are_the_shapes_that_ran_on_an_h100():
+    from mtds.gpucheck.workloads import speed_workload
+    xl = speed_workload("gpt2-xl")
+    assert (xl.model.hidden_size, xl.model.num_layers, xl.model.num_heads, xl.model.vocab_size) == (1600, 48, 25, 50304)
+    assert (xl.seq, xl.micro_batch, xl.global_batch, xl.steps) == (1024, 4, 4, 12)
+    assert speed_workload("gpt2-medium", quick=True).steps == 6

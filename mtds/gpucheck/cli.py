@@ -3,6 +3,7 @@ failed or timed out, 2 bad input (one ``error:`` line)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import sys
 import textwrap
@@ -23,6 +24,7 @@ EPILOG = textwrap.dedent("""\
     examples:
       python -m mtds.gpucheck                      # every visible GPU (up to 8), report in gpucheck.md
       python -m mtds.gpucheck --gpus 2 --quick     # smaller shapes, two GPUs
+      python -m mtds.gpucheck --only speed --speed-models gpt2-medium,gpt2-large,gpt2-xl
       python -m mtds.gpucheck --device cpu --quick # the CPU mode the test-suite runs (gloo, 2 ranks)
     """)
 
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpucheck.md", metavar="FILE", help="markdown report [gpucheck.md]")
     p.add_argument("--quick", action="store_true", help="smaller shapes and fewer steps (minutes on GPUs)")
     p.add_argument("--only", metavar="LIST", help=f"comma-separated subset of {','.join(CHECKS)} [all]")
+    p.add_argument("--speed-models", metavar="LIST",
+                   help="GPUs: the speed check at these GPT-2 shapes, one section each, e.g. "
+                        "gpt2-medium,gpt2-large,gpt2-xl (the largest that fits is the checklist's MFU figure) "
+                        "[gpt2-medium; --quick: a smaller shape]")
     return p
 
 
@@ -57,10 +63,18 @@ def parse(argv) -> tuple[argparse.Namespace, list[str]]:
     unknown = [c for c in only if c not in CHECKS]
     if unknown or not only:
         raise ValueError(f"--only: unknown check {', '.join(unknown) or '(empty)'}; choose from {', '.join(CHECKS)}")
+    if args.speed_models is not None:
+        from .workloads import speed_workload
+        names = [m.strip() for m in args.speed_models.split(",") if m.strip()]
+        if not names:
+            raise ValueError("--speed-models: give at least one model, e.g. gpt2-medium,gpt2-xl")
+        for name in names:
+            speed_workload(name)        # unknown names fail here, before any check runs
+        args.speed_models = names
     return args, only
 
 
-def run_checks(machine, checks: list[str], quick: bool) -> list:
+def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] | None = None) -> list:
     """Each check's :class:`~mtds.gpucheck.report.Section`; a check that raises becomes a FAIL row."""
     from . import p2p_stress, parity, resume_eval, speed
     from .report import Section
@@ -70,14 +84,25 @@ def run_checks(machine, checks: list[str], quick: bool) -> list:
         "parity": lambda: parity.check(machine, w["parity"], precs, bound["parity"]),
         "p2p": lambda: p2p_stress.check(machine, w["p2p"], precs[0] if machine.cuda else "fp32", bound["p2p"]),
         "resume": lambda: resume_eval.check(machine, w["resume"], precs[0], bound["resume"]),
-        "speed": lambda: speed.check(machine, w["speed"], precs[0], SPEED_WARMUP[machine.device], bound["speed"]),
     }
-    sections = []
+    loads = [("speed", w["speed"])]
+    if speed_models and machine.cuda:
+        from .workloads import speed_workload
+        loads = [(f"speed {model}", speed_workload(model, quick)) for model in speed_models]
+    jobs = []
     for name in checks:
+        if name != "speed":
+            jobs.append((name, steps[name]))
+            continue
+        for title, load in loads:       # one section per model: a shape that does not fit fails alone
+            jobs.append((title, functools.partial(speed.check, machine, load, precs[0], SPEED_WARMUP[machine.device],
+                                                  bound["speed"], title=title)))
+    sections = []
+    for name, job in jobs:
         start = time.monotonic()
         print(f"gpucheck: {name} ...", file=sys.stderr, flush=True)
         try:
-            section = steps[name]()
+            section = job()
         except Exception as err:        # a bug in the check itself still ends as a row, not a traceback
             from .ranks import one_line
             section = Section(name)
@@ -105,12 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, checks = parse(argv)
         machine = resolve(args.device, args.gpus)
+        if args.speed_models and not machine.cuda:
+            raise ValueError("--speed-models applies to GPUs (the CPU mode times its one tiny shape): drop it or "
+                             "run with --device cuda")
         with open(args.out, "a"):      # an unwritable --out is bad input, found before an hour of checks
             pass
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    sections = run_checks(machine, checks, args.quick)
+    sections = run_checks(machine, checks, args.quick, args.speed_models)
     text = render(header(machine, args.quick), sections)
     with open(args.out, "w") as f:
         f.write(text)

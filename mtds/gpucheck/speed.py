@@ -153,11 +153,11 @@ def _row(name, value, workload, precision, machine, world, global_batch) -> dict
             "peak mem reserved GiB": f"{reserved:.2f}" if reserved is not None else "n/a (CPU)"}
 
 
-def check(machine, workload, precision: str, warmup: int, timeout: float) -> Section:
+def check(machine, workload, precision: str, warmup: int, timeout: float, title: str = "speed") -> Section:
     from .parity import TOLERANCE
     from .ranks import run_cases
     from .reference import max_rel_diff
-    section = Section("speed", f"{workload.describe()}, {precision}, {warmup} warm-up step(s) not timed. "
+    section = Section(title, f"{workload.describe()}, {precision}, {warmup} warm-up step(s) not timed. "
                       f"Goals (reported, not enforced): mtds >= {GOAL_SPEEDUP:g}x HF tokens/s at (1,1,1), "
                       f"MFU >= {GOAL_MFU:.0%}. A run fails if it crashes, times out, or its first-step loss "
                       f"differs from the other side's (identical work).")

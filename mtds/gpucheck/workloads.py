@@ -52,6 +52,19 @@ GPU_QUICK = {**GPU, "parity": Workload(_gpt(256, 4, 4, 128), 128, 4, 32, 4),
              "p2p": Workload(_gpt(1024, 4, 16, 1024), 1024, 32, 128, 2),
              "speed": Workload(_gpt(512, 4, 8, 512, vocab=50304), 512, 8, 8, 6)}
 
+# --speed-models (GPUs): GPT-2 presets' shapes at s = 1024 (vocabulary padded to 50304) and the micro-batch
+# each ran at on one H100 80GB beside HF (2026-11-24: HF needed 26.6 / 46.6 / 49.1 GiB, mtds 14.4 / 26.7 / 36.8).
+SPEED_MODELS = {"gpt2-medium": (1024, 24, 16, 8), "gpt2-large": (1280, 36, 20, 8), "gpt2-xl": (1600, 48, 25, 4)}
+
+
+def speed_workload(name: str, quick: bool = False) -> Workload:
+    """The speed check's workload for a --speed-models entry (``ValueError`` with the choices otherwise)."""
+    if name not in SPEED_MODELS:
+        raise ValueError(f"--speed-models: unknown model {name!r}; choose from {', '.join(SPEED_MODELS)}")
+    hidden, layers, heads, micro = SPEED_MODELS[name]
+    return Workload(_gpt(hidden, layers, heads, 1024, vocab=50304), 1024, micro, micro, 6 if quick else 12)
+
+
 SPEED_WARMUP = {"cpu": 1, "cuda": 3}      # first steps not timed (allocator, cuBLAS heuristics, JIT)
 
 
