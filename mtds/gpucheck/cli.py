@@ -3,8 +3,8 @@ failed or timed out, 2 bad input (one ``error:`` line)."""
 from __future__ import annotations
 
 import argparse
-import functools
 import datetime
+import functools
 import sys
 import textwrap
 import time

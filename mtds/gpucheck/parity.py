@@ -112,19 +112,17 @@ def judge(precision: str, value: dict, ref, rounding=None) -> tuple[bool, str, s
         diffs = [math.inf] * len(ref.grad_norms)
     else:
         diffs = [abs(x - y) / abs(y) for x, y in zip(norms, ref.grad_norms)]
-    dn = max(diffs)
-    worst = max(range(len(diffs)), key=lambda i: diffs[i] / bounds[i])
+    worst = max(range(len(diffs)), key=lambda i: diffs[i] / bounds[i])     # nearest its bound
+    top = max(range(len(diffs)), key=diffs.__getitem__)                    # largest difference
     skipped = sum(value["skipped"])
     why = "; ".join(w for w in (f"loss {dl:.2e} > {tol.loss:g}" if not dl <= tol.loss else "",
                                 f"step-1 grad norm {d1:.2e} > {tol.first_norm:g}" if not d1 <= tol.first_norm else "",
                                 f"grad norm {diffs[worst]:.2e} > {bounds[worst]:.3g} at step {worst + 1}"
                                 if not diffs[worst] <= bounds[worst] else "",
                                 f"{skipped} step(s) skipped by the loss scaler" if skipped else "") if w)
-    widened = f" (bound {bounds[worst]:.3g} there: HF autocast drifts {bounds[worst] / DRIFT_FACTOR:.2e})" \
-        if bounds[worst] > tol.norm and worst > 0 else ""
-    top = max(range(len(diffs)), key=diffs.__getitem__)
-    widened = widened if top == worst else ""
-    numbers = (f"loss {dl:.2e}, grad norm {d1:.2e} at step 1, {dn:.2e} max (step {top + 1}){widened}, "
+    widened = (f" (bound {bounds[top]:.3g} there: HF autocast drifts {bounds[top] / DRIFT_FACTOR:.2e})"
+               if top > 0 and bounds[top] > tol.norm else "")
+    numbers = (f"loss {dl:.2e}, grad norm {d1:.2e} at step 1, {diffs[top]:.2e} max (step {top + 1}){widened}, "
                f"final loss {value['losses'][-1]:.4f} (HF {ref.losses[-1]:.4f})")
     return not why, numbers, why
 

@@ -1,7 +1,6 @@
 """gpucheck's single-process reference: mtds.testing.hf_reference's loop (the test suite's) with torch
 AdamW at the GPU shapes, in fp32 with TF32 off: the values every mtds layout and precision is measured
-against -- and the same loop
-under torch.autocast, which measures how far rounding alone moves each step."""
+against; and the same loop under torch.autocast, which shows how far 16-bit rounding alone moves each step."""
 from __future__ import annotations
 
 import contextlib
