@@ -43,8 +43,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # copies, else the logits' own (reuse_logits) or the shift's; then the exponentials in place.
         work = _mask_padding(logits.float(), start, vocab_size)
 
-        # Subtract the global max for stability; the max needs no gradient.
-        logits_max = _all_reduce(work.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        # Subtract the global max for stability; the max needs no gradient. amax, not max(dim): the same
+        # values without the argmax indices (1024 x 8192 fp32 on one core: 0.9 instead of 4.0 ms).
+        logits_max = _all_reduce(work.amax(dim=-1), group, dist.ReduceOp.MAX)
         if work is logits and not reuse_logits:
             shifted = work - logits_max.unsqueeze(-1)
         else:
