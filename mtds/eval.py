@@ -77,14 +77,8 @@ def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = N
         load_checkpoint_into_stages(model, ckpt, cfg, groups.tp_group)
     else:
         load_hf_into_stages(model, hf, cfg, groups)
+    from mtds.training.distributed import group_device
     return model.to(device if device is not None else group_device()).eval()
-
-
-def group_device() -> torch.device:
-    """The device collectives of the default group take: this rank's GPU under NCCL, else the host."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -138,6 +132,7 @@ def evaluation_totals(model, rows: list[list[int]], cfg, groups, device) -> torc
 
 def evaluate(model, rows: list[list[int]], cfg, groups, device=None) -> dict:
     """Mean next-token loss over ``rows``, with the token count and perplexity."""
+    from mtds.training.distributed import group_device
     device = device if device is not None else group_device()
     loss_sum, tokens = evaluation_totals(model, rows, cfg, groups, device).tolist()
     loss = loss_sum / max(tokens, 1)

@@ -57,9 +57,21 @@ def summarize(prof, wall_s: float, device_type: str) -> dict:
             "device": device_type, "rows": rows}
 
 
+def _what(summary: dict) -> str:
+    return "kernels" if summary["device"] == "cuda" else "operators"
+
+
 def format_summary(summary: dict, step: int) -> str:
-    what = "kernels" if summary["device"] == "cuda" else "operators"
+    """Two console lines: the step's totals, then each kind's time, share and count."""
+    what = _what(summary)
     head = (f"profile of step {step}: wall {summary['wall_ms']:.1f} ms, {summary['launches']:,} {what}, "
             f"{summary['busy_ms']:.1f} ms busy ({summary['busy_ms'] / max(summary['wall_ms'], 1e-9):.0%})")
     parts = [f"{c} {ms:.1f} ms ({ms / max(summary['busy_ms'], 1e-9):.0%}, {n})" for c, ms, n in summary["rows"]]
     return head + "\n  " + "; ".join(parts)
+
+
+def markdown_table(summary: dict) -> list[str]:
+    """The same as a markdown table (gpucheck's report)."""
+    busy = max(summary["busy_ms"], 1e-9)
+    lines = [f"| kind of work | ms | share | {_what(summary)} |", "|---|---:|---:|---:|"]
+    return lines + [f"| {c} | {ms:.2f} | {ms / busy:.0%} | {n:,} |" for c, ms, n in summary["rows"]]

@@ -4,10 +4,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mtds.eval import group_device
 from mtds.layout import ParallelLayout
 from mtds.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab_parallel_logits,
                      parallel_lm_logits, shard_rows, unshard_rows, vocab_parallel_cross_entropy)
+from mtds.training.distributed import group_device
 from tests.dist import spawn
 
 TOL = dict(rtol=1e-6, atol=1e-6)

@@ -31,7 +31,8 @@ def _run_cases(fn: Callable, cases: list, setup: Callable | None, reporting: int
     import torch.distributed as dist
     context = setup() if setup is not None else None
     dist.barrier()      # the peers wait here, outside any run, while rank 0 prepares (the reference)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    from mtds.training.distributed import group_device
+    device = group_device()
     out = []
     for case in cases:
         try:

@@ -30,7 +30,8 @@ def hf_model(cfg, device):
     return hf_with_mtds_weights(cfg, C.SEED).to(device)
 
 
-def train_reference(workload, device, *, clip: float = C.CLIP) -> Reference:
+def train_reference(workload, device, *, clip: float = C.CLIP, autocast=None, scaler=None) -> Reference:
+    """The reference loop at ``workload`` (``autocast``/``scaler``: its 16-bit form, see below)."""
     with exact_fp32():
         hf = hf_model(workload.model, device)
         opt = torch.optim.AdamW(hf.parameters(), lr=C.LR, betas=C.BETAS, eps=C.EPS, weight_decay=C.WEIGHT_DECAY)
@@ -38,7 +39,8 @@ def train_reference(workload, device, *, clip: float = C.CLIP) -> Reference:
         B, b = workload.global_batch, workload.micro_batch
         return run_reference_loop(hf, mtds_batches(workload.seq, B, b, C.SEED), steps=workload.steps,
                                   micro_batches=B // b, optimizer=opt, clip=clip, device=device,
-                                  lr_lambda=lambda s: lr_factor(s, C.WARMUP, workload.steps, floor))
+                                  lr_lambda=lambda s: lr_factor(s, C.WARMUP, workload.steps, floor),
+                                  autocast=autocast, scaler=scaler)
 
 
 def train_reference_autocast(workload, device, precision: str, *, clip: float = C.CLIP) -> Reference:
@@ -47,38 +49,8 @@ def train_reference_autocast(workload, device, precision: str, *, clip: float = 
     16-bit training independent of mtds and DeepSpeed: how far *it* drifts from the fp32 reference at each
     step is how far rounding alone can move that step (see parity.judge)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    with exact_fp32():
-        hf = hf_model(workload.model, device).train()
-        opt = torch.optim.AdamW(hf.parameters(), lr=C.LR, betas=C.BETAS, eps=C.EPS, weight_decay=C.WEIGHT_DECAY)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_factor(s, C.WARMUP, workload.steps, C.MIN_LR / C.LR))
-        scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 8) if precision == "fp16" else None
-        B, b = workload.global_batch, workload.micro_batch
-        batches = mtds_batches(workload.seq, B, b, C.SEED)
-        losses, norms = [], []
-        for _ in range(workload.steps):
-            total = 0.0
-            for _ in range(B // b):
-                input_ids, labels = (t.to(device) for t in next(batches))
-                with torch.autocast(device.type, dtype=dtype):
-                    logits = hf(input_ids=input_ids).logits
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten()) / (B // b)
-                (scaler.scale(loss) if scaler else loss).backward()
-                total += float(loss)
-            if scaler:
-                scaler.unscale_(opt)
-            norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters()
-                                       if p.grad is not None)))
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(total)
-    return Reference(losses, norms)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 8) if precision == "fp16" else None
+    return train_reference(workload, device, clip=clip, autocast=dtype, scaler=scaler)
 
 
 def max_rel_diff(got: list[float], want: list[float]) -> float:

@@ -25,12 +25,6 @@ EVAL_TOL = {"cpu": 1e-5, "cuda": 1e-4}
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
-def _device():
-    import torch
-    import torch.distributed as dist
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _setup(device: str):
     if device == "cuda":      # fresh processes on CUDA; pooled CPU ranks must not keep a global mode
         import torch
@@ -67,7 +61,8 @@ def _evaluate(case):
 
     from .reference import exact_fp32
     _, workload, _, _, pp, root, _ = case
-    device = _device()
+    from mtds.training.distributed import group_device
+    device = group_device()
     rows = eval_rows(workload.seq)
     cfg = open_checkpoint(root).cfg
     with exact_fp32():

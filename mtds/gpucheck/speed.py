@@ -25,12 +25,6 @@ def _peak_memory(device) -> dict:
     return {"allocated_gib": allocated, "reserved_gib": reserved}
 
 
-def _device():
-    import torch
-    import torch.distributed as dist
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _reset_peak(device) -> None:
     import torch
     if device.type == "cuda":
@@ -46,7 +40,8 @@ def _hf_side(workload, precision: str, warmup: int) -> dict:
 
     from . import ds_configs as C
     from .reference import hf_model
-    device = _device()
+    from mtds.training.distributed import group_device
+    device = group_device()
     _reset_peak(device)
     model = hf_model(workload.model, device).train()
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -86,7 +81,8 @@ def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, in
     from mtds.training import run
 
     from .ds_configs import train_config
-    device = _device()
+    from mtds.training.distributed import group_device
+    device = group_device()
     _reset_peak(device)
     t, p, d = layout
     # the last warm-up step (not timed) of the eager (1,1,1) run is profiled: where its time goes
@@ -128,15 +124,12 @@ def workload_for(workload, layout: tuple[int, int, int]):
 
 
 def profile_lines(name: str, summary: dict, step: int) -> list[str]:
-    """The step profile (mtds.step_profile) of one run as a markdown table: where its time went."""
+    """The step profile (mtds.step_profile) of one run under a heading: where its time went."""
+    from mtds.step_profile import markdown_table
     what = "kernels" if summary["device"] == "cuda" else "operators"
-    busy = max(summary["busy_ms"], 1e-9)
-    lines = [f"Where step {step} of {name} went (torch.profiler; {summary['device']} {what}' own time, "
-             f"{summary['launches']:,} {what}, {summary['busy_ms']:.1f} ms busy of {summary['wall_ms']:.1f} ms "
-             f"wall, profiled so slower than the timed steps):", "",
-             f"| kind of work | ms | share | {what} |", "|---|---:|---:|---:|"]
-    lines += [f"| {c} | {ms:.2f} | {ms / busy:.0%} | {n:,} |" for c, ms, n in summary["rows"]]
-    return lines + [""]
+    return [f"Where step {step} of {name} went (torch.profiler; {summary['device']} {what}' own time, "
+            f"{summary['launches']:,} {what}, {summary['busy_ms']:.1f} ms busy of {summary['wall_ms']:.1f} ms "
+            f"wall, profiled so slower than the timed steps):", "", *markdown_table(summary), ""]
 
 
 def _row(name, value, workload, precision, machine, world, global_batch) -> dict:

@@ -5,6 +5,7 @@ clipping -- recording each step's mean loss and pre-clip global gradient norm. U
 (tests/training_helpers.py) and by ``python -m mtds.gpucheck``, so both hold mtds to the same loop."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -48,10 +49,12 @@ def mtds_batches(seq: int, global_batch: int, micro_batch: int, seed: int) -> It
 
 
 def train_reference(hf, batches: Iterator, *, steps: int, micro_batches: int, optimizer, lr_lambda: Callable,
-                    clip: float, device="cpu") -> Reference:
+                    clip: float, device="cpu", autocast: torch.dtype | None = None, scaler=None) -> Reference:
     """``steps`` optimizer steps of ``micro_batches`` micro-batches each; the mean loss and the norm are
     summed in float64 (fp32's own sum of a 0.5M-element embedding gradient is off by ~1e-5 relative,
-    more than the tolerance the layouts are held to), parameter by parameter in order."""
+    more than the tolerance the layouts are held to), parameter by parameter in order.
+    ``autocast``: the forward under ``torch.autocast`` in that dtype (weights, loss and optimizer stay fp32,
+    as HF users train in 16 bits); ``scaler``: a ``torch.amp.GradScaler`` (fp16), unscaled before the norm."""
     hf.train()
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     losses, norms = [], []
@@ -59,15 +62,25 @@ def train_reference(hf, batches: Iterator, *, steps: int, micro_batches: int, op
         total = torch.zeros((), dtype=torch.float64, device=device)
         for _ in range(micro_batches):
             input_ids, labels = (t.to(device) for t in next(batches))
-            logits = hf(input_ids=input_ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            (loss / micro_batches).backward()
+            with (torch.autocast(torch.device(device).type, dtype=autocast) if autocast is not None
+                  else contextlib.nullcontext()):
+                logits = hf(input_ids=input_ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     labels.reshape(-1))
+            part = loss / micro_batches
+            (scaler.scale(part) if scaler is not None else part).backward()
             total += loss.detach().double() / micro_batches
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters()
                                    if p.grad is not None)))
         if clip:
             torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         sched.step()
         optimizer.zero_grad()
         losses.append(float(total))

@@ -29,6 +29,13 @@ def device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def group_device() -> torch.device:
+    """The device the default group's collectives take: this rank's GPU under NCCL, else the host."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(timeout_s: float = 600.0) -> tuple[torch.device, str]:
     """Initialise (or reuse) the default process group through DeepSpeed, with a finite timeout.
 
