@@ -25,8 +25,8 @@ from benchmarks.bench_schedules import launch, small_png, theory, write_model  #
 
 
 def compute_per_rank(trace_path: str) -> dict[int, float]:
-    """Seconds inside F/B/W per rank in the traced step (mtds.pipe.timeline.compute_time on the trace)."""
-    from mtds.pipe.timeline import TimelineEvent, compute_time
+    """Seconds inside F/B/W per rank in the traced step (mtds.observe.timeline.compute_time on the trace)."""
+    from mtds.observe.timeline import TimelineEvent, compute_time
     with open(trace_path) as f:
         trace = json.load(f)["traceEvents"]
     events = [TimelineEvent(e["pid"], e["cat"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)

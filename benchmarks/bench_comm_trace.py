@@ -1,4 +1,4 @@
-"""Overhead of the collective tracer (mtds.comm_trace) per collective call.
+"""Overhead of the collective tracer (mtds.observe.comm_trace) per collective call.
 
     python benchmarks/bench_comm_trace.py [--world 1 [2]] [--calls 2000] [--repeats 30] [--out DIR]
 
@@ -45,7 +45,7 @@ def time_rank(calls: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from mtds.comm_trace import CommTracer
+    from mtds.observe.comm_trace import CommTracer
     originals = {kind: getattr(dist, kind) for kind in KINDS}
     if any(hasattr(f, "_mtds_tracers") for f in originals.values()):
         raise RuntimeError("torch.distributed is already wrapped in this process: run on fresh ranks")
@@ -81,7 +81,7 @@ def check_counts(result: dict, calls: int, repeats: int) -> None:
 def measure(world: int, calls: int, repeats: int) -> dict:
     """{kind: {way: fastest round's µs per call, "overhead_us": counting - off}} on rank 0 of a fresh world."""
     from benchmarks.bench_comm_trace import time_rank as body   # by module name: a script's __main__ is not
-    from mtds.testing import spawn                                 # importable in the ranks
+    from lab.testing import spawn                                 # importable in the ranks
     results = spawn(body, world, calls, repeats, timeout=600, fresh=True)
     for result in results:
         check_counts(result, calls, repeats)

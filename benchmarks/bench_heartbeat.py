@@ -5,7 +5,7 @@ training): keys read per rank per beat, on the whole store per beat, against wat
 """
 import argparse
 
-from mtds.safety.store_load import measure
+from lab.heartbeat_load import measure
 
 
 def main() -> None:

@@ -116,7 +116,7 @@ def _read_rate(ds, seq: int, n: int = 4000) -> float:
 
 def big(args) -> None:
     from mtds.data.indexed import IndexedWriter
-    from mtds.data.indexed.blended import build_blended
+    from mtds.data.indexed.blended_dataset import build_blended
     work = tempfile.mkdtemp(prefix="bench-big-", dir=args.dir)
     try:
         prefix, rng = os.path.join(work, "random"), np.random.default_rng(0)
@@ -191,7 +191,7 @@ def _train(name: str, prefix: str, steps: int, work: str) -> None:
 def blend(args) -> None:
     from mtds.data import MicroBatchStream
     from mtds.data.indexed import IndexedWriter
-    from mtds.data.indexed.blended import build_blended
+    from mtds.data.indexed.blended_dataset import build_blended
     work = tempfile.mkdtemp(prefix="bench-blend-", dir=args.dir)
     try:
         rng, pairs = np.random.default_rng(0), []
@@ -223,7 +223,7 @@ def _layout_reads(prefixes, weights, tp, pp, steps):
     import torch.distributed as dist
 
     from mtds.data import build_streams
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.training import TrainConfig
     from mtds.training.ds_config import BatchPlan
     world = dist.get_world_size()
@@ -237,7 +237,7 @@ def _layout_reads(prefixes, weights, tp, pp, steps):
     class Quiet:
         def info(self, _):
             pass
-    from mtds.config import resolve_model_config
+    from mtds.hf.resolve import resolve_model_config
     stream, _ = build_streams(cfg, resolve_model_config("gpt2-tiny"), batch, groups, Quiet())
     reads = [next(stream) for _ in range(steps * batch.accumulation)]
     return dict(rank=dist.get_rank(), tp=groups.tp_rank, pp=groups.pp_rank, dp=groups.dp_rank,
@@ -250,7 +250,7 @@ def layouts(args) -> None:
     import torch
 
     from mtds.data.indexed import IndexedWriter
-    from mtds.testing import spawn
+    from lab.testing import spawn
     work = tempfile.mkdtemp(prefix="bench-layouts-", dir=args.dir)
     try:
         rng, prefixes = np.random.default_rng(0), []

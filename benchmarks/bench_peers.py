@@ -17,7 +17,7 @@ is set to float32 like the other two (``--tt-dtype bfloat16`` keeps its default)
 The peers are not part of mtds: they run through ``../shared/tools/peers/bench_peer.py`` in their own
 interpreter (``PEERS_PYTHON`` / ``PEERS_WORK``, ``MTDS_PEERS_DIR``). Where a peer is not installed, its
 rows are skipped, saying why, and only mtds runs. Also printed: the GEMM peak of one core measured in the
-same process tree (mtds.metrics.cpu_gemm_peak) and each side's model FLOP/s per core as a fraction of it.
+same process tree (mtds.observe.metrics.cpu_gemm_peak) and each side's model FLOP/s per core as a fraction of it.
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import peer_work                             # noqa: E402
-from benchmarks.measure import median                        # noqa: E402
+from lab.measure import median                        # noqa: E402
 from benchmarks.peer_runner import peer_missing, run_peer    # noqa: E402
 
 
 def run_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warmup: int, overrides: dict) -> dict:
     from benchmarks.mtds_steps import train_mtds
-    from mtds.testing import spawn
+    from lab.testing import spawn
     workdir = tempfile.mkdtemp(prefix="bench_peers_")
     r = spawn(train_mtds, tp * pp, model, tp, pp, microbatches, steps, warmup, None, workdir, overrides,
               timeout=900, fresh=True)
@@ -51,8 +51,8 @@ def run_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warmup
 
 
 def model_flops_per_step(model: str, microbatches: int) -> float:
-    from mtds.config import resolve_model_config
-    from mtds.metrics import model_config_flops
+    from mtds.hf.resolve import resolve_model_config
+    from mtds.observe.metrics import model_config_flops
     cfg = resolve_model_config(peer_work.write_model_config(model, tempfile.mkdtemp(prefix="bench_peers_cfg_")))
     return model_config_flops(cfg, peer_work.MICRO_BATCH * microbatches, peer_work.SEQ)
 
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
                     help="number of the first repetition: odd ones run mtds first (to alternate over invocations)")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from mtds.gemm_peak import cpu_gemm_peak
+    from mtds.observe.gemm_peak import cpu_gemm_peak
     peak = cpu_gemm_peak()
     print(f"GEMM peak of one core: {peak / 1e9:.1f} GFLOP/s (fp32 torch.matmul, this process); "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -6,8 +6,8 @@ For every schedule (1f1b; interleaved with --v chunks per rank; dualpipev) and m
 launch of train.py at (t, p, d) = (1, p, 1) with --timeline, on one GPT-2 for every schedule (gpt2-tiny
 widened to --hidden, with 4p transformer blocks: 4 per rank, 2 per chunk at v = 2 and in DualPipeV's V). m is set through the DeepSpeed config:
 train_batch_size = m x micro batch. The measured bubble is the median over steps 2..N (step 1 is warm-up)
-of the step log's per-stage idle / step time (``mtds.pipe.timeline.measured_bubble``). Theory
-(``mtds.pipe.theory``) is reported in the same unit: idle / step time = b / (1 + b), where b is the
+of the step log's per-stage idle / step time (``mtds.observe.timeline.measured_bubble``). Theory
+(``lab.pipe_sim.theory``) is reported in the same unit: idle / step time = b / (1 + b), where b is the
 papers' idle / compute. A schedule train.py does not run is theory only; a case train.py refuses shows
 train.py's own check message. Writes the markdown table (stdout and OUT/measured_p{p}.md) and one
 Gantt PNG of the last step per case (OUT/measured_{schedule}_p{p}_m{m}.png); traces and logs go to --work.
@@ -27,7 +27,7 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
 
 def write_model(path: str, blocks: int, hidden: int) -> str:
     """gpt2-tiny with ``blocks`` blocks of width ``hidden`` as a HF config.json (what train.py --model reads)."""
-    from mtds.config import PRESETS
+    from mtds.model.config import PRESETS
     from mtds.hf import hf_config_from_model_config
     cfg = replace(PRESETS["gpt2-tiny"], num_layers=blocks, hidden_size=hidden, ffn_hidden_size=4 * hidden)
     hf_config_from_model_config(cfg).save_pretrained(path)
@@ -48,7 +48,7 @@ def launch(args, name: str, v: int, m: int, model: str, work: str, extra: tuple 
     """One train.py run (v: chunks per rank, passed on for interleaved only; ``extra``: more train.py
     flags, ``tag`` names their case folder); returns per-step bubble records (steps 2..N), the timeline
     PNG and trace paths."""
-    from mtds.testing import free_port
+    from lab.testing import free_port
     case = os.path.join(work, f"{name}_m{m}{tag}")
     os.makedirs(case, exist_ok=True)
     config = write_ds_config(os.path.join(case, "ds_config.json"), m, args.micro_batch)
@@ -86,7 +86,7 @@ def small_png(src: str, dst: str, width: int = 1400) -> None:
 
 def theory(name: str, p: int, v: int, m: int) -> tuple[float, float, float]:
     """Worst-rank and mean idle / step time of the unit-cost simulation, and the papers' idle / compute."""
-    from mtds.pipe.theory import simulate_any, theory_bubble
+    from lab.pipe_sim.theory import simulate_any, theory_bubble
     worst = theory_bubble(name, p, v, m)
     fractions = simulate_any(name, p, v, m).idle_fraction
     return worst["bubble_fraction"], float(sum(fractions) / len(fractions)), worst["bubble_ratio"]

@@ -6,7 +6,7 @@
     python benchmarks/bench_vs_hf.py --layers 2 --hidden 64 --seq 32 --reps 1 --steps 3 --warmup 1  # smoke
 
 Part 1 — same model, data, optimizer and fp32 on both sides, each run in its own freshly spawned rank
-(mtds.testing.spawn), alternating HF / mtds / mtds / HF ... so drift in machine load hits both.
+(lab.testing.spawn), alternating HF / mtds / mtds / HF ... so drift in machine load hits both.
 Goals: tokens/s >= 1.0x HF and peak RSS <= 1.1x HF. When a goal is missed the report says so and adds
 a per-phase timing breakdown and a torch.profiler operator table of one step of each side.
 
@@ -24,7 +24,7 @@ if __package__ in (None, ""):      # run as a script: make `benchmarks` and `mtd
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.layouts import run_layouts          # noqa: E402
-from benchmarks.measure import median               # noqa: E402
+from lab.measure import median               # noqa: E402
 from benchmarks.report import write                 # noqa: E402
 from benchmarks.workloads import Shape              # noqa: E402
 
@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _one(side: str, shape: Shape, args, profile_step=None) -> dict:
-    from mtds.testing import spawn
+    from lab.testing import spawn
     if side == "hf":
         from benchmarks.hf_side import train_hf
         return spawn(train_hf, 1, shape.as_dict(), args.steps, args.warmup, args.seed, profile_step,

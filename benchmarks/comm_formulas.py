@@ -1,6 +1,6 @@
 """Expected bytes each rank communicates per optimizer step, for one parallel dimension at a time.
 
-Payload convention of ``mtds.comm_trace`` (the tensor a rank hands to the collective), fp32 (4 B),
+Payload convention of ``mtds.observe.comm_trace`` (the tensor a rank hands to the collective), fp32 (4 B),
 micro batch b, sequence s, hidden h, layers l, padded vocabulary V, m micro-batches per rank per step:
 
 * TP (Megatron, Shoeybi et al. 2019 §3): per micro-batch each layer all-reduces its [b, s, h] output
@@ -14,12 +14,12 @@ micro batch b, sequence s, hidden h, layers l, padded vocabulary V, m micro-batc
 * DP (textbook): all-reduce of the rank's gradients, 4 P.  DeepSpeed ZeRO-1 instead all-reduces the
   gradients and then all-gathers the updated parameter partitions: payload 4 P + 4 P / d, ring bus
   bytes 2 (d-1)/d 4P + (d-1)/d 4P = 1.5 x 4P at d = 2 (vs 1.0 x for plain DP).
-Ring bus bytes (what crosses a link): mtds.ring (all-reduce 2 (n-1)/n x payload, all-gather (n-1) x shard).
+Ring bus bytes (what crosses a link): mtds.parallel.ring (all-reduce 2 (n-1)/n x payload, all-gather (n-1) x shard).
 """
 from __future__ import annotations
 
-from mtds import ring
-from mtds.model_config import padded_vocab_size
+from mtds.parallel import ring
+from mtds.parallel.vocab import padded_vocab_size
 from mtds.plan.model_spec import ModelSpec
 
 FP32 = 4

@@ -2,14 +2,14 @@
 
 One step = next batch, forward, cross entropy over the logits (labels come pre-shifted from the data
 pipeline, as on the mtds side), backward, ``clip_grad_norm_(1.0)``, ``AdamW.step``, ``zero_grad``.
-Runs inside a spawned rank (``mtds.testing.spawn``), like the mtds side, so both sides have the same
+Runs inside a spawned rank (``lab.testing.spawn``), like the mtds side, so both sides have the same
 process structure and their RSS is comparable.
 """
 from __future__ import annotations
 
 import time
 
-from .measure import PhaseTimer, current_rss_gib, maybe_profile, median, peak_rss_gib
+from lab.measure import PhaseTimer, current_rss_gib, maybe_profile, median, peak_rss_gib
 from .workloads import ADAMW, CLIP, Shape
 
 

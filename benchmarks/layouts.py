@@ -47,7 +47,7 @@ def _comm_rows(shape: Shape, t: int, p: int, d: int, ranks: list[dict], micro_ba
 
 def run_layouts(shape: Shape, triples, args, with_baseline: bool = True) -> tuple[list[dict], list[str]]:
     """Run (1,1,1) (unless ``with_baseline`` is False: then ratios are to the first layout) and each triple."""
-    from mtds.testing import spawn
+    from lab.testing import spawn
 
     from .mtds_side import train_mtds
     global_batch = 2 * shape.micro_batch       # two micro-batches per step at d = 1, one per rank at d = 2

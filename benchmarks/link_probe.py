@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How much of a shaped inter-node link each transfer pattern gets (issue 22's 30mbit question): the same
-bytes as a gloo all-reduce, as mtds's ring reduce-scatter over point-to-point messages (mtds.dp_reduce,
+bytes as a gloo all-reduce, as mtds's ring reduce-scatter over point-to-point messages (mtds.parallel.dp_reduce,
 ZeRO-1's gradient path on gloo) once and twice back to back, and as cross-node send/recv pairs in one
 piece or in 128 KiB pieces (pipeline-activation sized). Best of ``PROBE_REPS`` timed repetitions each;
 the first rank of each node reads its interface's transmit counter, so efficiency = bytes sent / time /
@@ -38,7 +38,7 @@ def tx_bytes(device: str = "eth0") -> int:
 
 def probe(megabytes: float, reps: int) -> dict:
     """{pattern: {"s": best seconds, "tx": this node's bytes sent in that repetition}} on the default group."""
-    from mtds.dp_reduce import _Ring
+    from mtds.parallel.dp_reduce import _Ring
     r, w = dist.get_rank(), dist.get_world_size()
     n = max(int(megabytes * 2 ** 20) // 4 // (2 * SMALL) * (2 * SMALL), 2 * SMALL * w)
     buf = torch.ones(n)

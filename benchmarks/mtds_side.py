@@ -1,12 +1,12 @@
 """The mtds side: ``mtds.training.run`` — the real DeepSpeed engine — on every spawned rank.
 
 Nothing in mtds is changed for the benchmark; ``LoopProbe`` (probe.py) only wraps a few names of
-``mtds.training`` (build, step_loop) in this process to time steps and count every collective.
+``mtds.training`` (build, train_loop) in this process to time steps and count every collective.
 """
 from __future__ import annotations
 
-from .measure import median, peak_rss_gib
-from .probe import LoopProbe
+from lab.measure import median, peak_rss_gib
+from lab.run_probe import LoopProbe
 from .workloads import Shape, ds_config
 
 
@@ -14,14 +14,14 @@ def train_mtds(shape_fields: dict, tp: int, pp: int, global_batch: int, steps: i
                log_jsonl: str | None = None, profile_step: int | None = None) -> dict:
     import torch.distributed as dist
 
-    from mtds.training import TrainConfig, loop
+    from mtds.training import TrainConfig, job
 
     shape = Shape(**shape_fields)
     probe = LoopProbe(warmup, profile_step).install()
     cfg = TrainConfig(deepspeed_config=ds_config(shape.micro_batch, global_batch), model=shape.model_config(),
                       tp=tp, pp=pp, seq_length=shape.seq, steps=steps, seed=seed, eval_split=0.0,
                       log_jsonl=log_jsonl, progress=False, lr_decay="constant")
-    result = loop.run(cfg)
+    result = job.run(cfg)
     measured = probe.step_times[warmup:]
     return {
         "side": "mtds", "rank": dist.get_rank(), "world": dist.get_world_size(), "layout": result.layout,

@@ -1,6 +1,6 @@
 """mtds on the peer work (benchmarks/peer_work.py), timed and optionally profiled as a whole loop iteration.
 
-A step here is everything ``step_loop.train`` does for one step: the hooks before it, the optimizer step,
+A step here is everything ``train_loop.train`` does for one step: the hooks before it, the optimizer step,
 and the hooks after it (logging, the non-finite check, the signal check), as the peers' loops time theirs
 (Megatron-core's and torchtitan's step times include their own clipping, logging and loss reads). Two
 hooks are added around mtds's own list, first and last: nothing in mtds changes for the measurement.
@@ -54,24 +54,24 @@ def train_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warm
     import torch.distributed as dist
 
     from benchmarks import peer_work
-    from mtds.training import TrainConfig, loop, step_loop
+    from mtds.training import TrainConfig, job, train_loop
 
     box = {"times": [], "profile_step": profile_step}
-    step_hooks = step_loop.step_hooks
+    step_hooks = train_loop.step_hooks
 
     def edged(*args, **kwargs):
         return [_Edge(box, True)] + step_hooks(*args, **kwargs) + [_Edge(box, False)]
 
-    step_loop.step_hooks = edged
+    train_loop.step_hooks = edged
     try:
         cfg = TrainConfig(deepspeed_config=peer_work.ds_config(microbatches),
                           model=peer_work.write_model_config(model, workdir), tp=tp, pp=pp,
                           seq_length=peer_work.SEQ, steps=steps, eval_split=0.0, progress=False,
                           lr_decay="constant", model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0},
                           **(overrides or {}))
-        result = loop.run(cfg)
+        result = job.run(cfg)
     finally:
-        step_loop.step_hooks = step_hooks
+        train_loop.step_hooks = step_hooks
     times = box["times"]
     measured = sorted(times[warmup:])
     return {"side": "mtds", "rank": dist.get_rank(), "times": times, "losses": result.losses,

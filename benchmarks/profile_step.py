@@ -28,7 +28,7 @@ from benchmarks.peer_runner import peer_missing, run_peer    # noqa: E402
 def profile_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, step: int,
                  overrides: dict | None = None) -> dict:
     from benchmarks.mtds_steps import train_mtds
-    from mtds.testing import spawn
+    from lab.testing import spawn
     workdir = tempfile.mkdtemp(prefix="mtds_profile_")
     return spawn(train_mtds, tp * pp, model, tp, pp, microbatches, steps, 1, step, workdir, overrides,
                  timeout=900)[0]

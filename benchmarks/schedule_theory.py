@@ -7,8 +7,8 @@ Writes one PNG per schedule at the first m, and prints a markdown table of the t
 import argparse
 import os
 
-from mtds.pipe.theory import ALL_SCHEDULES, simulate_any, theory_bubble
-from mtds.pipe.timeline import events_from_simulation, write_gantt_png
+from lab.pipe_sim.theory import ALL_SCHEDULES, simulate_any, theory_bubble
+from mtds.observe.timeline import events_from_simulation, write_gantt_png
 
 
 def main(argv=None):

@@ -30,7 +30,7 @@ class Shape:
 
     def model_config(self):
         """mtds ModelConfig: GPT-2 architecture, no dropout (so both sides run the same ops)."""
-        from mtds.config import ModelConfig
+        from mtds.model.config import ModelConfig
         return ModelConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_layers=self.layers,
                            num_heads=self.heads, max_position_embeddings=self.seq)
 

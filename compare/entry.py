@@ -12,14 +12,14 @@ import os
 import sys
 
 
-def _link_counter(step_loop) -> list[dict]:
+def _link_counter(train_loop) -> list[dict]:
     """On an emulated cluster node (MTDS_LINK_DEVICE names the node's link): bytes the link sent and
     received during each step, read from the kernel counters around ``train_step``. [] elsewhere."""
     device, per_step = os.environ.get("MTDS_LINK_DEVICE"), []
     if not device:
         return per_step
     from mtds.cluster.netns import own_link_stats
-    train_step = step_loop.train_step
+    train_step = train_loop.train_step
 
     def counted_train_step(*args, **kwargs):
         before = own_link_stats(device)
@@ -29,7 +29,7 @@ def _link_counter(step_loop) -> list[dict]:
                          "tx_at_start": before["tx_bytes"], "tx_at_end": after["tx_bytes"]})
         return out
 
-    step_loop.train_step = counted_train_step
+    train_loop.train_step = counted_train_step
     return per_step
 
 
@@ -38,21 +38,21 @@ def main() -> None:
     local = [a for a in sys.argv[1:] if a.startswith("--local_rank")]
     rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     probe_dir, train_args = rest[0], rest[1:] + local
-    from benchmarks.measure import peak_rss_gib
-    from benchmarks.probe import LoopProbe
-    from mtds.training import cli, loop, step_loop
+    from lab.measure import peak_rss_gib
+    from lab.run_probe import LoopProbe
+    from mtds.training import cli, job, train_loop
 
     from .state import StateProbe
 
     probe = LoopProbe(warmup=1).install()
     if os.environ.get("MTDS_RANKS_PER_NODE"):       # on an emulated cluster: split bytes by node
         probe.tracer.ranks_per_node = int(os.environ["MTDS_RANKS_PER_NODE"])
-    link = _link_counter(step_loop)
+    link = _link_counter(train_loop)
     state = StateProbe()
-    run = loop.run
+    run = job.run
 
     def run_and_record(cfg, *, on_engine_ready=()):
-        # cli.main imports loop.run at call time, so it gets this wrapper
+        # cli.main imports job.run at call time, so it gets this wrapper
         result = run(cfg, on_engine_ready=(*on_engine_ready, lambda engine, groups: state.install(engine)))
         import torch.distributed as dist
         rank = dist.get_rank()
@@ -65,7 +65,7 @@ def main() -> None:
                        "model_state": state.peak}, f)
         return result
 
-    loop.run = run_and_record
+    job.run = run_and_record
     cli.main(train_args)
 
 

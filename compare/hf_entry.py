@@ -36,7 +36,7 @@ def _args(argv):
 def _hf_model(model_name: str, seed: int):
     from transformers import AutoModelForCausalLM
 
-    from mtds.config import resolve_model_config
+    from mtds.hf.resolve import resolve_model_config
     from mtds.hf import hf_config_from_model_config, model_to_hf_state
     from mtds.model import GPTModel
     cfg = resolve_model_config(model_name)
@@ -47,7 +47,7 @@ def _hf_model(model_name: str, seed: int):
 
 def main(argv=None) -> None:
     args = _args(sys.argv[1:] if argv is None else argv)
-    from mtds.comm_trace import CommTracer
+    from mtds.observe.comm_trace import CommTracer
     tracer = CommTracer().install()                # before accelerate/DeepSpeed cache the collectives
     if os.environ.get("MTDS_RANKS_PER_NODE"):       # on an emulated cluster: split bytes by node
         tracer.ranks_per_node = int(os.environ["MTDS_RANKS_PER_NODE"])
@@ -56,9 +56,9 @@ def main(argv=None) -> None:
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
-    from benchmarks.measure import peak_rss_gib
+    from lab.measure import peak_rss_gib
     from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
-    from mtds.metrics import hardware_flops_per_iteration, model_flops_per_iteration
+    from mtds.observe.metrics import hardware_flops_per_iteration, model_flops_per_iteration
     from mtds.training.distributed import device_and_backend
     from mtds.training.schedule import lr_factor
     import deepspeed

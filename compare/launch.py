@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from mtds.testing import free_port
+from mtds.local_ranks.rank_setup import free_port
 
 from .schemes import REPO, Scheme
 

@@ -37,7 +37,7 @@ def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, mic
     planner cannot model the scheme. ranks_per_host: ranks sharing this host's cores (default: all of
     them, the emulated cluster); balance: the run's --pipeline-balance (None: train.py's default);
     grad_reduce: its ZeRO-1 gradient reduction (None: the scheme's)."""
-    from mtds.plan.candidate import Layout, Workload
+    from mtds.plan.candidate import Candidate, Workload
     from mtds.plan.hardware import Cluster, get_gpu
     from mtds.plan.model_spec import resolve_model
     from mtds.plan.predict import predict
@@ -45,7 +45,7 @@ def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, mic
         return {"error": "the planner models Megatron TP, not AutoTP"}
     gpu = get_gpu("local", profile=profile)
     spec = resolve_model(model, seq=seq)
-    layout = Layout(scheme.tp, scheme.pp, scheme.data_parallel(world), micro_batch, zero_stage=scheme.zero_stage,
+    layout = Candidate(scheme.tp, scheme.pp, scheme.data_parallel(world), micro_batch, zero_stage=scheme.zero_stage,
                     recompute="none", sequence_parallel=bool(scheme.sp), pipeline_schedule=scheme.schedule,
                     virtual_stages=2 if scheme.schedule == "dualpipev" else scheme.v)
     cluster = Cluster(gpu, world, gpus_per_node=ranks_per_node,

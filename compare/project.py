@@ -18,7 +18,7 @@ class PlannerUnavailable(RuntimeError):
 
 def _planner():
     try:
-        from mtds.plan.candidate import Layout, Workload
+        from mtds.plan.candidate import Candidate, Workload
         from mtds.plan.hardware import Cluster, get_gpu
         from mtds.plan.model_spec import ModelSpec, resolve_model
         from mtds.plan.predict import predict
@@ -26,21 +26,21 @@ def _planner():
     except ImportError as err:
         raise PlannerUnavailable(f"the planner (mtds.plan) is not available here ({err}); `compare project` "
                                  f"needs it — `compare run` works without it") from None
-    return Layout, Workload, Cluster, get_gpu, ModelSpec, resolve_model, predict, load_table
+    return Candidate, Workload, Cluster, get_gpu, ModelSpec, resolve_model, predict, load_table
 
 
 def paper_rows(gpu: str = "A100-80GB", precision: str = "fp16") -> list[dict]:
-    Layout, Workload, Cluster, get_gpu, ModelSpec, _, predict, load_table = _planner()
+    Candidate, Workload, Cluster, get_gpu, ModelSpec, _, predict, load_table = _planner()
     rows = []
     for row in load_table("ptdp_vs_zero3_2021_table2.csv"):
         l, h, a = PAPER_MODELS[row["params_billion"]]
         model = ModelSpec(layers=l, hidden=h, heads=a, vocab=51200, seq=2048)
         mp, gpus = row["model_parallel"], row["gpus"]
         if row["scheme"] == "ptdp":
-            layout = Layout(tp=PAPER_TP, pp=mp // PAPER_TP, dp=gpus // mp, microbatch=row["microbatch"],
+            layout = Candidate(tp=PAPER_TP, pp=mp // PAPER_TP, dp=gpus // mp, microbatch=row["microbatch"],
                             zero_stage=0, recompute="full")
         else:
-            layout = Layout(tp=1, pp=1, dp=gpus, microbatch=row["microbatch"], zero_stage=3, recompute="full")
+            layout = Candidate(tp=1, pp=1, dp=gpus, microbatch=row["microbatch"], zero_stage=3, recompute="full")
         pred = predict(model, layout, Workload(row["global_batch"], precision), Cluster(get_gpu(gpu, precision), gpus))
         rows.append({"model_B": row["params_billion"], "scheme": row["scheme"], "gpus": gpus,
                      "layout": layout.short(), "global_batch": row["global_batch"],
@@ -53,11 +53,11 @@ def paper_rows(gpu: str = "A100-80GB", precision: str = "fp16") -> list[dict]:
 def scheme_rows(schemes, model_name: str, gpus: int, global_batch: int, microbatch: int, gpu: str,
                 precision: str) -> list[dict]:
     """The user's schemes (tp/pp from the spec, d = gpus / (t p)) projected for one model."""
-    Layout, Workload, Cluster, get_gpu, _, resolve_model, predict, _ = _planner()
+    Candidate, Workload, Cluster, get_gpu, _, resolve_model, predict, _ = _planner()
     model = resolve_model(model_name)
     rows = []
     for s in schemes:
-        layout = Layout(tp=s.tp, pp=s.pp, dp=s.data_parallel(gpus), microbatch=microbatch,
+        layout = Candidate(tp=s.tp, pp=s.pp, dp=s.data_parallel(gpus), microbatch=microbatch,
                         zero_stage=s.zero_stage, recompute="full", sequence_parallel=bool(s.sp))
         pred = predict(model, layout, Workload(global_batch, precision), Cluster(get_gpu(gpu, precision), gpus))
         rows.append({"scheme": s.name, "gpus": gpus, "layout": layout.short(), "global_batch": global_batch,

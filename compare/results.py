@@ -152,7 +152,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "so they are never added). Link bytes are what each node's interface sent per timed step (kernel "
             "counters), with the formula of mtds.cluster.formulas in parentheses; traced inter / intra-node bytes are "
             "what the tracer's placement split says a node's ranks send to other nodes / to each other (ring "
-            "collectives to the next rank of their group, p2p to the peer; mtds.comm_trace). Model state is the rank "
+            "collectives to the next rank of their group, p2p to the peer; mtds.observe.comm_trace). Model state is the rank "
             "holding the most: parameters + gradients + optimizer states measured from the engine's tensors on entry "
             "to the optimizer step (compare.state), beside the ZeRO formula for the configured precision. Bubble: "
             "median over timed steps of the largest per-stage idle / step time (train.py --timeline), per stage in "
@@ -165,7 +165,7 @@ def _dropout_caveat(model) -> str:
     with dropout on, equal losses are not expected, and the line says why rather than hide it."""
     if not model:
         return ""
-    from mtds.config import resolve_model_config
+    from mtds.hf.resolve import resolve_model_config
     try:
         cfg = resolve_model_config(model)
     except (OSError, ValueError):

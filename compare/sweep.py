@@ -55,8 +55,8 @@ def link_formula(scheme: Scheme, model: str, seq: int, global_batch: int, micro_
                  spec: ClusterSpec, row: dict | None = None) -> float | None:
     """Bytes per node and step the formulas of mtds.cluster.formulas give, or None where none applies.
     ZeRO-3 with several micro-batches takes its all-gather volume from the tracer (`row`), see there."""
-    from mtds.config import resolve_model_config
-    from mtds.metrics import gpt_param_count
+    from mtds.hf.resolve import resolve_model_config
+    from mtds.observe.metrics import gpt_param_count
     cfg = resolve_model_config(model)
     if cfg.architecture != "gpt2" or not cfg.tie_word_embeddings:
         return None            # the formulas count GPT-2 shapes (tied embeddings, learned positions)

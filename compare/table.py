@@ -1,7 +1,7 @@
 """Logs of finished runs -> one row per scheme, written as JSON and markdown.
 
 tokens/s and TFLOP/s are medians over steps after the warm-up; TFLOP/s per rank uses the PTD-P
-formulas of mtds.metrics (model: 72 B s l h^2 (1 + s/6h + V/12lh); hardware adds recomputation).
+formulas of mtds.observe.metrics (model: 72 B s l h^2 (1 + s/6h + V/12lh); hardware adds recomputation).
 Peak memory is the largest peak RSS (CPU) over the scheme's ranks. Communication is payload bytes per
 rank in the last step, one column per collective family, never summed across families: an all-gather's
 payload is the rank's shard, a reduce-scatter's and an all-reduce's the full tensor, a send the message,
@@ -14,7 +14,7 @@ import glob
 import json
 import os
 
-from benchmarks.measure import median
+from lab.measure import median
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -69,7 +69,7 @@ def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = N
     process group's -- this rank's GPU under NCCL, else the host)."""
     from mtds.hf.init import load_hf_into_stages
     from mtds.pipe import build_model
-    from mtds.reshard.load import load_checkpoint_into_stages
+    from mtds.checkpoint.reshard_load import load_checkpoint_into_stages
     from mtds.tp import model_parallel_seed
     tracker = model_parallel_seed(0, groups.tp_rank)
     model = build_model(cfg, groups, seed=0, rng_tracker=tracker)
@@ -141,18 +141,18 @@ def evaluate(model, rows: list[list[int]], cfg, groups, device=None) -> dict:
 
 def _model_config_and_tokenizer(args):
     if args.ckpt:
-        from mtds.reshard.reader import open_checkpoint
+        from mtds.checkpoint.reader import open_checkpoint
         ckpt = open_checkpoint(args.ckpt)
         return ckpt.cfg, args.tokenizer or ckpt.meta.tokenizer
     from mtds.hf.init import hf_model_config
-    from mtds.reshard.hf_export import TOKENIZER_FILES
+    from mtds.hf.stream_export import TOKENIZER_FILES
     cfg = hf_model_config(args.hf)
     has_tok = any(os.path.isfile(os.path.join(args.hf, n)) for n in TOKENIZER_FILES)
     return cfg, args.tokenizer or (args.hf if has_tok else None)
 
 
 def run(args) -> dict:
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.training.distributed import init_distributed
     device, _ = init_distributed()
     cfg, tokenizer = _model_config_and_tokenizer(args)

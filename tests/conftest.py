@@ -10,7 +10,7 @@ use TF32 on CUDA by default -- an H100 showed a 1.2e-4 grad-norm difference with
 import os
 import subprocess
 
-from mtds import testing
+from lab import testing
 
 _launches = {"subprocess": 0}
 _popen_init = subprocess.Popen.__init__
@@ -36,14 +36,14 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from mtds.testing import ranks
+    from lab.testing import ranks
     stats = testing.pool_stats()
     if stats:
         text = ", ".join(f"world {w}: {bodies} bodies / {starts} starts" for w, (bodies, starts) in stats.items())
         terminalreporter.write_line(f"rank pools: {text}")
     pooled = sum(w * starts for w, (_, starts) in stats.items())
     terminalreporter.write_line(
-        f"processes started by the suite: {pooled} pooled ranks, {ranks.fresh_ranks_started} fresh ranks, "
+        f"processes started by the suite: {pooled} pooled ranks, {ranks.fresh_ranks_started()} fresh ranks, "
         f"{_launches['subprocess']} subprocesses (launchers and CLIs; the ranks they start are not counted)")
 
 

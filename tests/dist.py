@@ -1,4 +1,4 @@
-"""Test-side entry to the multi-rank runner (the implementation lives in mtds.testing)."""
-from mtds.testing import RankFailure, free_port, spawn
+"""Test-side entry to the multi-rank runner (the implementation lives in lab.testing)."""
+from lab.testing import RankFailure, free_port, spawn
 
 __all__ = ["spawn", "RankFailure", "free_port"]

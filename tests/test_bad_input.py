@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from mtds.testing import spawn
+from lab.testing import spawn
 
 CPU = "ds_configs/cpu_fp32.json"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

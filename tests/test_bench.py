@@ -1,5 +1,5 @@
 """Benchmark smoke tests: the bench script's JSON on a tiny shape, and the tracer's TP bytes equal the
-formula 4m((4l+2)bsh + 3bs) + 4 exactly (a real check of mtds.comm_trace and of the layer code)."""
+formula 4m((4l+2)bsh + 3bs) + 4 exactly (a real check of mtds.observe.comm_trace and of the layer code)."""
 import json
 from types import SimpleNamespace
 
@@ -15,7 +15,7 @@ def test_param_formula_matches_gpt2_count():
     # the formula against the parameters real models hold: HF GPT-2 and mtds's model at t = 1
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from mtds.config import ModelConfig
+    from mtds.model.config import ModelConfig
     from mtds.model import GPTModel
     l, h, V, s = 3, 64, 384, 48
     hf = GPT2LMHeadModel(GPT2Config(n_layer=l, n_embd=h, n_head=4, vocab_size=V, n_positions=s))
@@ -51,7 +51,7 @@ def test_comm_trace_overhead_bench_times_every_way_and_the_tracer_counts_every_c
     # the benchmark's rank body on a pooled world of 2: three timings per collective and round, and the
     # counting tracer saw each of its calls (a tracer that skipped calls would look cheap)
     from benchmarks.bench_comm_trace import KINDS, WAYS, check_counts, time_rank
-    from mtds.testing import spawn
+    from lab.testing import spawn
     for result in spawn(time_rank, 2, 40, 3):
         check_counts(result, 40, 3)
         assert all(len(result["times"][k][w]) == 3 and min(result["times"][k][w]) > 0 for k in KINDS for w in WAYS)
@@ -65,7 +65,7 @@ def _link_probe():
 def test_link_probe_times_every_pattern():
     """benchmarks/link_probe.py on 4 gloo ranks of one host (the emulated cluster needs root and a minute; its
     numbers are in docs/cluster.md): every pattern runs on every rank, takes time and reports a byte count."""
-    from mtds.testing import spawn
+    from lab.testing import spawn
     for result in spawn(_link_probe, 4, timeout=120):
         assert set(result) == {"allreduce", "ring_rs", "ring_rs_x2", "pairs", "pairs_small"}, result
         assert all(v["s"] > 0 and isinstance(v["tx"], int) for v in result.values()), result

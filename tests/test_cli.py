@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtds.testing import free_port, needs_ranks
+from lab.testing import free_port, needs_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -62,7 +62,7 @@ def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "step 3/3 | loss" in out.stdout
-    assert "cpu: glibc malloc: blocks up to 256 MiB from the heap" in out.stdout   # mtds.cpu_allocator, on by default
+    assert "cpu: glibc malloc: blocks up to 256 MiB from the heap" in out.stdout   # mtds.training.cpu_allocator, on by default
 
 
 def test_torchrun_pipeline_saves_and_resumes(tmp_path):

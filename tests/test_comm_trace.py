@@ -3,7 +3,7 @@ and group size per kind and group, exact; also through references cached before 
 DeepSpeed caches them), through ``distributed_c10d``, for batched p2p, coalesced and object
 collectives; groups of one count nothing.
 
-In the same 4-rank launch, ``mtds.dp_reduce.reduce_scatter_sum``: each rank ends with exactly the sum of
+In the same 4-rank launch, ``mtds.parallel.dp_reduce.reduce_scatter_sum``: each rank ends with exactly the sum of
 its partition, in buckets smaller than a partition, and puts the ring minimum on its link -- (d-1)/d of
 the buffer, every byte to the next rank of its group (the tracer's placement), half an all-reduce's;
 filled window by window, it allocates no tensor larger than its bucket."""
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mtds.comm_trace import CommTracer, bus_bytes
-from mtds.dp_reduce import reduce_scatter_sum, split_by_spans
+from mtds.observe.comm_trace import CommTracer, bus_bytes
+from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
 from tests.alloc_watch import LargestAllocation
 from tests.dist import spawn
 

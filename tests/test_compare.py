@@ -6,7 +6,7 @@ import os
 from compare.cli import main
 from compare.launch import entry_args
 from compare.schemes import parse_scheme
-from mtds.testing import needs_ranks
+from lab.testing import needs_ranks
 
 TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 8192, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}

@@ -157,8 +157,8 @@ def test_zero3_checkpoint_exports_and_evaluates(tmp_path):
     gives the exported model's HF loss (1e-5)."""
     from transformers import AutoModelForCausalLM
     from mtds.hf.registry import layers_to_hf_state
-    from mtds.reshard.names import parse
-    from mtds.testing import spawn
+    from mtds.checkpoint.names import parse
+    from lab.testing import spawn
     from tests.test_reshard import MODEL
     live = spawn(_zero3_train_and_gather, 2, str(tmp_path), timeout=300)[0]
     layers = {}

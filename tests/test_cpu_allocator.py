@@ -1,4 +1,4 @@
-"""mtds.cpu_allocator: on glibc, a large freed block stays in the process for the next step instead of being
+"""mtds.training.cpu_allocator: on glibc, a large freed block stays in the process for the next step instead of being
 unmapped (and page-faulted in again); left alone when the user opts out or tuned glibc themselves."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from mtds.cpu_allocator import tune_cpu_allocator
+from mtds.training.cpu_allocator import tune_cpu_allocator
 
 PROBE = r"""
 import json, sys
 import torch
-from mtds.cpu_allocator import tune_cpu_allocator
+from mtds.training.cpu_allocator import tune_cpu_allocator
 
 def rss():
     with open("/proc/self/status") as f:

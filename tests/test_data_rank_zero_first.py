@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from mtds.testing import spawn
+from lab.testing import spawn
 
 
 def _ordered():

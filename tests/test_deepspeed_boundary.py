@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from mtds.testing import spawn
+from lab.testing import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUNDARY = os.path.join("mtds", "deepspeed_compat")

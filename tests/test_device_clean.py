@@ -12,17 +12,17 @@ from __future__ import annotations
 import ast
 import os
 
-from mtds.testing import spawn
+from lab.testing import spawn
 from tests.test_hf_cases import VOCAB, hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "randint", "linspace", "eye",
              "as_tensor", "randperm"}
 HOT_PATHS = ("mtds/eval.py", "mtds/training", "mtds/pipe", "mtds/tp", "mtds/model", "mtds/safety",
-             "mtds/reshard/zero0.py", "mtds/data/stream.py")
+             "mtds/checkpoint/reshard_zero0.py", "mtds/data/micro_batches.py")
 # (file, line's call as written) -> why it is built on the host
 ON_THE_HOST = {
-    ("mtds/data/stream.py", "torch.zeros(b, s, dtype=torch.long)"): "host batches; the step moves them",
+    ("mtds/data/micro_batches.py", "torch.zeros(b, s, dtype=torch.long)"): "host batches; the step moves them",
     ("mtds/model/norms.py", "torch.ones(hidden_size)"):
         "a parameter: modules are built on the host, then moved by DeepSpeed / .to(device)",
     # init_shard: a parameter's initial values come from the CPU generator (the same on every device)
@@ -112,7 +112,7 @@ def _eval_on_meta(root: str):
 
     from mtds.eval import build_eval_model, evaluation_totals
     from mtds.hf.init import hf_model_config
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     hf_dir = os.path.join(root, "gpt2")
     hf_model("gpt2").save_pretrained(hf_dir)
     cfg = hf_model_config(hf_dir)
@@ -153,7 +153,7 @@ def test_a_local_rank_without_a_gpu_is_a_layout_error(monkeypatch):
     import pytest
     import torch
 
-    from mtds.layout import LayoutError
+    from mtds.parallel.layout import LayoutError
     from mtds.training.distributed import device_and_backend
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

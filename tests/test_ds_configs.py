@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mtds.testing import spawn
+from lab.testing import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
@@ -16,7 +16,7 @@ GPU = [c for c in CONFIGS if not os.path.basename(c).startswith("cpu_")]
 
 
 def _prepared(path: str, device_type: str) -> dict:
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.training.ds_config import load_ds_config, prepare_ds_config
     config = load_ds_config(path)
     config.pop("fp16", None)      # refused on this CPU whatever the device named; the optimizer does not depend on it
@@ -73,7 +73,7 @@ def test_torch_adamw_is_fused_on_cuda_unless_the_config_says_otherwise():
     """A config that asks for torch's AdamW (``torch_adam``) gets the fused kernel on CUDA as on CPU (the
     suite's CUDA mode on an H100 counted 7 host reads a step with torch's foreach default, 5 fused); on
     CUDA a plain Adam config keeps DeepSpeed's own FusedAdam, and an explicit ``foreach`` or ``fused`` wins."""
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.training.ds_config import prepare_ds_config
     layout = ParallelLayout.for_world(1, tp=1, pp=1, vp=1)
 
@@ -92,7 +92,7 @@ def test_megatron_batch_flags_override_the_config():
     """--global-batch-size / --micro-batch-size (Megatron's names) replace the JSON's batch keys; accumulation
     is derived again (the JSON's stale gradient_accumulation_steps dropped). The GPU configs' B = 512 needs
     more than the shipped corpus holds (seen on an H100): these flags are how a run asks for less."""
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.training.cli import build_parser, config_from_args
     from mtds.training.ds_config import load_ds_config, override_batch, prepare_ds_config
     gpu = load_ds_config(os.path.join(ROOT, "ds_configs", "ptdp_bf16.json"))

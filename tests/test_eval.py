@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtds.testing import needs_ranks, spawn
+from lab.testing import needs_ranks, spawn
 from tests.test_hf_cases import VOCAB, hf_model
 
 TOL = 1e-5
@@ -38,9 +38,9 @@ def hf_reference(hf, rows_):
 
 
 def _split_spec_matches(model, cfg):
-    """mtds.reshard.spec's table agrees with the attributes the tp layers put on real parameters."""
+    """mtds.checkpoint.shard_spec's table agrees with the attributes the tp layers put on real parameters."""
     from mtds.hf.init import stage_modules
-    from mtds.reshard.spec import split_of
+    from mtds.checkpoint.shard_spec import split_of
     for layer, module in stage_modules(model, cfg).items():
         for name, p in module.named_parameters():
             s = split_of(cfg, layer, name)
@@ -55,7 +55,7 @@ def _rank_parity(root: str, world: int):
     from mtds.cli.convert import main as convert
     from mtds.eval import build_eval_model, evaluate, full_logits
     from mtds.hf.init import hf_model_config
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.training.distributed import init_distributed
     init_distributed()
     out = {}
@@ -114,7 +114,7 @@ def test_eval_cli_under_torchrun(tmp_path):
     ref_loss, ref_tokens = hf_reference(hf, rows())
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
-    from mtds.testing import free_port
+    from lab.testing import free_port
     for source, t, p in ((["--ckpt", str(tmp_path / "ck")], 1, 2),):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                "--master_port", str(free_port()), "-m", "mtds.eval", *source, "--tp", str(t),

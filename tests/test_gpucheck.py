@@ -137,7 +137,7 @@ def test_gpu_shapes_are_runnable(monkeypatch):
 
     from mtds.gpucheck import ds_configs, parity, speed
     from mtds.gpucheck.machine import Machine
-    from mtds.layout import ParallelLayout
+    from mtds.parallel.layout import ParallelLayout
     from mtds.pipe.select import check_schedule, check_schedule_config
     from mtds.training.ds_config import prepare_ds_config
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)     # as a GPU says

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mtds.layout import ParallelLayout
+from mtds.parallel.layout import ParallelLayout
 from mtds.training.grad_norm import clip_grad_norm, global_grad_norm
 from tests.dist import spawn
 

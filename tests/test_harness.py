@@ -58,7 +58,7 @@ def test_killed_rank_is_noticed_quickly():
 def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
     import socket
 
-    import mtds.testing.ranks as testing
+    import mtds.local_ranks.spawn as testing
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -77,7 +77,7 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
 
 _FORKSERVER_ENV_CHILD = """
 import os
-from mtds.testing import spawn
+from lab.testing import spawn
 
 def body():
     # a forked CPU rank's parent is the forkserver; its environment is what the preloaded imports saw

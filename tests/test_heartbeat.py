@@ -8,7 +8,7 @@ import datetime
 import torch.distributed as dist
 
 from mtds.safety.heartbeat import FAILED, Heartbeat
-from mtds.safety.store_load import measure
+from lab.heartbeat_load import measure
 
 
 def test_store_requests_per_rank_do_not_grow_with_the_world():

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from mtds.config import resolve_model_config
+from mtds.hf.resolve import resolve_model_config
 from mtds.hf import (UnsupportedHFConfig, hf_config_from_model_config, hf_state_to_layers, layers_to_hf_state,
                      load_hf_into_model, model_config_from_hf, model_to_hf_state, save_hf_checkpoint)
 from mtds.model import GPTModel

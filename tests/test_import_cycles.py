@@ -11,53 +11,7 @@ imported, so a package that re-exports its submodules does not make every siblin
 """
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-import mtds
-
-ROOT = Path(mtds.__file__).resolve().parent
-
-
-def module_names(root: Path = ROOT) -> dict[str, Path]:
-    """``{"mtds.a.b": path}`` for every .py file under the package (packages by their __init__)."""
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = ("mtds",) + path.relative_to(root).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
-def _absolute(module: str, is_package: bool, level: int, name: str | None) -> str:
-    """The absolute name of a relative import ``from <level dots><name> import ...`` inside ``module``."""
-    if level == 0:
-        return name or ""
-    base = module.split(".")
-    base = base[: len(base) - level + (1 if is_package else 0)]
-    return ".".join(base + ([name] if name else []))
-
-
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the mtds modules it imports (module- and function-level alike, see the docstring)."""
-    modules = module_names(root)
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module, path in modules.items():
-        is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = _absolute(module, is_package, node.level, node.module)
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            for target in targets:
-                while target and target not in modules:      # `import mtds.a.b.c` where c is a name
-                    target = target.rpartition(".")[0]
-                if target and target != module:
-                    graph[module].add(target)
-    return graph
+from lab.import_graph import import_graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -129,7 +83,17 @@ def test_the_cycle_finder_sees_a_circle_through_a_function_level_import(tmp_path
 
 def test_no_import_cycle_among_mtds_modules():
     graph = import_graph()
-    assert len(graph) > 100 and graph["mtds.training.loop"], "the graph was not read"
+    assert len(graph) > 100 and graph["mtds.training.job"], "the graph was not read"
     found = cycles(graph)
     assert not found, "import cycles (break each by moving the shared piece down a layer):\n" + "\n".join(
         _path(graph, c) for c in found)
+
+
+def test_no_folder_imports_a_higher_layer():
+    """The house's floors (lab/import_graph.py LAYERS): a folder imports its own layer and those below; a new
+    folder must be given a layer before anything may import it or it anything."""
+    from lab.import_graph import folder_graph, upward
+    arrows = folder_graph(import_graph())
+    assert len(arrows) > 30, "the folder graph was not read"
+    assert upward(arrows) == [], "arrows up a layer (move the shared piece down, or the folder up):\n" + "\n".join(
+        f"{a} -> {b} ({n} imports)" for a, b, n in upward(arrows))

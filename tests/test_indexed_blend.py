@@ -11,8 +11,8 @@ import torch
 
 from mtds.data import DataError, MicroBatchStream
 from mtds.data.indexed import IndexedWriter
-from mtds.data.indexed.blend import blending_index, parse_blend
-from mtds.data.indexed.blended import build_blended
+from mtds.data.indexed.blend_spec import blending_index, parse_blend
+from mtds.data.indexed.blended_dataset import build_blended
 from mtds.data.indexed.checks import check_token_ids
 from mtds.data.indexed.index_cache import load_or_build
 from mtds.data.indexed.reader import IndexedDataset

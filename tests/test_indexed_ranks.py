@@ -3,7 +3,7 @@ collective), and the DP-sharded micro-batches at dp=2 are the dp=1 global batche
 import numpy as np
 import torch
 
-from mtds.testing import spawn
+from lab.testing import spawn
 
 
 def _write(tmp):
@@ -22,7 +22,7 @@ def _write(tmp):
 
 def _stream(blend, cache, dp_rank, dp_size, builder):
     from mtds.data import MicroBatchStream
-    from mtds.data.indexed.blended import build_blended
+    from mtds.data.indexed.blended_dataset import build_blended
     ds = build_blended(blend, seq_length=8, num_samples=96, seed=5, builder=builder, cache_dir=cache,
                        log=lambda _: None)
     return MicroBatchStream(ds, global_batch_size=16, micro_batch_size=2, dp_rank=dp_rank, dp_size=dp_size,

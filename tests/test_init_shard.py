@@ -78,7 +78,7 @@ def test_tiny_model_is_unchanged(monkeypatch, family):
     """A whole model (every init path: embeddings, fused qkv, MLP, untied LM head) built chunk by chunk
     with tiny chunks equals the model built from full-tensor fills."""
     from mtds.model import GPTModel
-    from mtds.model_config import ModelConfig
+    from mtds.model.config import ModelConfig
 
     extra = dict(num_kv_heads=2, activation="swiglu", normalization="rmsnorm", position_embedding="rotary",
                  qkv_bias=False, linear_bias=False) if family == "llama" else {}

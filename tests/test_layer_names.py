@@ -1,15 +1,15 @@
-"""The checkpoint reader's list of every layer's parameters (mtds.reshard.spec.layer_names, derived from the
+"""The checkpoint reader's list of every layer's parameters (mtds.checkpoint.shard_spec.layer_names, derived from the
 ModelConfig alone so that mtds checkpoints load without the HF tables) is the list a real model holds,
 and the one each HF weight table maps, for every architecture switch the config has."""
 import dataclasses
 
 import pytest
 
-from mtds.config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.hf.registry import weight_table
 from mtds.hf.table import rows_by_layer
 from mtds.model import GPTModel
-from mtds.reshard.spec import layer_names
+from mtds.checkpoint.shard_spec import layer_names
 
 GPT2 = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, max_position_embeddings=8)
 NEOX = dataclasses.replace(GPT2, architecture="gpt_neox", position_embedding="rotary", rotary_percent=0.25,

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtds.layout import LayoutError, ParallelLayout
+from mtds.parallel.layout import LayoutError, ParallelLayout
 from tests.dist import spawn
 
 

@@ -1,9 +1,9 @@
-"""Hand-checked values for mtds.metrics (formulas from arXiv 2104.04473 and 2205.05198)."""
+"""Hand-checked values for mtds.observe.metrics (formulas from arXiv 2104.04473 and 2205.05198)."""
 import math
 
 import pytest
 
-from mtds.metrics import (
+from mtds.observe.metrics import (
     gpt_param_count,
     hardware_flops_per_iteration,
     model_config_flops,
@@ -75,7 +75,7 @@ LLAMA_LIKE = dict(vocab_size=100, hidden_size=16, num_layers=3, num_heads=4, num
 
 
 def test_llama_like_count_by_hand():
-    from mtds.config import ModelConfig
+    from mtds.model.config import ModelConfig
     # B=2, s=8, h=16, 4 heads of 4 dims, 2 KV heads (K, V 8 wide), SwiGLU f=40, V=100, untied head.
     # Per token and layer, forward: QKV 2*16*(16+8+8) = 1024, scores+xV 4*8*16 = 512,
     # out-proj 2*16*16 = 512, MLP 3 matrices 3*2*16*40 = 3840 -> 5888. Logits 2*16*100 = 3200.
@@ -94,7 +94,7 @@ def test_step_log_reports_the_architecture_flops(tmp_path):
     """The step log's model TFLOP/s is the general count over the step time (a Llama-like model)."""
     import json
 
-    from mtds.config import ModelConfig
+    from mtds.model.config import ModelConfig
     from tests.training_helpers import TINY, ds_config, run_layouts, train_config
     cfg = ModelConfig(**{**LLAMA_LIKE, "vocab_size": TINY.vocab_size, "hidden_size": 32, "num_layers": 2,
                          "max_position_embeddings": 64})
@@ -118,7 +118,7 @@ def test_peak_tflops():
     assert peak_tflops("NVIDIA H800", "bf16") == 989.0 and peak_tflops("NVIDIA H800 PCIe", "bf16") == 756.0
     assert peak_tflops("NVIDIA B200", "bf16") == 2250.0 and peak_tflops("NVIDIA B200", "tf32") == 1100.0
     assert peak_tflops("NVIDIA A800-SXM4-80GB", "bf16") == 312.0
-    from mtds.metrics import _gpu_family
+    from mtds.observe.metrics import _gpu_family
     assert _gpu_family("NVIDIA GH200 480GB") == "GH200"        # not "H200" by substring
     assert peak_tflops("NVIDIA H200 NVL", "bf16") == 835.5
     assert peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0

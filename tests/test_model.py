@@ -5,7 +5,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mtds.config import ModelConfig, resolve_model_config
+from mtds.model.config import ModelConfig
+
+from mtds.hf.resolve import resolve_model_config
 from mtds.hf import model_to_layers
 from mtds.model import GPTEmbedding, GPTModel, LMHead, TransformerLayer
 from tests.dist import spawn

@@ -4,7 +4,9 @@ import json
 import pytest
 import transformers as T
 
-from mtds.config import PRESETS, ModelConfig, resolve_model_config
+from mtds.model.config import PRESETS, ModelConfig
+
+from mtds.hf.resolve import resolve_model_config
 from mtds.hf import UnsupportedHFConfig, hf_config_dict, model_config_from_hf
 from tests.test_hf_cases import hf_config
 

@@ -1,17 +1,17 @@
 """Per-step and per-layer overhead held as counts, not timings (issue 21): collectives and tensor copies of
 one transformer layer per micro-batch at t = 2, and the host reads of a whole training step. A count that
 grows is overhead someone added; if the growth is meant, the expected numbers here change with it."""
-from mtds.testing import spawn
+from lab.testing import spawn
 
 
 def _layer_counts(llama: bool):
     import torch
     import torch.distributed as dist
 
-    from mtds.comm_trace import CommTracer
-    from mtds.config import ModelConfig
+    from mtds.observe.comm_trace import CommTracer
+    from mtds.model.config import ModelConfig
     from mtds.model.layer import TransformerLayer
-    from mtds.testing.op_counts import OpCounts
+    from lab.testing.op_counts import OpCounts
 
     extra = dict(position_embedding="rotary", normalization="rmsnorm", activation="swiglu", num_kv_heads=2,
                  linear_bias=False) if llama else {}
@@ -48,8 +48,8 @@ def test_collectives_and_copies_per_layer_per_micro_batch():
 
 
 def _host_reads_and_mfu():
-    from mtds.testing.op_counts import HostReads
-    from mtds.training import run, step_loop
+    from lab.testing.op_counts import HostReads
+    from mtds.training import run, train_loop
     from tests.training_helpers import train_config
 
     reads, records, active = [], [], {}
@@ -71,12 +71,12 @@ def _host_reads_and_mfu():
         def at_end(self, step, completed):
             pass
 
-    hooks = step_loop.step_hooks
-    step_loop.step_hooks = lambda *a, **k: [Edge(True)] + hooks(*a, **k) + [Edge(False)]
+    hooks = train_loop.step_hooks
+    train_loop.step_hooks = lambda *a, **k: [Edge(True)] + hooks(*a, **k) + [Edge(False)]
     try:
         run(train_config(steps=2, eval_split=0.0))
     finally:
-        step_loop.step_hooks = hooks
+        train_loop.step_hooks = hooks
     return reads, [r["mfu"] for r in records]
 
 

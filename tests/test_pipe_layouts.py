@@ -53,8 +53,8 @@ def test_layouts_build_their_layers_and_match_hf():
 
 
 def test_balance_cost_builds_the_planners_partition():
-    from mtds.layout import ParallelLayout
-    from mtds.pipeline_layout import uniform_layout
+    from mtds.parallel.layout import ParallelLayout
+    from mtds.parallel.pipeline_layout import uniform_layout
     from mtds.plan.balance import balanced_layout
     from mtds.training.ds_config import BatchPlan
     from mtds.training.stage_plan import planner_view

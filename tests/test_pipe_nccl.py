@@ -1,4 +1,4 @@
-"""The engine's p2p program (``mtds.pipe.exchange``) under NCCL's semantics (``mtds.pipe.nccl_sim``),
+"""The engine's p2p program (``mtds.pipe.exchange``) under NCCL's semantics (``lab.pipe_sim.nccl_sim``),
 without processes: every schedule the engine runs finishes (p ∈ {2,3,4}, v ∈ {1,2,3}, several m, training
 and evaluation, lazy and eager communicators) and costs no time beyond the transfers, the order before
 the fix deadlocks, and the simulator's rules on small hand-made programs."""
@@ -6,9 +6,9 @@ import pytest
 
 from mtds.pipe.exchange import (ACT, GRAD, POLICIES, Compute, Message, Post, Transfer, colour, exchange_program,
                                 group_names)
-from mtds.pipe.nccl_sim import MismatchedTransfer, NcclDeadlock, simulate_programs, simulate_schedule_nccl
+from lab.pipe_sim.nccl_sim import MismatchedTransfer, NcclDeadlock, simulate_programs, simulate_schedule_nccl
 from mtds.pipe.schedules import SCHEDULES, Action, forward_actions, schedule_actions
-from mtds.pipe.simulate import simulate_schedule
+from lab.pipe_sim.simulate import simulate_schedule
 from tests.test_pipe_schedules import supported
 
 GRID = [(name, p, v, m) for name in SCHEDULES for p in (2, 3, 4) for v in (1, 2, 3)
@@ -28,7 +28,7 @@ def test_engine_program_finishes_under_nccl(name, p, v, m):
         for forward_only in (False, True):
             simulate_schedule_nccl(name, p, v, m, mode=mode, forward_only=forward_only)
     # NCCL's waits cost nothing beyond the transfers: while a transfer takes no longer than a forward,
-    # the step ends exactly when it does with gloo's buffered sends (mtds.pipe.simulate)
+    # the step ends exactly when it does with gloo's buffered sends (lab.pipe_sim.simulate)
     for comm in (0, 0.5, 1):
         assert simulate_schedule_nccl(name, p, v, m, comm=comm).step_time == simulate_schedule(name, p, v, m, comm=comm).step_time
     # and no send is held back: with free transfers every send starts the moment its compute ends

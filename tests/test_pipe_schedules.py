@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from mtds.pipe.schedules import SCHEDULES, Action, check_microbatches, has_weight_pass, schedule_actions
-from mtds.pipe.simulate import (InvalidSchedule, ScheduleDeadlock, default_costs, peak_in_flight, simulate,
+from lab.pipe_sim.simulate import (InvalidSchedule, ScheduleDeadlock, default_costs, peak_in_flight, simulate,
                                 simulate_schedule, validate)
 
 

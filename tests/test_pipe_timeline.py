@@ -5,8 +5,8 @@ from fractions import Fraction
 
 import pytest
 
-from mtds.pipe.simulate import simulate_schedule
-from mtds.pipe.timeline import (STEP_EVENT, TimelineEvent, TimelineRecorder, chrome_trace, compute_time,
+from lab.pipe_sim.simulate import simulate_schedule
+from mtds.observe.timeline import (STEP_EVENT, TimelineEvent, TimelineRecorder, chrome_trace, compute_time,
                                 events_from_simulation, measured_bubble, write_chrome_trace, write_gantt_png)
 
 # two ranks, step of 10 s: rank 0 computes 2+3 s (the B overlapping a 1 s send), rank 1 computes 4 s
@@ -96,7 +96,7 @@ class _LazyMarks:
 def test_gpu_timeline_marks_without_syncing_and_resolves_once_per_step():
     """On CUDA the recorder records events and waits for the GPU only at the end of the step (a host
     that waited for the device mid-step could hang on an unmatched NCCL send)."""
-    from mtds.pipe.timeline import EventClock
+    from mtds.observe.timeline import EventClock
     assert isinstance(TimelineRecorder.for_device(0, "cuda:0").marks, EventClock)
     marks = _LazyMarks()
     rec = TimelineRecorder(rank=1, marks=marks)
@@ -127,7 +127,7 @@ def test_simulation_renders_through_the_same_writers(tmp_path, name, v):
 def test_gather_events_on_a_one_rank_group(tmp_path):
     # the collective path in-process (world of one, gloo): the events come back as TimelineEvents
     import torch.distributed as dist
-    from mtds.pipe.timeline import gather_events
+    from mtds.observe.timeline import gather_events
     created = not dist.is_initialized()   # another in-process test may have left a world of one
     if created:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -141,7 +141,7 @@ def test_gather_events_on_a_one_rank_group(tmp_path):
 
 def test_theory_table_and_charts(tmp_path, capsys):
     from benchmarks.schedule_theory import main
-    from mtds.pipe.theory import theory_bubble
+    from lab.pipe_sim.theory import theory_bubble
     assert theory_bubble("1f1b", 4, 1, 8) == {"bubble_fraction": 3 / 11, "bubble_ratio": 3 / 8}
     assert theory_bubble("zb-h1", 4, 1, 8)["bubble_ratio"] == 1 / 8
     dual = theory_bubble("dualpipev", 4, 2, 8)     # DeepSpeed's order: 5(p-1) - 1 = 14 idle of 48 busy

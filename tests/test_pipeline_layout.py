@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from mtds.pipeline_layout import PipelineLayoutError, StageLayout, parse_layout, uniform_layout
-from mtds.plan import Cluster, Layout, ModelSpec, Workload, get_gpu
+from mtds.parallel.pipeline_layout import PipelineLayoutError, StageLayout, parse_layout, uniform_layout
+from mtds.plan import Cluster, Candidate, ModelSpec, Workload, get_gpu
 from mtds.plan.balance import LayerCosts, balanced_layout, cost_layout, rank_memory, stage_report
 
 
@@ -95,7 +95,7 @@ WORK = Workload(global_batch=8, precision="fp32")
 
 
 def _view(p=2, v=1, schedule="1f1b"):
-    layout = Layout(tp=1, pp=p, dp=1, microbatch=1, virtual_stages=v, recompute="none", pipeline_schedule=schedule)
+    layout = Candidate(tp=1, pp=p, dp=1, microbatch=1, virtual_stages=v, recompute="none", pipeline_schedule=schedule)
     return MODEL, layout, WORK, Cluster(get_gpu("A100", "fp32"), gpus=p)
 
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from mtds.plan import comm
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster, get_gpu
 from mtds.plan.memory import activation_bytes_per_layer, model_state_bytes, predict_memory
 from mtds.plan.model_spec import ModelSpec
@@ -26,7 +26,7 @@ def test_gpu_table_and_aliases():
 
 
 def test_general_ffn_flops_match_metrics_at_4h():
-    from mtds import metrics
+    from mtds.observe import metrics
 
     a = ModelSpec(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
     for mode in ("none", "selective", "full"):
@@ -47,7 +47,7 @@ def test_vocab_padding():
 def test_zero_model_state_bytes():
     # ZeRO paper Section 3.1 / Fig. 1: Psi=7.5B, d=64 -> 120 GB baseline, 31.4 GB P_os, 16.6 GB P_os+g, 1.9 GB P_os+g+p
     psi, work = 7.5e9, Workload(64)
-    totals = [sum(model_state_bytes(psi, Layout(1, 1, 64, 1, zero_stage=z), work)) / 1e9 for z in range(4)]
+    totals = [sum(model_state_bytes(psi, Candidate(1, 1, 64, 1, zero_stage=z), work)) / 1e9 for z in range(4)]
     assert totals == pytest.approx([120.0, 31.4, 16.6, 1.875], rel=0.01)
 
 
@@ -55,7 +55,7 @@ def test_korthikanti_activation_formulas():
     m = ModelSpec(layers=1, hidden=12288, heads=96, vocab=51200, seq=2048)
     w = Workload(1)
     sbh = 2048 * 12288
-    lay = lambda **kw: Layout(8, 1, 1, 1, **kw)
+    lay = lambda **kw: Candidate(8, 1, 1, 1, **kw)
     attn = 5 * 96 * 2048 / (12288 * 8)
     assert activation_bytes_per_layer(m, lay(recompute="none"), w) == pytest.approx(sbh * (10 + 24 / 8 + attn))
     assert activation_bytes_per_layer(m, lay(recompute="none", sequence_parallel=True), w) == \
@@ -78,8 +78,8 @@ def test_ring_collective_costs():
 def test_bubble_shrinks_with_virtual_stages():
     work, cluster = Workload(64), Cluster(A100, 64)
     base = dict(tp=8, pp=8, dp=1, microbatch=1, recompute="full")
-    p1 = predict(GPT3, Layout(**base, virtual_stages=1), work, cluster)
-    p4 = predict(GPT3, Layout(**base, virtual_stages=4), work, cluster)
+    p1 = predict(GPT3, Candidate(**base, virtual_stages=1), work, cluster)
+    p4 = predict(GPT3, Candidate(**base, virtual_stages=4), work, cluster)
     # bubble = (p-1)/v of one microbatch's stage time: ratio exactly 4
     assert p1.time_breakdown_s["bubble"] / p4.time_breakdown_s["bubble"] == pytest.approx(4.0)
     assert p4.time_breakdown_s["pp_comm"] > p1.time_breakdown_s["pp_comm"]
@@ -91,7 +91,7 @@ def test_bubble_shrinks_with_virtual_stages():
 
 def test_prediction_internal_consistency():
     work, cluster = Workload(1536), Cluster(A100, 1536)
-    pr = predict(GPT3, Layout(8, 12, 16, 1, 2, 0, "full"), work, cluster)
+    pr = predict(GPT3, Candidate(8, 12, 16, 1, 2, 0, "full"), work, cluster)
     assert pr.step_time_s == pytest.approx(sum(pr.time_breakdown_s.values()))
     assert pr.tflops_per_gpu > pr.model_tflops_per_gpu          # full recompute executes 4/3 x
     assert pr.mfu == pytest.approx(pr.model_tflops_per_gpu / 312)
@@ -104,11 +104,11 @@ def test_prediction_internal_consistency():
 
 def test_infeasible_reasons():
     work, cluster = Workload(1536), Cluster(A100, 1536)
-    pr = predict(GPT3, Layout(8, 7, 1536 // 56, 1), work, cluster)
+    pr = predict(GPT3, Candidate(8, 7, 1536 // 56, 1), work, cluster)
     assert any("t*p*d" in r for r in pr.reasons) and any("layers=96" in r for r in pr.reasons)
-    pr = predict(GPT3, Layout(1, 1, 1536, 1, zero_stage=0, recompute="none"), work, cluster)
+    pr = predict(GPT3, Candidate(1, 1, 1536, 1, zero_stage=0, recompute="none"), work, cluster)
     assert not pr.fits and any("GiB" in r for r in pr.reasons)
-    pr = predict(GPT3, Layout(8, 12, 16, 1, zero_stage=3), work, cluster)
+    pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)
     assert any("ZeRO-2/3" in r for r in pr.reasons)
 
 
@@ -127,8 +127,8 @@ def test_search_ranks_and_respects_fixed_knobs():
 def test_selective_beats_full_recompute_korthikanti():
     # Table 5 trend: SP + selective is ~25% faster than full recompute at the same layout
     work, cluster = Workload(64), Cluster(A100, 64)
-    full = predict(GPT3, Layout(8, 8, 1, 1, 1, 0, "full"), work, cluster)
-    sel = predict(GPT3, Layout(8, 8, 1, 1, 1, 0, "selective", True), work, cluster)
+    full = predict(GPT3, Candidate(8, 8, 1, 1, 1, 0, "full"), work, cluster)
+    sel = predict(GPT3, Candidate(8, 8, 1, 1, 1, 0, "selective", True), work, cluster)
     assert 0.65 < sel.step_time_s / full.step_time_s < 0.85
 
 
@@ -188,16 +188,16 @@ def test_model_from_preset():
 def test_fp32_grad_accumulation_memory_and_time():
     # 16-bit training without ZeRO-2/3 keeps fp32 gradients: 2 + 4 + 12 = 18 bytes/param
     calib = A100.calibration
-    states = model_state_bytes(1e9, Layout(1, 1, 1, 1), Workload(8), calib.main_grad_bytes)
+    states = model_state_bytes(1e9, Candidate(1, 1, 1, 1), Workload(8), calib.main_grad_bytes)
     assert sum(states) == pytest.approx(18e9)
-    assert sum(model_state_bytes(1e9, Layout(1, 1, 1, 1), Workload(8))) == pytest.approx(16e9)  # ZeRO paper
+    assert sum(model_state_bytes(1e9, Candidate(1, 1, 1, 1), Workload(8))) == pytest.approx(16e9)  # ZeRO paper
     # the unfused accumulation pass is paid once per microbatch: b=1 costs 8x the b=8 pass
     model, work, cluster = ModelSpec(8, 1024, 16, 51200, 2048), Workload(8), Cluster(A100, 1)
-    small = predict(model, Layout(1, 1, 1, 1), work, cluster).time_breakdown_s["compute"]
-    big = predict(model, Layout(1, 1, 1, 8), work, cluster).time_breakdown_s["compute"]
+    small = predict(model, Candidate(1, 1, 1, 1), work, cluster).time_breakdown_s["compute"]
+    big = predict(model, Candidate(1, 1, 1, 8), work, cluster).time_breakdown_s["compute"]
     from mtds.plan.compute import grad_accumulation_time
     from mtds.plan.memory import stage_params
-    t_acc = grad_accumulation_time(stage_params(model, Layout(1, 1, 1, 1), "first"), 2, 4, cluster)
+    t_acc = grad_accumulation_time(stage_params(model, Candidate(1, 1, 1, 1), "first"), 2, 4, cluster)
     assert t_acc > 0 and small - big >= 7 * t_acc * 0.99
 
 
@@ -209,7 +209,7 @@ def test_model_spec_matches_real_models_of_every_family(name):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mtds import metrics
+    from mtds.observe import metrics
     from mtds.hf.registry import model_config_from_hf
     from mtds.model import GPTModel
     from mtds.plan.memory import stage_params
@@ -222,7 +222,7 @@ def test_model_spec_matches_real_models_of_every_family(name):
     assert spec.params == sum(p.numel() for p in hf.parameters())
     torch.manual_seed(0)
     ours = sum(p.numel() for p in GPTModel(cfg).parameters())
-    assert stage_params(spec, Layout(1, 1, 1, 1), "first") == ours
+    assert stage_params(spec, Candidate(1, 1, 1, 1), "first") == ours
     assert spec.hardware_flops(8, "selective") == metrics.model_config_flops(cfg, 8, 32, "selective")
     if name == "gpt2":   # PTD-P's closed form, which leaves out the final layer norm (2h)
         assert spec.params == metrics.gpt_param_count(2, 64, 250, 32) + 2 * 64
@@ -237,7 +237,7 @@ def test_grouped_query_attention_and_swiglu_in_planner_flops_and_time():
     tokens, h, layers = 8 * 2048, 1024, 4
     assert mha.model_flops(8) - gqa.model_flops(8) == pytest.approx(3 * tokens * layers * 4 * h * (h - h / 4))
     assert glu.model_flops(8) - mha.model_flops(8) == pytest.approx(3 * tokens * layers * 2 * h * 2816)
-    work, cluster, layout = Workload(8), Cluster(A100, 8), Layout(8, 1, 1, 1, recompute="none")
+    work, cluster, layout = Workload(8), Cluster(A100, 8), Candidate(8, 1, 1, 1, recompute="none")
     step = {m: predict(m, layout, work, cluster).time_breakdown_s["compute"] for m in (mha, gqa, glu)}
     assert step[gqa] < step[mha] < step[glu]
     # kv heads must split over t like the query heads
@@ -252,7 +252,7 @@ def test_flash_attention_keeps_no_scores_so_selective_recompute_saves_nothing():
     from mtds.plan.search import plan
     m = ModelSpec(layers=1, hidden=12288, heads=96, vocab=51200, seq=2048)
     w = Workload(1)
-    lay = lambda **kw: Layout(8, 1, 1, 1, **kw)
+    lay = lambda **kw: Candidate(8, 1, 1, 1, **kw)
     flash = {r: activation_bytes_per_layer(m, lay(recompute=r, sequence_parallel=True), w, attention="flash")
              for r in ("none", "selective")}
     math_none = activation_bytes_per_layer(m, lay(recompute="none", sequence_parallel=True), w, attention="math")
@@ -260,8 +260,8 @@ def test_flash_attention_keeps_no_scores_so_selective_recompute_saves_nothing():
     assert flash["none"] == pytest.approx(2048 * 12288 * (34 / 8 + 2 * 96 / (12288 * 8)))
     cluster, work = Cluster(A100, 64), Workload(256)
     assert cluster.calib.attention_kernel == "flash"
-    none = Layout(8, 1, 8, 1, zero_stage=1, recompute="none", sequence_parallel=True)
-    sel = Layout(8, 1, 8, 1, zero_stage=1, recompute="selective", sequence_parallel=True)
+    none = Candidate(8, 1, 8, 1, zero_stage=1, recompute="none", sequence_parallel=True)
+    sel = Candidate(8, 1, 8, 1, zero_stage=1, recompute="selective", sequence_parallel=True)
     p_none, p_sel = (predict(GPT3_LIKE_13B, x, work, cluster) for x in (none, sel))
     assert p_sel.memory.total >= p_none.memory.total and p_sel.step_time_s > p_none.step_time_s
     best = plan(GPT3_LIKE_13B, work, cluster).feasible

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from mtds.plan.calibrate import measure_matmul, measure_memory_bandwidth, save_profile
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster, get_gpu
 from mtds.plan.model_spec import ModelSpec
 from mtds.plan.predict import predict
@@ -22,7 +22,7 @@ def test_profile_drives_predictions(tmp_path):
     gpu = get_gpu("local", profile=path)
     assert gpu.peak_tflops == 0.05 and gpu.calibration.gemm_max_fraction == 1.0
     model = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq=32)
-    pr = predict(model, Layout(2, 1, 1, 2, recompute="none"), Workload(4, "fp32"), Cluster(gpu, 2))
+    pr = predict(model, Candidate(2, 1, 1, 2, recompute="none"), Workload(4, "fp32"), Cluster(gpu, 2))
     assert pr.fits and pr.step_time_s > 0 and pr.time_breakdown_s["tp_comm"] > 0
 
 

@@ -1,6 +1,6 @@
-"""Local-cluster prediction vs a measured run (mtds.plan.check_local), end to end.
+"""Local-cluster prediction vs a measured run (lab.plan_check.check_local), end to end.
 
-The issue's goal is +-25% on CPU. It is checked by `python -m mtds.plan.check_local` (exit code 1
+The issue's goal is +-25% on CPU. It is checked by `python -m lab.plan_check.check_local` (exit code 1
 outside the tolerance; measured numbers in docs/planner.md), not asserted here: on a shared
 2-core machine other jobs slow individual steps by tens of percent, so a timed assertion in the
 test suite would fail for reasons unrelated to the model. This test checks that calibration,
@@ -9,7 +9,7 @@ and that each layout's prediction charges the communication it really does.
 """
 import math
 
-from mtds.plan.check_local import LAYOUTS, check_local, main
+from lab.plan_check.check_local import LAYOUTS, check_local, main
 
 
 def test_local_calibration_prediction_and_measurement_run_end_to_end():
@@ -31,7 +31,7 @@ def test_local_calibration_prediction_and_measurement_run_end_to_end():
 
 def test_check_exit_code_follows_the_tolerance(monkeypatch, capsys):
     """The check fails (exit 1) when a layout is outside the tolerance, passes otherwise."""
-    import mtds.plan.check_local as cl
+    import lab.plan_check.check_local as cl
 
     def fake(*args, **kwargs):   # stands in for the measured run only; the comparison is real
         return [{"layout": "t1 p1 d1", "predicted_step_s": 1.0, "measured_step_s": ratio,
@@ -48,7 +48,7 @@ def test_check_exit_code_follows_the_tolerance(monkeypatch, capsys):
 
 def test_one_disturbed_repeat_does_not_decide(monkeypatch):
     """Each layout is judged by the median ratio over repeats."""
-    import mtds.plan.check_local as cl
+    import lab.plan_check.check_local as cl
 
     ratios = iter([1.6, 1.0, 1.1])
 

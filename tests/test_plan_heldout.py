@@ -1,5 +1,5 @@
 """Held-out check of the ZeRO-3 constants: fitted on one Table 2 model, judged on the other."""
-from mtds.plan.heldout import EFFICIENCIES, EXPONENTS, held_out_report, relative_error, zero3_rows
+from lab.plan_check.heldout import EFFICIENCIES, EXPONENTS, held_out_report, relative_error, zero3_rows
 
 
 def test_zero3_constants_fitted_on_one_model_predict_the_other_within_20pct():

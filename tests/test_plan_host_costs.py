@@ -6,7 +6,7 @@ import pytest
 
 from mtds.plan import comm, compute, host_costs
 from mtds.plan.calibrate import save_profile, solve_per_param_and_tensor
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster, get_gpu
 from mtds.plan.model_spec import ModelSpec
 from mtds.plan.predict import predict
@@ -50,7 +50,7 @@ def test_optimizer_step_is_the_calibrated_rate(gpu):
     assert host_costs.optimizer_tensors(MODEL, zero_stage=1) == 2
     # inside a prediction: the compute term holds it (ZeRO-0, one rank)
     work = Workload(4, "fp32")
-    lay = Layout(1, 1, 1, 2, recompute="none", zero_stage=0)
+    lay = Candidate(1, 1, 1, 2, recompute="none", zero_stage=0)
     with_opt = predict(MODEL, lay, work, cl).time_breakdown_s["compute"]
     import dataclasses
     gpu0 = dataclasses.replace(gpu, calibration=gpu.calibration.with_overrides(optimizer_s_per_tensor=0.0))
@@ -64,7 +64,7 @@ def test_engine_overhead_per_micro_batch_and_module(gpu, stage, c0, c1):
     cl = Cluster(gpu, 4, gpus_per_node=4, ranks_per_host=4)
     modules = 6 * GPT2_TINY.layers + 3
     assert host_costs.modules_with_parameters(GPT2_TINY) == modules
-    lay = Layout(1, 1, 4, 4, recompute="none", zero_stage=stage)
+    lay = Candidate(1, 1, 4, 4, recompute="none", zero_stage=stage)
     pr = predict(GPT2_TINY, lay, Workload(64, "fp32"), cl)
     assert pr.time_breakdown_s["engine"] == pytest.approx(4 * (c0 + c1 * modules) * 2.0)
     assert pr.step_time_s == pytest.approx(sum(pr.time_breakdown_s.values()))
@@ -106,7 +106,7 @@ def test_zero3_traffic_gloo(gpu):
     nccl = host_costs.zero3_traffic(GPT2_TINY, 4, 1, 4, cl, "nccl")
     assert got - nccl == pytest.approx(comm.all_reduce(psi * 4, 4, 1, cl) - comm.reduce_scatter(psi * 4, 4, 1, cl))
     # the prediction uses it on a gloo profile
-    lay = Layout(1, 1, 4, 4, recompute="none", zero_stage=3)
+    lay = Candidate(1, 1, 4, 4, recompute="none", zero_stage=3)
     pr = predict(GPT2_TINY, lay, Workload(64, "fp32"), cl)
     assert pr.time_breakdown_s["dp_comm"] == pytest.approx(4 * got)
 
@@ -114,7 +114,7 @@ def test_zero3_traffic_gloo(gpu):
 def test_zero1_gradient_reduction_variants(gpu):
     """mtds's ZeRO-1: reduce-scatter + all-gather, 2 Psi (d-1)/d; DeepSpeed's: all-reduce + all-gather."""
     cl = Cluster(gpu, 4, gpus_per_node=4, ranks_per_host=2)
-    lay = Layout(1, 1, 4, 4, recompute="none", zero_stage=1)
+    lay = Candidate(1, 1, 4, 4, recompute="none", zero_stage=1)
     work = Workload(64, "fp32")
     rs = predict(GPT2_TINY, lay, work, cl).time_breakdown_s["dp_comm"]
     ar = predict(GPT2_TINY, lay, work, cl, zero1_grad_reduce="all-reduce").time_breakdown_s["dp_comm"]
@@ -171,9 +171,9 @@ def test_pipeline_idle_ranks_leave_their_cores_to_the_busy(gpu):
     assert host_costs.busy_share(cl, 0.4) == pytest.approx(0.5)      # 1.6 busy ranks on 2 cores: no contention
     assert host_costs.busy_share(Cluster(gpu, 2, ranks_per_host=2), 0.5) == 1.0
     # inside a prediction: an unbalanced pipeline's compute is scaled by it
-    from mtds.pipeline_layout import StageLayout
+    from mtds.parallel.pipeline_layout import StageLayout
     from mtds.plan import balance
-    lay = Layout(1, 2, 2, 2, recompute="none", zero_stage=1)
+    lay = Candidate(1, 2, 2, 2, recompute="none", zero_stage=1)
     work = Workload(16, "fp32")
     stages = StageLayout((1, 1))
     report = balance.stage_report(GPT2_TINY, lay, work, cl, stages)

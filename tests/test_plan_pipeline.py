@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from mtds.pipe.dualpipev_sim import deepspeed_dualpipev_actions, simulate_deepspeed_dualpipev
-from mtds.pipe.simulate import peak_in_flight, simulate_schedule, validate
+from lab.pipe_sim.dualpipev_sim import deepspeed_dualpipev_actions, simulate_deepspeed_dualpipev
+from lab.pipe_sim.simulate import peak_in_flight, simulate_schedule, validate
 from mtds.plan import runnable
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster, get_gpu
 from mtds.plan.memory import in_flight_layers
 from mtds.plan.model_spec import ModelSpec
@@ -58,22 +58,22 @@ def test_dualpipev_order_is_complete_and_holds_2p_plus_1_chunks(p):
 
 def test_in_flight_activations_per_schedule():
     work = Workload(1536)
-    base = in_flight_layers(GPT3, Layout(8, 12, 16, 1), work)
+    base = in_flight_layers(GPT3, Candidate(8, 12, 16, 1), work)
     assert base == pytest.approx(96)                     # p micro-batches of l/p layers
-    assert in_flight_layers(GPT3, Layout(8, 12, 16, 1, pipeline_schedule="zb-h1"), work) == base
-    assert in_flight_layers(GPT3, Layout(8, 12, 16, 1, 2, pipeline_schedule="interleaved"), work) == \
+    assert in_flight_layers(GPT3, Candidate(8, 12, 16, 1, pipeline_schedule="zb-h1"), work) == base
+    assert in_flight_layers(GPT3, Candidate(8, 12, 16, 1, 2, pipeline_schedule="interleaved"), work) == \
         pytest.approx(96 * (1 + 11 / 24))
-    assert in_flight_layers(GPT3, Layout(8, 12, 16, 1, 2, pipeline_schedule="dualpipev"), work) == \
+    assert in_flight_layers(GPT3, Candidate(8, 12, 16, 1, 2, pipeline_schedule="dualpipev"), work) == \
         pytest.approx(96 * (1 + 1 / 24))
 
 
 def test_schedule_changes_only_the_bubble_and_p2p():
     work, cluster = Workload(1536), Cluster(A100, 1536)
     knobs = dict(tp=8, pp=12, dp=16, microbatch=1, zero_stage=0, recompute="full")
-    one = predict(GPT3, Layout(**knobs), work, cluster)
-    zb = predict(GPT3, Layout(**knobs, pipeline_schedule="zb-h1"), work, cluster)
-    il = predict(GPT3, Layout(**knobs, virtual_stages=4), work, cluster)
-    dv = predict(GPT3, Layout(**knobs, virtual_stages=2, pipeline_schedule="dualpipev"), work, cluster)
+    one = predict(GPT3, Candidate(**knobs), work, cluster)
+    zb = predict(GPT3, Candidate(**knobs, pipeline_schedule="zb-h1"), work, cluster)
+    il = predict(GPT3, Candidate(**knobs, virtual_stages=4), work, cluster)
+    dv = predict(GPT3, Candidate(**knobs, virtual_stages=2, pipeline_schedule="dualpipev"), work, cluster)
     assert il.layout.pipeline_schedule == "interleaved" and one.layout.pipeline_schedule == "1f1b"
     for pr in (zb, il, dv):
         assert pr.feasible, pr.reasons
@@ -89,7 +89,7 @@ def test_schedule_constraints_are_reported():
     model = ModelSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)
 
     def reasons(b, v, schedule=""):   # t=2, p=4, d=2: m = 16 / (2 b)
-        return predict(model, Layout(2, 4, 2, b, v, pipeline_schedule=schedule), work, cluster).reasons
+        return predict(model, Candidate(2, 4, 2, b, v, pipeline_schedule=schedule), work, cluster).reasons
 
     assert any("divisible by p=4" in r for r in reasons(4, 2))                   # interleaved, m = 2
     assert any("at least 2p=8" in r for r in reasons(2, 2, "dualpipev"))         # m = 4
@@ -131,7 +131,7 @@ def test_runnable_schedules_are_the_ones_train_py_accepts():
                 refused = False
             except ValueError:
                 refused = True
-            planner = bool(runnable.not_runnable(Layout(1, 2, 1, 1, pipeline_schedule=name), precision))
+            planner = bool(runnable.not_runnable(Candidate(1, 2, 1, 1, pipeline_schedule=name), precision))
             assert planner == refused, (name, precision)
 
 
@@ -151,12 +151,12 @@ def test_evaluating_an_unrunnable_layout_flags_it(monkeypatch):
 def test_sequence_parallel_shared_grads_once_per_step_for_zero01():
     work, cluster = Workload(512), Cluster(A100, 64)
     model = ModelSpec(layers=24, hidden=4096, heads=32, vocab=51200, seq=2048)
-    z1 = Layout(8, 1, 8, 1, zero_stage=1, recompute="selective", sequence_parallel=True)
-    z2 = Layout(8, 1, 8, 1, zero_stage=2, recompute="selective", sequence_parallel=True)
+    z1 = Candidate(8, 1, 8, 1, zero_stage=1, recompute="selective", sequence_parallel=True)
+    z2 = Candidate(8, 1, 8, 1, zero_stage=2, recompute="selective", sequence_parallel=True)
     m = z1.microbatches(work.global_batch)
     once, per_use = (sequence_parallel_grad_time(model, lay, work, cluster, m) for lay in (z1, z2))
     assert 0 < once and per_use > 10 * once      # m x 146 latency-bound all-reduces vs one bucket
-    no_sp = Layout(8, 1, 8, 1, zero_stage=1, recompute="selective")
+    no_sp = Candidate(8, 1, 8, 1, zero_stage=1, recompute="selective")
     assert sequence_parallel_grad_time(model, no_sp, work, cluster, m) == 0
     a, b = predict(model, z1, work, cluster), predict(model, z2, work, cluster)
     assert b.time_breakdown_s["tp_comm"] - a.time_breakdown_s["tp_comm"] == pytest.approx(per_use - once)

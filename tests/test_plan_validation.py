@@ -6,7 +6,7 @@ Layout knobs the papers state are fixed; the rest (virtual stages) are chosen by
 """
 import pytest
 
-from mtds import metrics
+from mtds.observe import metrics
 from mtds.plan.candidate import Workload
 from mtds.plan.hardware import Cluster, get_gpu
 from mtds.plan.model_spec import ModelSpec

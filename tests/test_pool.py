@@ -1,4 +1,4 @@
-"""The live rank pools (mtds.testing.pool) leave nothing behind between test bodies.
+"""The live rank pools (lab.testing.pool) leave nothing behind between test bodies.
 
 - A body that changes what DeepSpeed, mtds and torch keep in process globals is followed by one that
   sees exactly what a fresh process sees (the same fingerprint of that state as new processes report).
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._device
 
-from mtds import testing
+from lab import testing
 from tests.training_helpers import TINY, ds_config, train_config
 
 PROBE_ENV = "MTDS_POOL_PROBE"
@@ -60,7 +60,7 @@ def _dirty_everything():
     import deepspeed.runtime.activation_checkpointing.checkpointing as ds_ckpt
     from deepspeed.accelerator import get_accelerator
 
-    from mtds.comm_trace import CommTracer
+    from mtds.observe.comm_trace import CommTracer
     torch.set_default_dtype(torch.float64)
     torch.set_default_device("cpu")
     torch.manual_seed(1234 + dist.get_rank())

@@ -3,7 +3,7 @@ for backward against the paper's formulas, exactness with dropout on, HF parity,
 import pytest
 import torch
 
-from mtds.testing import spawn
+from lab.testing import spawn
 from tests.training_helpers import TINY, hf_reference, max_rel_diff, run_layouts, train_config
 
 S, B, H, A, T = 32, 2, 64, 4, 2      # sequence, micro-batch, hidden, heads, tensor-parallel size
@@ -13,9 +13,9 @@ MODES = [("none", True), ("selective", True), ("none", False), ("selective", Fal
 
 
 def _layer_bytes_worker():
-    from mtds.activation_memory import saved_bytes
-    from mtds.config import ModelConfig
-    from mtds.layout import ParallelLayout
+    from lab.activation_memory import saved_bytes
+    from mtds.model.config import ModelConfig
+    from mtds.parallel.layout import ParallelLayout
     from mtds.model import TransformerLayer
     from mtds.tp import checkpoint, model_parallel_seed
 

@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from mtds.reshard.complete import MARKER, find_complete, rank_manifest
-from mtds.safety import UnsafeCheckpointError, safe_load
-from mtds.testing import spawn
+from mtds.checkpoint.complete import MARKER, find_complete, rank_manifest
+from mtds.checkpoint.safe_load import UnsafeCheckpointError, safe_load
+from lab.testing import spawn
 from tests.training_helpers import TINY, ds_config, train_config
 
 DROPOUT = TINY.__class__(**{**TINY.__dict__, "hidden_dropout": 0.1, "attention_dropout": 0.1})
@@ -31,7 +31,7 @@ class _Evil:
 def plant_code(tag_dir: str, name: str, marker: str) -> None:
     """Replace ``name`` in a complete checkpoint with a pickle that runs a shell command, and fix the
     manifest (size, CRC) so only the unpickler can tell."""
-    from mtds.reshard.store import describe_files, write_manifest
+    from mtds.checkpoint.commit import describe_files, write_manifest
     path = os.path.join(tag_dir, name)
     state = safe_load(path)
     state["payload"] = _Evil(marker)
@@ -50,7 +50,7 @@ def _worker(root):
     import torch.distributed as dist
 
     from mtds.training import run
-    from mtds.training.checkpoint import CheckpointError
+    from mtds.checkpoint.lifecycle import CheckpointError
     pipe = dict(tp=2, pp=2, model=DROPOUT, steps=6)
     plain = dict(tp=2, pp=1, model=DROPOUT, steps=6, deepspeed_config=ds_config(zero=0))
     full = run(train_config(**pipe, save=f"{root}/pipe", save_interval=3))
@@ -77,7 +77,7 @@ def _worker(root):
 
 def _verified_by(rank: int, tag_dir: str, world: int = 4) -> str:
     """The largest file whose bytes ``rank`` verifies when ``world`` ranks load ``tag_dir``."""
-    from mtds.reshard.complete import list_files, share
+    from mtds.checkpoint.complete import list_files, share
     mine = share(list_files(tag_dir)[1], rank, world)
     return max(mine, key=lambda name: mine[name][0])
 
@@ -126,7 +126,7 @@ def test_each_rank_verifies_its_share_and_a_corrupt_file_anywhere_is_skipped(sav
 
 
 def test_verification_work_is_split_once_over_the_ranks():
-    from mtds.reshard.complete import share
+    from mtds.checkpoint.complete import share
     files = {f"f{i}": (size, i) for i, size in enumerate([7, 100, 3, 3, 50, 49, 1, 20, 20, 0])}
     parts = [share(files, r, 3) for r in range(3)]
     assert sorted(n for part in parts for n in part) == sorted(files)          # each file exactly once

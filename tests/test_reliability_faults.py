@@ -1,5 +1,5 @@
 """Faults with real processes under a real launcher (torchrun), CI-sized: one kill -9 while training and
-one while saving (``python -m mtds.faults --tries 10`` runs more), SIGTERM + SIGINT with an exact
+one while saving (``python -m lab.faults --tries 10`` runs more), SIGTERM + SIGINT with an exact
 restart, a NaN stop, a rendezvous that cannot complete and a stale torch-extensions build lock."""
 import json
 import os
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from mtds.faults.harness import (EXIT_BOUND_S, REPO, _command, _env, _logged_steps, _rank_pids, run_try,
+from lab.faults.harness import (EXIT_BOUND_S, REPO, _command, _env, _logged_steps, _rank_pids, run_try,
                                  write_inputs)
-from mtds.reshard.complete import find_complete
-from mtds.testing import free_port, needs_ranks, spawn
+from mtds.checkpoint.complete import find_complete
+from lab.testing import free_port, needs_ranks, spawn
 from tests.training_helpers import ds_config, train_config
 
 
@@ -173,7 +173,7 @@ def _freeze_worker():
 
 
 def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout(capfd):
-    from mtds.testing import RankFailure
+    from lab.testing import RankFailure
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         # its own processes (one is stopped); gloo alone would wait for the 300 s collective timeout
@@ -205,7 +205,7 @@ def _failing_rank_worker():
 def test_a_rank_that_fails_is_reported_as_failed_not_done(capfd):
     """Rank 1 leaves run() with an error but its process stays: rank 0, waiting in a TP all-reduce that rank 1
     will never join, must stop within the heartbeat's grace (5 s), not after gloo's 300 s or when rank 1 exits."""
-    from mtds.testing import RankFailure
+    from lab.testing import RankFailure
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         spawn(_failing_rank_worker, 2, timeout=120, fresh=True)     # its own processes: one exits, one lingers

@@ -9,8 +9,8 @@ import dataclasses
 import json
 import os
 
-from mtds.config import ModelConfig
-from mtds.testing import spawn
+from mtds.model.config import ModelConfig
+from lab.testing import spawn
 from tests.training_helpers import ds_config, run_layouts, train_config
 
 TOL = 1e-5
@@ -21,7 +21,7 @@ MODEL = ModelConfig(vocab_size=8192, hidden_size=32, num_layers=3, num_heads=4, 
 def _runs_and_refusals(configs, refused):
     """Losses of each config, then the one-line error of each config that must be refused."""
     from mtds.training import run
-    from mtds.training.checkpoint import CheckpointError
+    from mtds.checkpoint.lifecycle import CheckpointError
     losses = [run(cfg).losses for cfg in configs]
     messages = []
     for cfg in refused:
@@ -62,7 +62,7 @@ def test_resume_at_other_layouts_continues_the_run(tmp_path):
 
 
 def test_checkpoint_without_zero_reshards_too(tmp_path):
-    """DeepSpeed cannot convert ZeRO-0 checkpoints: mtds.reshard.zero0 does (t 2 -> 1, p 2 -> 1, d 1 -> 2), into
+    """DeepSpeed cannot convert ZeRO-0 checkpoints: mtds.checkpoint.reshard_zero0 does (t 2 -> 1, p 2 -> 1, d 1 -> 2), into
     ZeRO-0 engines (our loader) and, written in DeepSpeed's universal format, into ZeRO-1/2 engines (its loader;
     the Adam state is matched to parameters by name)."""
     ck = str(tmp_path / "ck")

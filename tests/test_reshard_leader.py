@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from mtds.testing import spawn
+from lab.testing import spawn
 
 
 class _Evil:
@@ -20,8 +20,8 @@ def _body(root: str, case: str):
     import torch
     import torch.distributed as dist
 
-    from mtds.reshard.errors import CheckpointFormatError
-    from mtds.training import checkpoint as ck
+    from mtds.checkpoint.errors import CheckpointFormatError
+    from mtds.checkpoint import lifecycle as ck
 
     rank = dist.get_rank()
     calls = []

@@ -54,7 +54,7 @@ def test_run_traces_the_collectives_deepspeed_caches(runs):
 def test_planner_counts_the_tensor_parallel_collectives_the_trainer_runs(runs):
     """The planner's per-step TP collectives (mtds.plan.tp_comm, which its time model sums) equal, call
     for call and bus byte for bus byte, what the tracer saw at (2,1,1) with and without SP, ZeRO-0/1/2."""
-    from mtds.plan.candidate import Layout, Workload
+    from mtds.plan.candidate import Candidate, Workload
     from mtds.plan.model_spec import ModelSpec
     from mtds.plan.tp_comm import per_step_collectives
 
@@ -62,7 +62,7 @@ def test_planner_counts_the_tensor_parallel_collectives_the_trainer_runs(runs):
     b = BATCH["train_micro_batch_size_per_gpu"]
     work = Workload(BATCH["train_batch_size"], precision="fp32")
     for index, (zero, sp) in enumerate((z, sp) for z in ZEROS for sp in (False, True)):
-        layout = Layout(2, 1, 1, b, zero_stage=zero, recompute="none", sequence_parallel=sp)
+        layout = Candidate(2, 1, 1, b, zero_stage=zero, recompute="none", sequence_parallel=sp)
         predicted = {}
         for c in per_step_collectives(model, layout, work, "all", layout.microbatches(work.global_batch), 4):
             calls, bus = predicted.get(c.kind, (0, 0))

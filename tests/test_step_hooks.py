@@ -3,7 +3,7 @@ at their intervals and once more at the end unless the last step had one; nothin
 resumed at --steps; the caller's probes called once, with the engine, before the first step."""
 import os
 
-from mtds.testing import spawn
+from lab.testing import spawn
 from tests.training_helpers import train_config
 
 

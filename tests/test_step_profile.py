@@ -1,11 +1,11 @@
-"""--profile-step: one step under torch.profiler, summed by kind of work (mtds.step_profile) into the run's
+"""--profile-step: one step under torch.profiler, summed by kind of work (mtds.observe.step_profile) into the run's
 result, the console and a Chrome trace per rank; the kernel names are those an H100 showed (2026-11-24)."""
 import os
 
 import pytest
 
-from mtds.step_profile import categorize
-from mtds.testing import spawn
+from mtds.observe.step_profile import categorize
+from lab.testing import spawn
 
 H100_KERNELS = {
     "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
@@ -64,7 +64,7 @@ def test_cuda_branch_sums_kernels_only():
 
     from torch.autograd import DeviceType
 
-    from mtds.step_profile import summarize
+    from mtds.observe.step_profile import summarize
 
     def event(key, device_type, device_us, cpu_us, count):
         return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us,

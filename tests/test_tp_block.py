@@ -6,8 +6,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtds.comm_trace import CommTracer
-from mtds.layout import ParallelLayout
+from mtds.observe.comm_trace import CommTracer
+from mtds.parallel.layout import ParallelLayout
 from mtds.tp import (ColumnParallelLinear, RowParallelLinear, gather_from_sequence_parallel_region,
                      reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region, unshard_rows)
 from tests.dist import spawn

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mtds.layout import ParallelLayout
+from mtds.parallel.layout import ParallelLayout
 from mtds.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab_parallel_logits,
                      parallel_lm_logits, shard_rows, unshard_rows, vocab_parallel_cross_entropy)
 from mtds.training.distributed import group_device

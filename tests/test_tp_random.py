@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mtds.layout import ParallelLayout
+from mtds.parallel.layout import ParallelLayout
 from mtds.tp import MODEL_PARALLEL_RNG, checkpoint, seed_parallel_streams
 from tests.dist import spawn
 

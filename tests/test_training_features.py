@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from mtds.testing import spawn
+from lab.testing import spawn
 from tests.training_helpers import (LR, TINY, assert_dp_bytes_at_ring_minimum, ds_config, hf_reference_losses,
                                     max_rel_diff, run_layouts, train_config)
 
@@ -112,7 +112,7 @@ def _report_replicas_worker(configs):
 
 
 def test_tied_and_replicated_weights_stay_identical():
-    from mtds.testing import spawn
+    from lab.testing import spawn
     # a replica that drifts does so from the first update: 4 steps, not 10
     configs = [train_config(tp=2, pp=2, steps=4, deepspeed_config=ds_config(zero=z)) for z in (0, 1)]
     configs.append(train_config(tp=2, pp=2, steps=4, deepspeed_config=ds_config(zero=1, precision="bf16")))
@@ -159,7 +159,7 @@ def _fp16_worker(configs):
 
 
 def test_fp16_overflow_skips_the_step_everywhere_and_lowers_the_scale():
-    from mtds.testing import spawn
+    from lab.testing import spawn
     configs = [train_config(tp=t, pp=p, steps=4, deepspeed_config=ds_config(zero=z, precision="fp16"))
                for (t, p, z) in ((2, 2, 0), (2, 2, 1), (2, 1, 1))]
     per_rank = spawn(_fp16_worker, 4, configs, timeout=600)

@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from mtds.config import ModelConfig
-from mtds.testing import spawn
-from mtds.testing.hf_reference import Reference, hf_with_mtds_weights, lr_factor, mtds_batches, train_reference
+from mtds.model.config import ModelConfig
+from lab.testing import spawn
+from mtds.gpucheck.hf_reference import Reference, hf_with_mtds_weights, lr_factor, mtds_batches, train_reference
 
 TINY = ModelConfig(vocab_size=8192, hidden_size=64, num_layers=4, num_heads=4, max_position_embeddings=64)
 SEQ = 32
@@ -125,7 +125,7 @@ def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> lis
 
 
 def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
-    """The reference loop (mtds.testing.hf_reference, shared with mtds.gpucheck): torch AdamW (or plain
+    """The reference loop (mtds.gpucheck.hf_reference, shared with mtds.gpucheck): torch AdamW (or plain
     SGD), mtds's batches, warm-up 2 then cosine to lr/10 at ``steps``, clipping; pre-clip norms."""
     if optimizer == "sgd":
         base_lr = SGD_LR
@@ -173,7 +173,7 @@ DP_BYTES_TOL = 0.01   # DeepSpeed pads its flat partitions; the loss and norm sc
 def assert_dp_bytes_at_ring_minimum(per_rank: list, index: int, dp: int, what: str, factor: int = 2,
                                     value_bytes: int = 4) -> None:
     """ZeRO-1 (``factor`` 2): every rank's data-parallel collectives in the last step put 2Ψ(d-1)/d x
-    ``value_bytes`` bytes on its link (mtds.ring's bus bytes, by the tracer, per direction), Ψ its trainable
+    ``value_bytes`` bytes on its link (mtds.parallel.ring's bus bytes, by the tracer, per direction), Ψ its trainable
     parameters: a gradient reduce-scatter and a parameter all-gather, each (d-1)/d. DeepSpeed's all-reduce
     + all-gather is 3."""
     for rank, results in enumerate(per_rank):

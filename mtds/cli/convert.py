@@ -58,7 +58,7 @@ def _dtype(name: str | None):
 
 
 def _tokenizer_dir(path: str) -> str | None:
-    from mtds.reshard.hf_export import TOKENIZER_FILES
+    from mtds.hf.stream_export import TOKENIZER_FILES
     return os.path.abspath(path) if any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES) else None
 
 
@@ -66,9 +66,9 @@ def run_hf_to_mtds(args) -> str:
     from mtds.hf.init import hf_model_config
     from mtds.hf.load import open_hf_checkpoint
     from mtds.hf.registry import hf_state_to_layers
-    from mtds.layout import ParallelLayout
-    from mtds.reshard.hf_source import StreamingHFCheckpoint
-    from mtds.reshard.writer import write_weights_checkpoint
+    from mtds.parallel.layout import ParallelLayout
+    from mtds.hf.stream_source import StreamingHFCheckpoint
+    from mtds.checkpoint.writer import write_weights_checkpoint
 
     if not os.path.isdir(args.hf):
         raise FileNotFoundError(f"HF directory {args.hf!r} does not exist")
@@ -85,8 +85,8 @@ def run_hf_to_mtds(args) -> str:
 
 
 def run_mtds_to_hf(args) -> list[str]:
-    from mtds.reshard.hf_export import write_hf_dir
-    from mtds.reshard.reader import open_checkpoint
+    from mtds.hf.stream_export import write_hf_dir
+    from mtds.checkpoint.reader import open_checkpoint
     ckpt = open_checkpoint(args.ckpt)
     tokenizer = args.tokenizer or ckpt.meta.tokenizer
     return write_hf_dir(args.out, ckpt.cfg, ckpt.layers(), max_shard_bytes=_bytes(args.max_shard_size),
@@ -94,7 +94,7 @@ def run_mtds_to_hf(args) -> list[str]:
 
 
 def run_to_universal(args) -> str:
-    from mtds.reshard.universal import ensure_universal
+    from mtds.checkpoint.universal import ensure_universal
     return ensure_universal(args.ckpt)
 
 

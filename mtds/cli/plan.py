@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Workload
+from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.plan.candidate import Workload
 from mtds.plan.hardware import DEFAULT_PROFILE, Cluster, get_gpu, gpu_names
 from mtds.plan.model_spec import ModelSpec, resolve_model
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evaluate with this partition (train.py --pipeline-balance) [cost]; the report also "
                           "names the cost partition it recommends")
     lay.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
-    lay.add_argument("--recompute", choices=RECOMPUTE_CHOICES)
+    lay.add_argument("--recompute", choices=RECOMPUTE_MODES)
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     o = ap.add_argument_group("output")
     o.add_argument("--evaluate", action="store_true", help="evaluate one layout even without --tp/--pp")
@@ -122,7 +123,7 @@ def with_partition(model, work, cluster, pr, layout_text: str | None, balance: s
     (pass it as --pipeline-layout where the two differ)."""
     from dataclasses import replace
 
-    from mtds.pipeline_layout import parse_layout
+    from mtds.parallel.pipeline_layout import parse_layout
     from mtds.plan.balance import balanced_layout, run_partition
     from mtds.plan.predict import predict
     lay = pr.layout

@@ -16,11 +16,11 @@ import sys
 import tempfile
 import textwrap
 
-from mtds import ring
+from mtds.parallel import ring
 
-from .cluster import Cluster, ClusterSpec, status
-from .launch import failure_summary, launch, node_commands, node_env, printable, write_hostfile
-from .netns import ClusterError, remove_namespaces
+from mtds.cluster.cluster import Cluster, ClusterSpec, status
+from mtds.cluster.launch import failure_summary, launch, node_commands, node_env, printable, write_hostfile
+from mtds.cluster.netns import ClusterError, remove_namespaces
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # has mtds/
 
@@ -99,7 +99,7 @@ def cmd_run(args) -> int:
 
 def ring_allreduce_node_bytes(spec: ClusterSpec, nbytes: int) -> float:
     """Bytes each node's link sends in a ring all-reduce over all ranks (ranks numbered node by node):
-    every ring edge carries 2 (n-1)/n x nbytes (mtds.ring), and exactly one edge leaves each node."""
+    every ring edge carries 2 (n-1)/n x nbytes (mtds.parallel.ring), and exactly one edge leaves each node."""
     return ring.all_reduce(nbytes, spec.world) if spec.nodes > 1 else 0.0
 
 

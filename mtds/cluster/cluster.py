@@ -26,7 +26,7 @@ import subprocess
 import threading
 from dataclasses import dataclass
 
-from . import netns, shaping
+from mtds.cluster import netns, shaping
 
 DEVICE = "eth0"          # a node's interface to the bridge (names are per namespace)
 

@@ -1,14 +1,14 @@
 """Bytes a node's link must send per training step, from the model and the layout (2 or more nodes,
 ranks numbered node by node, as DeepSpeed's launcher does).
 
-Ring collectives put mtds.ring.link_bytes on every edge of the ring (all-reduce 2 (n-1)/n x S,
-all-gather and reduce-scatter (n-1)/n x S; gloo runs reduce-scatter as an all-reduce, mtds.ring.as_run).
+Ring collectives put mtds.parallel.ring.link_bytes on every edge of the ring (all-reduce 2 (n-1)/n x S,
+all-gather and reduce-scatter (n-1)/n x S; gloo runs reduce-scatter as an all-reduce, mtds.parallel.ring.as_run).
 When a group's ranks sit node by node, exactly one edge of its ring leaves each node, so a node's link
 carries one edge per group that spans nodes.
 """
 from __future__ import annotations
 
-from mtds import ring
+from mtds.parallel import ring
 
 
 def ring_edge_bytes(kind: str, nbytes: float, n: int, backend: str = "gloo") -> float:
@@ -52,7 +52,7 @@ def zero3_link_bytes(*, params: int, world: int, nodes: int, microbatches: int =
 def zero1_link_bytes(*, params: int, world: int, nodes: int, bytes_per_value: int = 4,
                      grad_reduce: str = "reduce-scatter") -> float:
     """ZeRO-1 data parallelism over all ranks, P values: the gradients reduce-scattered (mtds's default,
-    a ring over point-to-point messages even on gloo: mtds.dp_reduce) or all-reduced (DeepSpeed's own,
+    a ring over point-to-point messages even on gloo: mtds.parallel.dp_reduce) or all-reduced (DeepSpeed's own,
     ``--zero1-grad-reduce all-reduce``), then the updated parameter partitions all-gathered."""
     if nodes < 2:
         return 0.0

@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .cluster import DEVICE, Cluster, ClusterSpec
-from .netns import kill_pids
+from mtds.cluster.cluster import DEVICE, Cluster, ClusterSpec
+from mtds.cluster.netns import kill_pids
 
 DEFAULT_PORT = 29500     # ports are per namespace: no clash with anything on the host
 

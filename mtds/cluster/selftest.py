@@ -20,7 +20,7 @@ import time
 def settled_link_stats(device: str, quiet_s: float = 0.05, limit_s: float = 2.0) -> dict[str, int]:
     """Counters once the link has been idle for `quiet_s`: a collective can return while its last
     bytes still wait in the shaping queue, which the counters only see when they are sent."""
-    from .netns import own_link_stats
+    from mtds.cluster.netns import own_link_stats
     last, deadline = own_link_stats(device), time.monotonic() + limit_s
     while time.monotonic() < deadline:
         time.sleep(quiet_s)
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from .cluster import DEVICE
-    from .netns import own_link_stats
+    from mtds.cluster.cluster import DEVICE
+    from mtds.cluster.netns import own_link_stats
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .netns import ClusterError, run
+from mtds.cluster.netns import ClusterError, run
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}   # tc's SI units

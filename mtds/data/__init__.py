@@ -16,8 +16,8 @@ import importlib
 # must not pay for torch and datasets, which the training-side modules pull in.
 _HOMES = {"SHIPPED_CORPUS": "assets", "SHIPPED_TOKENIZER": "assets", "check_seq_length": "checks",
           "DataError": "errors", "PackedDataset": "packed", "build_packed_dataset": "packed",
-          "build_train_eval": "split", "split_train_eval": "split", "MicroBatchStream": "stream",
-          "build_streams": "streams", "check_vocab": "tokenizer", "load_tokenizer": "tokenizer"}
+          "build_train_eval": "split", "split_train_eval": "split", "MicroBatchStream": "micro_batches",
+          "build_streams": "job_data", "check_vocab": "tokenizer", "load_tokenizer": "tokenizer"}
 
 __all__ = ["DataError", "load_tokenizer", "check_vocab", "check_seq_length",
            "build_packed_dataset", "PackedDataset", "split_train_eval", "build_train_eval",

@@ -52,7 +52,7 @@ def _prefix(cache_dir: str, key: str) -> str:
 
 def load_tokens(cache_dir: str, key: str):
     """The cached token stream (the memory-mapped .bin) and its metadata, or (None, None)."""
-    from .indexed import IndexedDataset
+    from mtds.data.indexed import IndexedDataset
     prefix = _prefix(cache_dir, key)
     if not all(os.path.exists(prefix + ext) for ext in (".json", ".idx", ".bin")):
         return None, None
@@ -65,7 +65,7 @@ def load_tokens(cache_dir: str, key: str):
 def save_tokens(cache_dir: str, key: str, tokens: np.ndarray, info: dict) -> None:
     """Through the indexed writer (temporaries renamed into place), then the .json last, so a
     concurrent rank never reads a partial cache: ``load_tokens`` needs all three files."""
-    from .indexed import IndexedWriter
+    from mtds.data.indexed import IndexedWriter
     prefix = _prefix(cache_dir, key)
     ends = np.flatnonzero(np.asarray(tokens) == info["eos_token_id"]) + 1   # every document ends with EOS
     if len(tokens) and (not len(ends) or ends[-1] != len(tokens)):

@@ -1,5 +1,5 @@
 """Small argument checks shared by the training entry point and the pipeline."""
-from .errors import DataError
+from mtds.data.errors import DataError
 
 
 def check_seq_length(seq_length: int, max_positions: int) -> None:

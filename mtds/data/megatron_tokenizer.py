@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from .errors import DataError
+from mtds.data.errors import DataError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer",)
 

@@ -11,11 +11,11 @@ import os
 import numpy as np
 import torch
 
-from .cache import cache_key, choose_cache_dir, load_tokens, save_tokens
-from .errors import DataError
-from .source import resolve_source
-from .tokenize import check_text_column, progress_bars, tokenize_to_stream
-from .tokenizer import tokenizer_fingerprint
+from mtds.data.cache import cache_key, choose_cache_dir, load_tokens, save_tokens
+from mtds.data.errors import DataError
+from mtds.data.source import resolve_source
+from mtds.data.tokenize import check_text_column, progress_bars, tokenize_to_stream
+from mtds.data.tokenizer import tokenizer_fingerprint
 
 # Bump when the stream format changes so old caches are not reused.
 _FORMAT_VERSION = 2   # 2: an indexed dataset keyed by content

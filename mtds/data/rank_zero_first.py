@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mtds.safety.leader import leader_first
 
-from .errors import DataError
+from mtds.data.errors import DataError
 
 
 def local_rank_zero_first(build, *, what: str, log=print, poll_s: float = 0.5, report_s: float = 60.0):

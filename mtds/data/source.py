@@ -20,10 +20,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .assets import SHIPPED_CORPUS
-from .errors import DataError
-from .fingerprint import files_identity
-from .hub import hub_reachable
+from mtds.data.assets import SHIPPED_CORPUS
+from mtds.data.errors import DataError
+from mtds.data.fingerprint import files_identity
+from mtds.data.hub import hub_reachable
 
 _BUILDERS = {".txt": "text", ".text": "text",
              ".json": "json", ".jsonl": "json", ".ndjson": "json",

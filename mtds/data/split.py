@@ -1,7 +1,7 @@
 """Hold out part of a packed dataset for validation."""
 import numpy as np
 
-from .errors import DataError
+from mtds.data.errors import DataError
 
 
 def split_train_eval(ds, eval_fraction: float, seed: int):

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
-from .cache import token_dtype
-from .errors import DataError
+from mtds.data.cache import token_dtype
+from mtds.data.errors import DataError
 
 
 @contextlib.contextmanager

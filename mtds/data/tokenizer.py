@@ -8,9 +8,9 @@ could not download instead of raising.
 import hashlib
 import os
 
-from .assets import SHIPPED_TOKENIZER
-from .errors import DataError
-from .hub import hub_offline, hub_reachable
+from mtds.data.assets import SHIPPED_TOKENIZER
+from mtds.data.errors import DataError
+from mtds.data.hub import hub_offline, hub_reachable
 
 _PROBE = "To be, or not to be: that is the question."
 

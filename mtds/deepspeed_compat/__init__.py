@@ -13,9 +13,9 @@ DeepSpeed against it at start-up (:func:`check_installed`), checks the built eng
 patch ran (:func:`verify_ran`). A mismatch is one ``error:`` line naming the capability, the DeepSpeed
 version found and the tested range.
 """
-from .capabilities import (CAPABILITIES, TESTED, TESTED_SPEC, Capability, DeepSpeedMismatch, Target, check_engine,
+from mtds.deepspeed_compat.capabilities import (CAPABILITIES, TESTED, TESTED_SPEC, Capability, DeepSpeedMismatch, Target, check_engine,
                            check_installed, in_tested_range)
-from .ledger import ledger, verify_ran
+from mtds.deepspeed_compat.ledger import ledger, verify_ran
 
 __all__ = ["CAPABILITIES", "TESTED", "TESTED_SPEC", "Capability", "DeepSpeedMismatch", "Target", "check_engine",
            "check_installed", "in_tested_range", "ledger", "verify_ran"]

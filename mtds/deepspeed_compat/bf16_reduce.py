@@ -11,7 +11,7 @@ takes the norm over all of it, clips, and steps its partition of the buffer
 ``reduce_bucket_size`` and ``contiguous_gradients`` belong to DeepSpeedZeroOptimizer, which this
 path does not use.
 
-Here each group's fp32 buffer is reduce-scattered (``mtds.dp_reduce``, bucket by bucket of the engine's
+Here each group's fp32 buffer is reduce-scattered (``mtds.parallel.dp_reduce``, bucket by bucket of the engine's
 ``elements_per_buffer``) into that partition: each bucket's window cast to the communication dtype,
 summed over the data-parallel ranks, divided by d in that dtype, copied into the fp32 partition -- the
 values DeepSpeed's all-reduce leaves there (bit-identical at d = 2; at d > 2 the ring adds in another
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .zero1_reduce import EarlyReducer
+from mtds.deepspeed_compat.zero1_reduce import EarlyReducer
 
 REDUCE = "BF16_Optimizer gradient reduction (engine.buffered_allreduce_fallback)"
 NORM = "BF16_Optimizer.get_grads_for_norm"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from deepspeed.pipe import PipelineModule
 
-from .capabilities import check_subclass
-from .explicit_parts import ExplicitPartsModule
-from .ledger import ledger
+from mtds.deepspeed_compat.capabilities import check_subclass
+from mtds.deepspeed_compat.explicit_parts import ExplicitPartsModule
+from mtds.deepspeed_compat.ledger import ledger
 
 OVERRIDES = ("_partition_layers", "_build", "_precompute_checkpointable_values", "stage_owner", "save_state_dict",
              "load_state_dir")

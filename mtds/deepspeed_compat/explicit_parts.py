@@ -18,8 +18,8 @@ from __future__ import annotations
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
-from .capabilities import check_subclass
-from .ledger import ledger
+from mtds.deepspeed_compat.capabilities import check_subclass
+from mtds.deepspeed_compat.ledger import ledger
 
 PATCH = "PipelineModule._partition_layers (explicit parts)"
 

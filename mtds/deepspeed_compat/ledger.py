@@ -8,7 +8,7 @@ first training step :func:`verify_ran` turns a patch that never ran into one err
 """
 from __future__ import annotations
 
-from .capabilities import TESTED_SPEC, DeepSpeedMismatch, version
+from mtds.deepspeed_compat.capabilities import TESTED_SPEC, DeepSpeedMismatch, version
 
 
 class PatchLedger:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .ledger import ledger
+from mtds.deepspeed_compat.ledger import ledger
 
 
 def replace_fp32_clipping(engine, clip: Callable[[], float]) -> None:

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from .capabilities import check_subclass
-from .ledger import ledger
+from mtds.deepspeed_compat.capabilities import check_subclass
+from mtds.deepspeed_compat.ledger import ledger
 
 
 # -- building ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ one ``dist.reduce`` per owner (off: Ψ per rank by the ring convention, d collec
 
 What replaces ``optimizer.reduce_gradients`` (the engine calls it at the accumulation boundary, from
 ``backward`` or a pipeline's ReduceGrads): per parameter group, the gradients are reduce-scattered
-(``mtds.dp_reduce``) straight into the flat gradient partition DeepSpeed's ``step`` reads (its compact
+(``mtds.parallel.dp_reduce``) straight into the flat gradient partition DeepSpeed's ``step`` reads (its compact
 partition buffer, with per-parameter views for the norm and the overflow check), bucket by bucket: each
 bucket holds the same window of every rank's partition of the flat buffer DeepSpeed laid the parameters
 out in (zero padding included), filled from ``param.grad`` and pre-divided by d as DeepSpeed does. The
@@ -29,7 +29,7 @@ import bisect
 
 import torch
 
-from .ledger import ledger
+from mtds.deepspeed_compat.ledger import ledger
 
 NAME = "DeepSpeedZeroOptimizer.reduce_gradients"
 
@@ -107,7 +107,7 @@ class Zero1ReduceScatter(EarlyReducer):
         self.bucket = int(opt.reduce_bucket_size)
 
     def _fill(self, i: int):
-        """Group i's gradients as a ``mtds.dp_reduce`` fill: any window of the flat buffer DeepSpeed laid
+        """Group i's gradients as a ``mtds.parallel.dp_reduce`` fill: any window of the flat buffer DeepSpeed laid
         its parameters out in (padding zero), pre-divided by the data-parallel size as DeepSpeed's
         average_tensor does -- written bucket by bucket, never as a whole flat copy."""
         opt = self.opt
@@ -172,7 +172,7 @@ class Zero1ReduceScatter(EarlyReducer):
 def install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) -> Zero1ReduceScatter | None:
     """Replace the ZeRO-1 optimizer's ``reduce_gradients`` (see the module docstring); the reducer, also
     kept as ``engine.mtds_zero1_reduce`` for :func:`reduce_early`. ``reduce_scatter_sum`` and
-    ``split_by_spans``: ``mtds.dp_reduce``'s; ``late_params()``: the parameters whose gradients change
+    ``split_by_spans``: ``mtds.parallel.dp_reduce``'s; ``late_params()``: the parameters whose gradients change
     after a stage's last backward. None (nothing changed) where :func:`unsupported_reason` says
     DeepSpeed's path stays."""
     if unsupported_reason(engine) is not None:

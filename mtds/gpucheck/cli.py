@@ -64,7 +64,7 @@ def parse(argv) -> tuple[argparse.Namespace, list[str]]:
     if unknown or not only:
         raise ValueError(f"--only: unknown check {', '.join(unknown) or '(empty)'}; choose from {', '.join(CHECKS)}")
     if args.speed_models is not None:
-        from .workloads import speed_workload
+        from mtds.gpucheck.workloads import speed_workload
         names = [m.strip() for m in args.speed_models.split(",") if m.strip()]
         if not names:
             raise ValueError("--speed-models: give at least one model, e.g. gpt2-medium,gpt2-xl")
@@ -76,9 +76,9 @@ def parse(argv) -> tuple[argparse.Namespace, list[str]]:
 
 def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] | None = None) -> list:
     """Each check's :class:`~mtds.gpucheck.report.Section`; a check that raises becomes a FAIL row."""
-    from . import p2p_stress, parity, resume_eval, speed
-    from .report import Section
-    from .workloads import SPEED_WARMUP, precisions, workloads
+    from mtds.gpucheck import p2p_stress, parity, resume_eval, speed
+    from mtds.gpucheck.report import Section
+    from mtds.gpucheck.workloads import SPEED_WARMUP, precisions, workloads
     w, bound, precs = workloads(machine.device, quick), BOUNDS[machine.device], precisions(machine.device)
     steps = {
         "parity": lambda: parity.check(machine, w["parity"], precs, bound["parity"]),
@@ -87,7 +87,7 @@ def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] 
     }
     loads = [("speed", w["speed"])]
     if speed_models and machine.cuda:
-        from .workloads import speed_workload
+        from mtds.gpucheck.workloads import speed_workload
         loads = [(f"speed {model}", speed_workload(model, quick)) for model in speed_models]
     jobs = []
     for name in checks:
@@ -104,7 +104,7 @@ def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] 
         try:
             section = job()
         except Exception as err:        # a bug in the check itself still ends as a row, not a traceback
-            from .ranks import one_line
+            from mtds.gpucheck.ranks import one_line
             section = Section(name)
             section.fail(name, one_line(err))
         section.seconds = time.monotonic() - start
@@ -115,7 +115,7 @@ def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] 
 
 
 def header(machine, quick: bool) -> list[str]:
-    from .machine import versions
+    from mtds.gpucheck.machine import versions
     v = versions()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ranks = f"{machine.ranks} GPU(s), NCCL" if machine.cuda else f"{machine.ranks} CPU ranks, gloo"
@@ -125,8 +125,8 @@ def header(machine, quick: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .machine import resolve
-    from .report import render
+    from mtds.gpucheck.machine import resolve
+    from mtds.gpucheck.report import render
     try:
         args, checks = parse(argv)
         machine = resolve(args.device, args.gpus)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .report import Section
+from mtds.gpucheck.report import Section
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -14,7 +14,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def _train(case):
     from mtds.training import run
 
-    from .ds_configs import train_config
+    from mtds.gpucheck.ds_configs import train_config
     workload, precision, device = case
     result = run(train_config(workload, precision, device, pp=2, pipeline_schedule="interleaved", virtual_stages=2))
     return {"losses": result.losses, "grad_norms": result.grad_norms}
@@ -26,7 +26,7 @@ def message_bytes(workload, precision: str) -> int:
 
 
 def check(machine, workload, precision: str, timeout: float) -> Section:
-    from .ranks import run_cases
+    from mtds.gpucheck.ranks import run_cases
     size = message_bytes(workload, precision)
     case = f"interleaved p=2 v=2 {precision}, {size / 2 ** 20:.3g} MiB per message"
     section = Section("p2p stress", f"{workload.describe()}; {workload.global_batch // workload.micro_batch} "

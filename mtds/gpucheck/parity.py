@@ -7,7 +7,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .report import Section
+from mtds.gpucheck.report import Section
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -55,7 +55,7 @@ class Case:
 def _train(case: Case) -> dict:
     from mtds.training import run
 
-    from .ds_configs import train_config
+    from mtds.gpucheck.ds_configs import train_config
     cfg = train_config(case.workload, case.precision, case.device, tp=case.tp, pp=case.pp,
                        pipeline_schedule=case.schedule,
                        virtual_stages=2 if case.schedule == "interleaved" else 1)
@@ -70,7 +70,7 @@ def _reference(workload, device: str, precisions=()):
     import torch.distributed as dist
     if dist.get_rank() != 0:
         return None
-    from .reference import train_reference, train_reference_autocast
+    from mtds.gpucheck.reference import train_reference, train_reference_autocast
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return train_reference(workload, dev), {p: train_reference_autocast(workload, dev, p)
                                             for p in precisions if p != "fp32"}
@@ -102,7 +102,7 @@ def norm_bounds(tol: Tolerance, ref, rounding=None) -> list[float]:
 def judge(precision: str, value: dict, ref, rounding=None) -> tuple[bool, str, str]:
     """(pass, numbers, why not) for one run's losses/grad norms/skipped steps against the fp32 reference;
     ``rounding``: the HF autocast run of the same precision (widens a later step's norm bound, see TOLERANCE)."""
-    from .reference import max_rel_diff
+    from mtds.gpucheck.reference import max_rel_diff
     tol = TOLERANCE[precision]
     dl = max_rel_diff(value["losses"], ref.losses)
     d1 = max_rel_diff(value["grad_norms"][:1], ref.grad_norms[:1])
@@ -128,7 +128,7 @@ def judge(precision: str, value: dict, ref, rounding=None) -> tuple[bool, str, s
 
 
 def check(machine, workload, precisions, timeout: float) -> Section:
-    from .ranks import run_cases
+    from mtds.gpucheck.ranks import run_cases
     tol_text = "; ".join(f"{p}: {TOLERANCE[p].describe()}" for p in precisions)
     section = Section("HF parity matrix", f"Every schedule of mtds.pipe.select against HuggingFace GPT2LMHeadModel + "
                       f"torch AdamW in fp32 (one process, same weights, batches, LR schedule and clipping), "

@@ -2,7 +2,7 @@
 
 Every case runs on every rank; after each, the ranks agree (one all-reduce) whether all of them got
 through, and stop at the first that did not, so a failed case never leaves a peer waiting in another
-case's collectives. A rank that hangs is killed at the bound (``mtds.testing.spawn``): the check then
+case's collectives. A rank that hangs is killed at the bound (``mtds.local_ranks.spawn``): the check then
 reports a timeout instead of waiting.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_cases(machine, world: int, fn: Callable, cases: list, *, timeout: float,
               env: dict | None = None) -> tuple[Outcome, Any]:
     """``fn(case)`` on each of ``world`` ranks for every case; ``setup()`` first on every rank (rank 0's
     value is returned as the context). Results come from the last rank (the last pipeline stage)."""
-    from mtds.testing import spawn
+    from mtds.local_ranks.spawn import spawn
     start = time.monotonic()
     try:
         per_rank = spawn(_run_cases, world, fn, cases, setup, None, timeout=timeout, env=env, on=machine.device)

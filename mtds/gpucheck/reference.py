@@ -1,4 +1,4 @@
-"""gpucheck's single-process reference: mtds.testing.hf_reference's loop (the test suite's) with torch
+"""gpucheck's single-process reference: mtds.gpucheck.hf_reference's loop (the test suite's) with torch
 AdamW at the GPU shapes, in fp32 with TF32 off: the values every mtds layout and precision is measured
 against; and the same loop under torch.autocast, which shows how far 16-bit rounding alone moves each step."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from mtds.testing.hf_reference import Reference, hf_with_mtds_weights, lr_factor, mtds_batches
-from mtds.testing.hf_reference import train_reference as run_reference_loop
+from mtds.gpucheck.hf_reference import Reference, hf_with_mtds_weights, lr_factor, mtds_batches
+from mtds.gpucheck.hf_reference import train_reference as run_reference_loop
 
-from . import ds_configs as C
+from mtds.gpucheck import ds_configs as C
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import functools
 import os
 import tempfile
 
-from .report import Section
+from mtds.gpucheck.report import Section
 
 EVAL_ROWS = 8
 # fp32 against fp32, same weights: only the order of sums differs (TP/pipeline split, another attention
@@ -35,7 +35,7 @@ def _setup(device: str):
 def _train(case):
     from mtds.training import run
 
-    from .ds_configs import train_config
+    from mtds.gpucheck.ds_configs import train_config
     kind, workload, precision, device, pp, root, k = case
     common = dict(pp=pp, pipeline_schedule="1f1b")
     if kind == "straight":
@@ -56,10 +56,10 @@ def _evaluate(case):
     import torch.distributed as dist
 
     from mtds.eval import build_eval_model, evaluate
-    from mtds.layout import ParallelLayout
-    from mtds.reshard.reader import open_checkpoint
+    from mtds.parallel.layout import ParallelLayout
+    from mtds.checkpoint.reader import open_checkpoint
 
-    from .reference import exact_fp32
+    from mtds.gpucheck.reference import exact_fp32
     _, workload, _, _, pp, root, _ = case
     from mtds.training.distributed import group_device
     device = group_device()
@@ -97,7 +97,7 @@ def _hf_loss(root: str, rows, device) -> float:
 
 
 def check(machine, workload, precision: str, timeout: float) -> Section:
-    from .ranks import run_cases
+    from mtds.gpucheck.ranks import run_cases
     world = 2 if machine.ranks >= 2 else 1
     k = workload.steps // 2
     root = tempfile.mkdtemp(prefix="mtds-gpucheck-ckpt-")
@@ -123,7 +123,7 @@ def check(machine, workload, precision: str, timeout: float) -> Section:
     else:
         straight, resumed = results[0][1], results[1][1]
         want = {key: straight[key][k:] for key in ("losses", "grad_norms")}
-        from .reference import max_rel_diff
+        from mtds.gpucheck.reference import max_rel_diff
         section.add(names[0], resumed == want,
                     f"steps {k + 1}-{workload.steps}: losses max rel diff {max_rel_diff(resumed['losses'], want['losses']):.1e}, "
                     f"grad norms {max_rel_diff(resumed['grad_norms'], want['grad_norms']):.1e}",

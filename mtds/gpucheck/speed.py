@@ -2,7 +2,7 @@
 on CUDA) on identical work -- the same model and initial weights, batches, micro-batch, steps, clipping
 and precision (HF: fp32 weights under bf16/fp16 autocast, as the HF Trainer runs; mtds: DeepSpeed's
 16-bit training with fp32 master weights) -- then mtds on every rank at once. tokens/s from the median
-step after warm-up; model and hardware TFLOP/s and MFU from mtds.metrics (the counts and peak tables
+step after warm-up; model and hardware TFLOP/s and MFU from mtds.observe.metrics (the counts and peak tables
 train.py logs with); peak memory allocated and reserved by the CUDA caching allocator (on CPU the
 process's peak RSS, which in a reused rank includes earlier work)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import statistics
 import tempfile
 import time
 
-from .report import Section
+from mtds.gpucheck.report import Section
 
 GOAL_SPEEDUP, GOAL_MFU = 1.0, 0.45      # the GPU checklist's goals: reported beside the numbers, not enforced
 
@@ -38,8 +38,8 @@ def _hf_side(workload, precision: str, warmup: int) -> dict:
 
     from mtds.data import MicroBatchStream, build_packed_dataset, load_tokenizer
 
-    from . import ds_configs as C
-    from .reference import hf_model
+    from mtds.gpucheck import ds_configs as C
+    from mtds.gpucheck.reference import hf_model
     from mtds.training.distributed import group_device
     device = group_device()
     _reset_peak(device)
@@ -80,7 +80,7 @@ def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, in
 
     from mtds.training import run
 
-    from .ds_configs import train_config
+    from mtds.gpucheck.ds_configs import train_config
     from mtds.training.distributed import group_device
     device = group_device()
     _reset_peak(device)
@@ -124,8 +124,8 @@ def workload_for(workload, layout: tuple[int, int, int]):
 
 
 def profile_lines(name: str, summary: dict, step: int) -> list[str]:
-    """The step profile (mtds.step_profile) of one run under a heading: where its time went."""
-    from mtds.step_profile import markdown_table
+    """The step profile (mtds.observe.step_profile) of one run under a heading: where its time went."""
+    from mtds.observe.step_profile import markdown_table
     what = "kernels" if summary["device"] == "cuda" else "operators"
     return [f"Where step {step} of {name} went (torch.profiler; {summary['device']} {what}' own time, "
             f"{summary['launches']:,} {what}, {summary['busy_ms']:.1f} ms busy of {summary['wall_ms']:.1f} ms "
@@ -133,7 +133,7 @@ def profile_lines(name: str, summary: dict, step: int) -> list[str]:
 
 
 def _row(name, value, workload, precision, machine, world, global_batch) -> dict:
-    from mtds.metrics import model_config_flops, peak_tflops
+    from mtds.observe.metrics import model_config_flops, peak_tflops
     tokens = global_batch * workload.seq
     model_tf = model_config_flops(workload.model, global_batch, workload.seq) / value["step_s"] / world / 1e12
     hw_tf = model_config_flops(workload.model, global_batch, workload.seq, recompute="none") / value["step_s"] / world / 1e12
@@ -147,9 +147,9 @@ def _row(name, value, workload, precision, machine, world, global_batch) -> dict
 
 
 def check(machine, workload, precision: str, warmup: int, timeout: float, title: str = "speed") -> Section:
-    from .parity import TOLERANCE
-    from .ranks import run_cases
-    from .reference import max_rel_diff
+    from mtds.gpucheck.parity import TOLERANCE
+    from mtds.gpucheck.ranks import run_cases
+    from mtds.gpucheck.reference import max_rel_diff
     section = Section(title, f"{workload.describe()}, {precision}, {warmup} warm-up step(s) not timed. "
                       f"Goals (reported, not enforced): mtds >= {GOAL_SPEEDUP:g}x HF tokens/s at (1,1,1), "
                       f"MFU >= {GOAL_MFU:.0%}. A run fails if it crashes, times out, or its first-step loss "

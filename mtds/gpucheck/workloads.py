@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtds.config import ModelConfig
+from mtds.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

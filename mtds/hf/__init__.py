@@ -1,17 +1,45 @@
 """HuggingFace interop: config conversion, weight-mapping tables, loading into (sharded) models, export.
 
 registry.py dispatches to one adapter per architecture (gpt2.py, neox.py, llama.py); table.py holds the
-weight-mapping rows; checkpoint.py reads safetensors/.bin; load.py and export.py move weights in and out.
+weight-mapping rows; checkpoint.py reads safetensors/.bin; load.py and export.py move weights in and out;
+stream_source.py / stream_export.py stream checkpoints larger than memory; resolve.py turns a preset name or a
+HF config into a ModelConfig.
 """
-from .checkpoint import HFCheckpoint
-from .common import UnsupportedHFConfig
-from .export import model_to_hf_state, model_to_layers, save_hf_checkpoint
-from .load import load_hf_into_model, load_hf_into_modules, open_hf_checkpoint
-from .registry import (ADAPTERS, adapter_for, hf_config_dict, hf_config_from_model_config, hf_state_to_layers,
-                       layers_to_hf_state, model_config_from_hf, weight_table)
-from .table import WeightMap
+import importlib
 
-__all__ = ["ADAPTERS", "adapter_for", "model_config_from_hf", "hf_config_dict", "hf_config_from_model_config",
-           "weight_table", "hf_state_to_layers", "layers_to_hf_state", "open_hf_checkpoint", "load_hf_into_modules",
-           "load_hf_into_model", "model_to_layers", "model_to_hf_state", "save_hf_checkpoint", "HFCheckpoint",
-           "WeightMap", "UnsupportedHFConfig"]
+# Resolved on first use (PEP 562): resolving a preset name (mtds.hf.resolve) and the planner must not pay for
+# torch and transformers, which the adapters' loaders pull in.
+_HOMES = {
+    "HFCheckpoint": "checkpoint",
+    "UnsupportedHFConfig": "common",
+    "model_to_hf_state": "export",
+    "model_to_layers": "export",
+    "save_hf_checkpoint": "export",
+    "load_hf_into_model": "load",
+    "load_hf_into_modules": "load",
+    "open_hf_checkpoint": "load",
+    "ADAPTERS": "registry",
+    "adapter_for": "registry",
+    "hf_config_dict": "registry",
+    "hf_config_from_model_config": "registry",
+    "hf_state_to_layers": "registry",
+    "layers_to_hf_state": "registry",
+    "model_config_from_hf": "registry",
+    "weight_table": "registry",
+    "WeightMap": "table",
+    "resolve_model_config": "resolve"
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"mtds.hf.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

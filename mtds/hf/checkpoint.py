@@ -41,7 +41,7 @@ class HFCheckpoint:
                 from safetensors import safe_open
                 self._files[file] = safe_open(file, framework="pt", device="cpu")
             else:   # mmap: a shard is paged in as its tensors are read, not loaded whole; tensors only
-                from mtds.safety.loading import safe_load
+                from mtds.checkpoint.safe_load import safe_load
                 self._files[file] = safe_load(file, mmap=True, allowed=[])
         return self._files[file]
 

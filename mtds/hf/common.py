@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
 
 class UnsupportedHFConfig(ValueError):

@@ -8,9 +8,9 @@ from typing import Mapping
 import torch
 
 from mtds.model.shard import full_state
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from .registry import hf_config_dict, layers_to_hf_state
+from mtds.hf.registry import hf_config_dict, layers_to_hf_state
 
 
 def model_to_layers(cfg: ModelConfig, modules: Mapping[int, torch.nn.Module], tp_group=None

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from .common import require, require_export
-from .table import WeightMap
+from mtds.hf.common import require, require_export
+from mtds.hf.table import WeightMap
 
 MODEL_TYPE = "gpt2"
 HF_ARCHITECTURE = "GPT2LMHeadModel"

@@ -1,6 +1,6 @@
 """Load HF weights into the layers this rank builds (``--init-from-hf``, ``mtds-eval --hf``): a pipeline
 stage's layers, each sliced to this rank's tensor-parallel shard. Other stages' tensors are never read.
-(mtds checkpoints take their own path: mtds.reshard.load.)"""
+(mtds checkpoints take their own path: mtds.checkpoint.reshard_load.)"""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import os
 from torch import nn
 
 from mtds.model.stages import stage_modules
-from mtds.model_config import ModelConfig, weight_differences
+from mtds.model.config import ModelConfig, weight_differences
 
-from .common import UnsupportedHFConfig
+from mtds.hf.common import UnsupportedHFConfig
 
 __all__ = ["stage_modules", "check_same_model", "hf_model_config", "load_hf_into_stages"]
 
@@ -24,7 +24,7 @@ def check_same_model(expected: ModelConfig, found: ModelConfig, source: str) -> 
 
 
 def hf_model_config(hf_dir: str) -> ModelConfig:
-    from .registry import model_config_from_hf
+    from mtds.hf.registry import model_config_from_hf
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{hf_dir!r} has no config.json: not a HuggingFace model directory")
@@ -34,6 +34,6 @@ def hf_model_config(hf_dir: str) -> ModelConfig:
 
 def load_hf_into_stages(model: nn.Module, hf_dir: str, model_cfg: ModelConfig, groups) -> None:
     """--init-from-hf: copy HF weights into this rank's layers and TP shards (reads only those tensors)."""
-    from .load import load_hf_into_modules
+    from mtds.hf.load import load_hf_into_modules
     check_same_model(model_cfg, hf_model_config(hf_dir), hf_dir)
     load_hf_into_modules(model_cfg, stage_modules(model, model_cfg), hf_dir, groups.tp_group)

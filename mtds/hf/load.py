@@ -8,11 +8,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from mtds.model.shard import load_full_state
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from .checkpoint import HFCheckpoint
-from .common import UnsupportedHFConfig
-from .registry import adapter_for, hf_state_to_layers, weight_table
+from mtds.hf.checkpoint import HFCheckpoint
+from mtds.hf.common import UnsupportedHFConfig
+from mtds.hf.registry import adapter_for, hf_state_to_layers, weight_table
 
 
 def open_hf_checkpoint(cfg: ModelConfig, source: Any, *, strict: bool = True) -> Callable[[str], torch.Tensor]:

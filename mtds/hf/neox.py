@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from .common import read_rope, require, require_export, rope_to_hf
-from .table import WeightMap
+from mtds.hf.common import read_rope, require, require_export, rope_to_hf
+from mtds.hf.table import WeightMap
 
 MODEL_TYPE = "gpt_neox"
 HF_ARCHITECTURE = "GPTNeoXForCausalLM"

@@ -10,11 +10,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from . import gpt2, llama, neox
-from .common import UnsupportedHFConfig
-from .table import WeightMap, table_to_hf, table_to_layers
+from mtds.hf import gpt2, llama, neox
+from mtds.hf.common import UnsupportedHFConfig
+from mtds.hf.table import WeightMap, table_to_hf, table_to_layers
 
 ADAPTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, neox, llama)}
 

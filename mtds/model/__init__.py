@@ -3,17 +3,41 @@
 Global layer indices (seeding, checkpoint names, HF tables): 0 GPTEmbedding, 1..L TransformerLayer,
 L+1 FinalNorm, L+2 LMHead (untied only; tied models use GPTEmbedding.lm_logits).
 """
-from .attention import SelfAttention
-from .embedding import GPTEmbedding
-from .gpt import GPTModel, gather_logits
-from .head import FinalNorm, LMHead, LMLoss
-from .init import seed_for, seeded
-from .layer import TransformerLayer
-from .mlp import MLP
-from .norms import RMSNorm, make_norm
-from .parallel import check_tensor_parallel
-from .shard import full_of, full_state, load_full_state, shard_of
+import importlib
 
-__all__ = ["GPTEmbedding", "TransformerLayer", "FinalNorm", "LMHead", "LMLoss", "GPTModel", "gather_logits",
-           "SelfAttention", "MLP", "RMSNorm", "make_norm", "seed_for", "seeded", "check_tensor_parallel",
-           "full_of", "full_state", "load_full_state", "shard_of"]
+# Resolved on first use (PEP 562): the model's config (mtds.model.config) is read by the planner and the
+# checkpoint tools, which must not pay for torch.
+_HOMES = {
+    "SelfAttention": "attention",
+    "GPTEmbedding": "embedding",
+    "GPTModel": "gpt",
+    "gather_logits": "gpt",
+    "FinalNorm": "head",
+    "LMHead": "head",
+    "LMLoss": "head",
+    "seed_for": "init",
+    "seeded": "init",
+    "TransformerLayer": "layer",
+    "MLP": "mlp",
+    "RMSNorm": "norms",
+    "make_norm": "norms",
+    "check_tensor_parallel": "parallel",
+    "full_of": "shard",
+    "full_state": "shard",
+    "load_full_state": "shard",
+    "shard_of": "shard"
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"mtds.model.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

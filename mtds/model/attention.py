@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
 
-from .documents import DocumentMasking, document_mask, document_positions, enabled
-from .init import normal_init, output_init
-from .parallel import check_tensor_parallel
-from .rotary import apply_rotary, rotary_cos_sin
+from mtds.model.documents import DocumentMasking, document_mask, document_positions, enabled
+from mtds.model.init import normal_init, output_init
+from mtds.model.parallel import check_tensor_parallel
+from mtds.model.rotary import apply_rotary, rotary_cos_sin
 
 
 class SelfAttention(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     """Compile every :class:`~mtds.model.layer.TransformerLayer` inside ``model``; how many. ``backend``:
     torch.compile's (tests use "aot_eager": the same graph capture and autograd split, no code generation)."""
-    from .layer import TransformerLayer
+    from mtds.model.layer import TransformerLayer
     import torch._inductor.config as inductor_config
     inductor_config.fallback_random = True    # dropout masks from the (keyed) torch generators
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]

@@ -10,12 +10,12 @@ import contextlib
 import torch
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, scatter_to_sequence_parallel_region
 from mtds.tp.layers import tp_world_and_rank
 
-from .documents import DocumentMasking, document_positions, enabled, segment_ids
-from .init import normal_init, seeded
+from mtds.model.documents import DocumentMasking, document_positions, enabled, segment_ids
+from mtds.model.init import normal_init, seeded
 
 EMBEDDING_LAYER = 0
 

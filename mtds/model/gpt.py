@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp import MODEL_PARALLEL_RNG, RNGTracker, gather_vocab_parallel_logits
 from mtds.tp.random import TP_SEED_OFFSET
 
-from .documents import DocumentMasking
-from .embedding import GPTEmbedding
-from .head import FinalNorm, LMHead, LMLoss
-from .layer import TransformerLayer
-from .parallel import check_tensor_parallel
+from mtds.model.documents import DocumentMasking
+from mtds.model.embedding import GPTEmbedding
+from mtds.model.head import FinalNorm, LMHead, LMLoss
+from mtds.model.layer import TransformerLayer
+from mtds.model.parallel import check_tensor_parallel
 
 
 class GPTModel(nn.Module):

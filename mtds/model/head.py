@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp import mark_tensor_parallel, parallel_lm_logits, vocab_parallel_cross_entropy
 from mtds.tp.init_shard import build_shard
 from mtds.tp.layers import tp_world_and_rank
 
-from .init import normal_init, seeded
-from .norms import make_norm
+from mtds.model.init import normal_init, seeded
+from mtds.model.norms import make_norm
 
 
 class FinalNorm(nn.Module):

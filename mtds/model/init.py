@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp.init_shard import NormalInit
 
 # A large prime stride keeps per-layer streams apart for any realistic base seed.

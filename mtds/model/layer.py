@@ -7,13 +7,13 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from .attention import SelfAttention
-from .documents import DocumentMasking
-from .init import seeded
-from .mlp import MLP
-from .norms import make_norm
+from mtds.model.attention import SelfAttention
+from mtds.model.documents import DocumentMasking
+from mtds.model.init import seeded
+from mtds.model.mlp import MLP
+from mtds.model.norms import make_norm
 
 
 class TransformerLayer(nn.Module):

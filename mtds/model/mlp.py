@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear
 
-from .init import normal_init, output_init
+from mtds.model.init import normal_init, output_init
 
 
 class MLP(nn.Module):

@@ -1,7 +1,7 @@
 """The one check the model makes about tensor parallelism: every rank must get whole heads."""
 from __future__ import annotations
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp.layers import tp_world_and_rank
 
 

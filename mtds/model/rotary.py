@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
 
 def rotary_cos_sin(cfg: ModelConfig, seq_len: int, device, dtype,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.tp import shard_rows, unshard_rows
 from mtds.tp.layers import tp_world_and_rank
 

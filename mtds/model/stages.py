@@ -1,7 +1,7 @@
 """The global layers one rank holds, and loading full logical tensors into them.
 
 Global layer indices: 0 embedding, 1..L blocks, L+1 final norm, L+2 untied LM head. Both weight sources
-use this: HF directories (mtds.hf.init) and mtds checkpoints at another layout (mtds.reshard.load).
+use this: HF directories (mtds.hf.init) and mtds checkpoints at another layout (mtds.checkpoint.reshard_load).
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from mtds.model_config import ModelConfig
+from mtds.model.config import ModelConfig
 
-from .shard import load_full_state
+from mtds.model.shard import load_full_state
 
 
 def stage_modules(model: nn.Module, cfg: ModelConfig) -> dict[int, nn.Module]:

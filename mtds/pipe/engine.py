@@ -5,7 +5,7 @@ and ``eval_batch`` by a walk over the per-rank compute order of ``mtds.pipe.sche
 over the chunks of a :class:`~mtds.deepspeed_compat.chunked_module.ChunkedPipelineModule`, or ZB-H1), with the p2p of
 ``mtds.pipe.p2p`` posted in the order and on the process groups of ``mtds.pipe.exchange.engine_program``
 (sends posted as soon as computed and waited for only at the end of the step, receives posted one compute
-early and waited for only when needed; deadlock-free under NCCL's semantics, ``mtds.pipe.nccl_sim``).
+early and waited for only when needed; deadlock-free under NCCL's semantics, ``lab.pipe_sim.nccl_sim``).
 Everything else stays DeepSpeed's: forward through ``DeepSpeedEngine.forward`` (its backward hooks: loss
 scaling, accumulation scaling on the loss stage, ZeRO-1 bookkeeping), the loss stage's backward through
 ``DeepSpeedEngine.backward``, and at the end of the step -- one flush -- its tied-gradient all-reduce,
@@ -27,11 +27,11 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from mtds.deepspeed_compat import pipeline as ds
 from mtds.deepspeed_compat.zero1_reduce import reduce_early
-from .exchange import ACT, Compute, engine_program, group_names
-from .p2p import StageP2P
-from ..tp.weight_grad_store import WeightGradStore
-from .select import check_weight_pass_support
-from .schedules import check_microbatches, has_weight_pass
+from mtds.pipe.exchange import ACT, Compute, engine_program, group_names
+from mtds.pipe.p2p import StageP2P
+from mtds.tp.weight_grad_store import WeightGradStore
+from mtds.pipe.select import check_weight_pass_support
+from mtds.pipe.schedules import check_microbatches, has_weight_pass
 
 
 class ScheduledPipelineEngine(PipelineEngine):
@@ -63,7 +63,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.half if self.fp16_enabled() else torch.float32
         self.p2p = StageP2P(self.grid, groups=self.p2p_groups, shape=boundary_shape, dtype=dtype, device=self.device,
                             tp_group=groups.tp_group, tp_size=groups.layout.tp, scatter_gather=scatter)
-        self.timeline = None       # a mtds.pipe.timeline.TimelineRecorder, when the user asked for one
+        self.timeline = None       # a mtds.observe.timeline.TimelineRecorder, when the user asked for one
         self.weight_grads = None   # ZB-H1: the TP linears' deferred weight gradients, run by W actions
         if has_weight_pass(schedule):
             check_weight_pass_support(bf16_immediate=ds.bf16_immediate_grad_update(self),

@@ -1,7 +1,7 @@
 """The point-to-point program of one pipeline rank: every compute action and every p2p post, in the order
 the host issues them, each transfer on a named process group. One pure function,
 :func:`engine_program`, that ``ScheduledPipelineEngine`` walks (it posts exactly these transfers, in this
-order, on these groups) and that ``mtds.pipe.nccl_sim`` checks, so what the simulator proves about the
+order, on these groups) and that ``lab.pipe_sim.nccl_sim`` checks, so what the simulator proves about the
 order is what the engine runs.
 
 Messages. Virtual stage ``s = chunk·p + rank`` (``mtds.pipe.schedules``). F of a stage that is not the
@@ -25,14 +25,14 @@ Policies (``POLICIES``):
   Proof that no NCCL order can deadlock: docs/pipeline.md, "p2p under NCCL".
 - ``two-groups`` -- the engine before the NCCL fix: activations on one group, gradients on another, each
   receive posted right before its compute. Fine on gloo (buffered sends), but on NCCL two crossing sends
-  of one rank pair on one group deadlock (interleaved at p = 2; ``mtds.pipe.nccl_sim`` shows it). Kept
+  of one rank pair on one group deadlock (interleaved at p = 2; ``lab.pipe_sim.nccl_sim`` shows it). Kept
   so that the check can be seen to catch it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import Action, forward_actions, schedule_actions
+from mtds.pipe.schedules import Action, forward_actions, schedule_actions
 
 ACT, GRAD = "act", "grad"
 POLICIES = ("one-way", "two-groups")
@@ -127,7 +127,7 @@ def _transfer(op: str, message: Message, *, p: int, policy: str) -> Transfer:
 
 def engine_program(name: str, p: int, v: int, m: int, rank: int, *, forward_only: bool = False) -> list:
     """What ``ScheduledPipelineEngine`` runs for one step of schedule ``name`` (``forward_only``: one
-    evaluation step): the one call site of the engine, and what ``mtds.pipe.nccl_sim`` checks."""
+    evaluation step): the one call site of the engine, and what ``lab.pipe_sim.nccl_sim`` checks."""
     order = forward_actions if forward_only else schedule_actions
     return exchange_program(order(name, p, v, m, rank), p=p, v=v, rank=rank)
 

@@ -8,14 +8,14 @@ from functools import partial
 import torch
 from torch import nn
 
-from mtds.config import ModelConfig
-from mtds.layout import ParallelGroups
+from mtds.model.config import ModelConfig
+from mtds.parallel.layout import ParallelGroups
 from mtds.model import LMLoss, TransformerLayer
 from mtds.model.documents import DocumentMasking
-from mtds.pipeline_layout import StageLayout
+from mtds.parallel.pipeline_layout import StageLayout
 from mtds.tp import RNGTracker, checkpoint
 
-from .specs import CHECKPOINTABLE_LAYERS, PARTITION_METHOD, gpt_layer_specs, tied_lm_logits
+from mtds.pipe.specs import CHECKPOINTABLE_LAYERS, PARTITION_METHOD, gpt_layer_specs, tied_lm_logits
 
 
 def _recompute(tracker: RNGTracker, function, *args):
@@ -32,7 +32,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
     (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
     DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
     rank 0, which holds both ends). ``stage_layout``: the blocks of each virtual stage (p, p·v or 2p of
-    them; mtds.pipeline_layout), else DeepSpeed splits the blocks evenly."""
+    them; mtds.parallel.pipeline_layout), else DeepSpeed splits the blocks evenly."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
@@ -118,7 +118,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     recomputes every k whole blocks ("full"); ``recompute_attention`` only the attention core
     ("selective"); they are alternatives, not meant together. ``virtual_stages``: build a
     ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules).
-    ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.pipeline_layout).
+    ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.parallel.pipeline_layout).
     ``documents``: packed-document resets (:mod:`mtds.model.documents`)."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "

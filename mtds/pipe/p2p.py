@@ -11,7 +11,7 @@ deadlock. On NCCL a large send completes only once its receive has started, and 
 communicator run one after the other on one stream: two crossing sends of a rank pair on one group
 deadlock (the engine's order before the fix did, interleaved at p = 2). The program's groups are chosen
 so that every stream carries one direction of one rank pair, which cannot deadlock under NCCL
-(``mtds.pipe.exchange``; proof and check: ``mtds.pipe.nccl_sim``, docs/pipeline.md "p2p under NCCL").
+(``mtds.pipe.exchange``; proof and check: ``lab.pipe_sim.nccl_sim``, docs/pipeline.md "p2p under NCCL").
 Tags (activation or gradient) only matter to gloo; NCCL matches in issue order per communicator.
 
 Scatter/gather (PTD-P §4.1): with tensor parallelism the boundary activation (and its gradient) is the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .exchange import ACT, Message, Post
+from mtds.pipe.exchange import ACT, Message, Post
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 

@@ -2,7 +2,7 @@
 
 ``schedule_actions(name, p, v, m, rank)`` is the list of compute actions one pipeline rank executes in
 one training step (one optimizer step, m micro-batches). The engine walks it in order; the simulator
-(``mtds.pipe.simulate``) walks the same lists, so what the tests prove about an order is what runs.
+(``lab.pipe_sim.simulate``) walks the same lists, so what the tests prove about an order is what runs.
 
 Placement. Rank ``r`` holds ``v`` model chunks; chunk ``c`` is *virtual stage* ``c·p + r`` of the
 ``p·v`` virtual stages (Megatron's interleaved placement; ``v = 1`` is plain pipelining, stage = rank).
@@ -23,7 +23,7 @@ With asynchronous sends, an order deadlocks only if a rank waits for a message w
 (transitively) waiting; the simulator checks that no schedule here can. That is gloo's model (buffered
 sends). Under NCCL a send waits for its receive and a stream runs its transfers in order; the engine's
 p2p program (``mtds.pipe.exchange``) is built so that whatever finishes here finishes there too
-(``mtds.pipe.nccl_sim``, docs/pipeline.md "p2p under NCCL").
+(``lab.pipe_sim.nccl_sim``, docs/pipeline.md "p2p under NCCL").
 
 Schedules (``SCHEDULES``):
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from mtds.deepspeed_compat.capabilities import TESTED_SPEC, in_tested_range
 
-from .schedules import check_microbatches
+from mtds.pipe.schedules import check_microbatches
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")   # what train.py runs (each proven against HF in tests)
-OWN_ENGINE = ("interleaved", "zb-h1")          # run by mtds.pipe.engine; dualpipev is DeepSpeed's DualPipeVEngine
+from mtds.parallel.choices import OWN_ENGINE, PIPELINE_SCHEDULES
+
+__all__ = ["PIPELINE_SCHEDULES", "OWN_ENGINE", "check_schedule", "check_schedule_config", "check_weight_pass_support"]
 
 
 def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: int | None = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from mtds.config import ModelConfig
+from mtds.model.config import ModelConfig
 from mtds.model import FinalNorm, GPTEmbedding, LMHead, TransformerLayer
 from mtds.model.documents import DocumentMasking
 

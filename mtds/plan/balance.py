@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtds.pipeline_layout import StageLayout, uniform_layout
+from mtds.parallel.pipeline_layout import StageLayout, uniform_layout
 from mtds.plan import compute, tp_comm
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import activation_bytes_per_layer, model_state_bytes
 from mtds.plan.model_spec import ModelSpec
@@ -50,7 +50,7 @@ class LayerCosts:
         return blocks * self.block + (self.embedding if first else 0.0) + (self.head if last else 0.0)
 
 
-def layer_costs(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> LayerCosts:
+def layer_costs(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> LayerCosts:
     t = layout.tp
 
     def ends(stage):
@@ -100,7 +100,7 @@ class StageReport:
                 "critical_rank": self.critical_rank, "imbalance": round(self.imbalance, 4)}
 
 
-def rank_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages: StageLayout) -> list[float]:
+def rank_memory(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages: StageLayout) -> list[float]:
     """Predicted bytes per GPU of each pipeline rank for ``stages`` (mtds.plan.memory's terms, per rank)."""
     p, t, h = layout.pp, layout.tp, model.hidden
     m = max(1, layout.microbatches(work.global_batch))
@@ -123,7 +123,7 @@ def rank_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Clust
             for n, a in zip(params, activations)]
 
 
-def stage_report(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages: StageLayout,
+def stage_report(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages: StageLayout,
                  costs: LayerCosts | None = None) -> StageReport:
     costs = costs or layer_costs(model, layout, work, cluster)
     last = stages.stages - 1
@@ -182,7 +182,7 @@ def cost_layout(costs: LayerCosts, num_layers: int, stages: int, fits=lambda lay
     return None
 
 
-def balanced_layout(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster,
+def balanced_layout(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster,
                     capacity_bytes: float | None = None) -> StageLayout:
     """``--pipeline-balance cost``: :func:`cost_layout` with every rank's predicted memory within
     ``capacity_bytes`` (default: the cluster GPU's), or the uniform partition where that is no faster."""
@@ -205,7 +205,7 @@ __all__ = ["BALANCE_CHOICES", "DEFAULT_BALANCE", "REFERENCE_GPU", "run_partition
            "rank_of_stage", "rank_memory", "stage_report"]
 
 
-def run_partition(model: ModelSpec, layout: Layout, work: Workload, world: int, balance: str | None,
+def run_partition(model: ModelSpec, layout: Candidate, work: Workload, world: int, balance: str | None,
                   capacity_bytes: float) -> StageLayout:
     """The partition train.py builds without ``--pipeline-layout``: ``balance`` (None: DEFAULT_BALANCE),
     priced on REFERENCE_GPU, each rank's memory within ``capacity_bytes``. The one rule train.py,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mtds import ring
+from mtds.parallel import ring
 from mtds.plan.hardware import DEFAULT_PROFILE
 
 GEMM_SIZES = (64, 128, 256, 512, 1024)

@@ -1,11 +1,12 @@
-"""One candidate training layout: the knobs the planner chooses, and the workload it runs."""
+"""One candidate training set-up (a layout plus batch, ZeRO and recompute): the knobs the planner chooses, and
+the workload it runs."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-RECOMPUTE_CHOICES = ("none", "selective", "full")
-# train.py --pipeline-schedule vocabulary; what each costs is in mtds.plan.pipeline
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
+if TYPE_CHECKING:
+    from mtds.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,11 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """t-way tensor, p-way pipeline (v model chunks per rank, run by a pipeline schedule), d-way data
-    parallel, microbatch b, ZeRO stage, activation recomputation and sequence parallelism.
+class Candidate:
+    """One training set-up the planner weighs: a layout of t-way tensor, p-way pipeline (v model chunks per
+    rank, run by a pipeline schedule) and d-way data parallelism -- the trainer's own
+    :class:`~mtds.parallel.layout.ParallelLayout`, :attr:`grid` -- plus microbatch b, ZeRO stage, activation
+    recomputation and sequence parallelism.
 
     ``pipeline_schedule`` left empty means "interleaved" when v > 1, else "1f1b"; dualpipev has v = 2
     (two chunks per rank, V placement)."""
@@ -42,6 +45,18 @@ class Layout:
     def __post_init__(self):
         if not self.pipeline_schedule:
             object.__setattr__(self, "pipeline_schedule", "interleaved" if self.virtual_stages > 1 else "1f1b")
+
+    @classmethod
+    def of_layout(cls, layout, *, microbatch: int, **knobs) -> "Candidate":
+        """The candidate a running job is: its :class:`~mtds.parallel.layout.ParallelLayout` plus the knobs."""
+        return cls(tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatch=microbatch, virtual_stages=layout.vp,
+                   **knobs)
+
+    @property
+    def grid(self) -> "ParallelLayout":
+        """The rank grid as the trainer builds it (validated there: a grid it refuses raises LayoutError)."""
+        from mtds.parallel.layout import ParallelLayout
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vp=self.virtual_stages)
 
     @property
     def gpus(self) -> int:

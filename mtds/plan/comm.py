@@ -1,7 +1,7 @@
 """Alpha-beta cost of ring collectives and point-to-point messages.
 
 A ring collective over n ranks with per-GPU link bandwidth B and per-step latency alpha takes
-mtds.ring.link_bytes / B + mtds.ring.steps x alpha:
+mtds.parallel.ring.link_bytes / B + mtds.parallel.ring.steps x alpha:
     all-reduce      2 (n-1)/n * S / B + 2 (n-1) alpha
     all-gather      (n-1)/n * S / B + (n-1) alpha     (S = gathered size)
     reduce-scatter  (n-1)/n * S / B + (n-1) alpha     (S = input size)
@@ -11,7 +11,7 @@ n ranks with stride k spans n*k consecutive GPUs.
 """
 from __future__ import annotations
 
-from mtds import ring
+from mtds.parallel import ring
 from mtds.plan.hardware import Cluster
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.host_costs import contention_factor, optimizer_step_time
 from mtds.plan.model_spec import ModelSpec
@@ -47,7 +47,7 @@ def elementwise_time(bytes_moved: float, cluster: Cluster) -> float:
     return bytes_moved / (cluster.gpu.hbm_gbps * 1e9 * cluster.calib.hbm_efficiency) * contention_factor(cluster)
 
 
-def layer_forward(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> PassTimes:
+def layer_forward(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> PassTimes:
     """Forward time of one layer (cached: it depends only on t, b and sequence parallelism)."""
     return _layer_forward(model, layout.tp, layout.microbatch, layout.sequence_parallel, work, cluster)
 
@@ -92,7 +92,7 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     return PassTimes(forward=linear + elem + core, attention_core=core, linear=linear)
 
 
-def layer_compute_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+def layer_compute_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
     """Forward + backward (+ recomputation) compute of one layer for one microbatch.
 
     none: F + 2F; full: F + F (recomputed forward) + 2F; selective: F + 2F + attention core.
@@ -102,7 +102,7 @@ def layer_compute_time(model: ModelSpec, layout: Layout, work: Workload, cluster
     return 3.0 * p.forward + extra
 
 
-def output_layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+def output_layer_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
     """Logits GEMM [bs x h]@[h x V/t] forward + backward, and the fp32 vocab-parallel cross
     entropy over the b s V/t logits (mtds.tp.cross_entropy, as Megatron's): row max (read),
     shift, exp, softmax division (read + write each), sum (read), gradient scale (read + write):
@@ -114,7 +114,7 @@ def output_layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster:
     return 3.0 * gemm + elementwise_time(loss_bytes * s * b * v, cluster)
 
 
-def embedding_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+def embedding_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
     """Vocab-parallel embedding, forward + backward, memory bound: the row lookup (read + write) and the
     position add (read 2, write 1) move 5 values per output element in forward; the backward's
     scatter-add into the table and the position gradient twice that (the 1:2 ratio above). Every TP
@@ -123,7 +123,7 @@ def embedding_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cl
     return elementwise_time(values * work.bytes_per_value, cluster)
 
 
-def final_norm_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+def final_norm_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
     """The final layer norm, forward + backward: 4 bytes per element per pass at 16 bits, as each of
     a layer's two norms in :func:`_layer_forward` (1/t of the sequence with sequence parallelism)."""
     t = layout.tp if layout.sequence_parallel else 1

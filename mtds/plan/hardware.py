@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from mtds.metrics import peak_tflops as _metrics_peak
+from mtds.observe.metrics import peak_tflops as _metrics_peak
 from mtds.plan.calibration import CALIBRATIONS, LOCAL_CALIBRATION, Calibration
 from mtds.plan.tables import load_table
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.model_spec import ModelSpec
 from mtds.plan.pipeline import activation_factor, interleaved_activation_factor  # noqa: F401 (re-export)
@@ -35,7 +35,7 @@ class MemoryBreakdown:
         return d
 
 
-def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
+def stage_params(model: ModelSpec, layout: Candidate, stage: str) -> float:
     """Parameters held by one GPU of the first or last pipeline stage.
 
     Per layer, QKV/projection/MLP weights are split t ways; projection and FC2 biases and the
@@ -55,7 +55,7 @@ def stage_params(model: ModelSpec, layout: Layout, stage: str) -> float:
     return n
 
 
-def grad_buffer_bytes(layout: Layout, work: Workload, main_grad_bytes: float | None) -> float:
+def grad_buffer_bytes(layout: Candidate, work: Workload, main_grad_bytes: float | None) -> float:
     """Bytes per parameter of the gradient (accumulation) buffer.
 
     The ZeRO paper counts 16-bit gradients (2 bytes). Frameworks that accumulate in fp32
@@ -68,7 +68,7 @@ def grad_buffer_bytes(layout: Layout, work: Workload, main_grad_bytes: float | N
     return float(max(w, main_grad_bytes))
 
 
-def model_state_bytes(n_params: float, layout: Layout, work: Workload,
+def model_state_bytes(n_params: float, layout: Candidate, work: Workload,
                       main_grad_bytes: float | None = None) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU under ZeRO stage 0-3.
 
@@ -87,7 +87,7 @@ def model_state_bytes(n_params: float, layout: Layout, work: Workload,
     return params, grads, opt
 
 
-def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload, stored: bool = True,
+def activation_bytes_per_layer(model: ModelSpec, layout: Candidate, work: Workload, stored: bool = True,
                                attention: str = "math") -> float:
     """Activation bytes one transformer layer keeps for one microbatch.
 
@@ -117,7 +117,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, work: Workload,
     return scale * sbh * (linear + attn)
 
 
-def in_flight_layers(model: ModelSpec, layout: Layout, work: Workload) -> float:
+def in_flight_layers(model: ModelSpec, layout: Candidate, work: Workload) -> float:
     """Layer-microbatches whose activations the first stage holds at its peak.
 
     1F1B keeps min(p, m) microbatches of l/p layers (~l layers' worth); the interleaved
@@ -129,7 +129,7 @@ def in_flight_layers(model: ModelSpec, layout: Layout, work: Workload) -> float:
     return min(p, m) * model.layers / p * activation_factor(layout.pipeline_schedule, p, v)
 
 
-def predict_memory(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> MemoryBreakdown:
+def predict_memory(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> MemoryBreakdown:
     """Memory of the fuller of the first and last stage."""
     best = None
     w = work.bytes_per_value

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtds import metrics
-from mtds.model_config import padded_vocab_size
+from mtds.observe import metrics
+from mtds.parallel.vocab import padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
-        """The planner's view of an ``mtds.config.ModelConfig`` (every architecture field carried over)."""
+        """The planner's view of an ``mtds.hf.resolve.ModelConfig`` (every architecture field carried over)."""
         return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, vocab=cfg.vocab_size,
                    seq=seq or cfg.max_position_embeddings, ffn_hidden=cfg.ffn_size, name=name,
                    vocab_multiple=cfg.make_vocab_size_divisible_by, kv_heads=cfg.kv_heads,
@@ -60,7 +60,7 @@ class ModelSpec:
         return 3 if self.gated_mlp else 2
 
     def padded_vocab(self, tp: int) -> int:
-        """Megatron vocabulary padding: ceil(V / (128 t)) * 128 t (mtds.model_config.padded_vocab_size)."""
+        """Megatron vocabulary padding: ceil(V / (128 t)) * 128 t (mtds.parallel.vocab.padded_vocab_size)."""
         return padded_vocab_size(self.vocab, tp, self.vocab_multiple)
 
     @property
@@ -119,10 +119,10 @@ class ModelSpec:
 
 
 def resolve_model(name_or_path, *, seq: int | None = None, **overrides) -> ModelSpec:
-    """ModelSpec from a preset name or HF config via mtds.config.resolve_model_config (optional)."""
+    """ModelSpec from a preset name or HF config via mtds.hf.resolve.resolve_model_config (optional)."""
     try:
-        from mtds.config import resolve_model_config
+        from mtds.hf.resolve import resolve_model_config
     except ImportError as exc:  # the config module is optional for the planner
-        raise ValueError(f"model presets need mtds.config ({exc}); pass --layers/--hidden/--heads/--vocab") from exc
+        raise ValueError(f"model presets need mtds.hf.resolve ({exc}); pass --layers/--hidden/--heads/--vocab") from exc
     spec = ModelSpec.from_config(resolve_model_config(name_or_path), seq=seq, name=str(name_or_path))
     return ModelSpec(**{**spec.__dict__, **{k: v for k, v in overrides.items() if v is not None}})

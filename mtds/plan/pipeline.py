@@ -1,5 +1,5 @@
 """Pipeline schedules as planner knobs: bubble time and in-flight activations of each schedule
-train.py runs (``--pipeline-schedule``; ``candidate.PIPELINE_SCHEDULES``).
+train.py runs (``--pipeline-schedule``; ``mtds.parallel.choices.PIPELINE_SCHEDULES``).
 
 Per micro-batch and pipeline rank, a stage's work is F (forward), B (input gradient, including any
 recomputed forward and the backward tensor-parallel collectives) and W (weight gradient GEMMs and the
@@ -15,7 +15,7 @@ gradient-accumulation pass); the full backward is B + W. Bubble time per step, p
 With F = B = W = 1 these are the bubble fractions (p−1)/m, (p−1)/(v m), (p−1)/(3m) and
 5(p−1)/(6m) of the ideal step m(F + B + W). They are checked against discrete-event simulations of the
 orders that run: mtds.pipe.schedules (1f1b, interleaved, zb-h1: exact) and DeepSpeed's own
-DualPipeVSchedule (mtds.pipe.dualpipev_sim: its simulated idle is (p − 1)(F/2 + B + W) minus at most
+DualPipeVSchedule (lab.pipe_sim.dualpipev_sim: its simulated idle is (p − 1)(F/2 + B + W) minus at most
 one chunk, tests/test_plan_pipeline.py).
 
 Activations the fullest rank holds at its peak, relative to 1F1B's first rank (min(p, m) micro-batches

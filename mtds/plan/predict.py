@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mtds.plan import comm, compute, host_costs, pipeline, tp_comm
-from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Layout, Workload
+from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
 from mtds.plan.model_spec import ModelSpec
@@ -41,7 +42,7 @@ from mtds.plan.runnable import not_runnable
 class Prediction:
     """Everything the planner reports about one layout."""
 
-    layout: Layout
+    layout: Candidate
     step_time_s: float
     time_breakdown_s: dict            # compute, tp_comm, pp_comm, dp_comm, bubble, engine (host_costs)
     memory: MemoryBreakdown
@@ -83,7 +84,7 @@ class Prediction:
         }
 
 
-def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster,
+def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster,
                         explicit_stages: bool = False) -> list[str]:
     """Divisibility and support constraints; each message says what is wrong. ``explicit_stages``: the
     blocks per stage are given (a pipeline layout), so l need not divide evenly."""
@@ -107,24 +108,28 @@ def structural_problems(model: ModelSpec, layout: Layout, work: Workload, cluste
         out.append(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}")
     else:
         out += pipeline.schedule_problems(layout.pipeline_schedule, p, v, m)
+    try:
+        layout.grid            # the trainer's own validation of the (t, p, d, v) grid
+    except ValueError as err:
+        out.append(str(err))
     if layout.zero_stage not in (0, 1, 2, 3):
         out.append("zero stage must be 0-3")
     if layout.zero_stage >= 2 and p > 1:
         out.append("DeepSpeed supports ZeRO-2/3 only without pipeline parallelism (p=1)")
-    if layout.recompute not in RECOMPUTE_CHOICES:
-        out.append(f"recompute must be one of {RECOMPUTE_CHOICES}")
+    if layout.recompute not in RECOMPUTE_MODES:
+        out.append(f"recompute must be one of {RECOMPUTE_MODES}")
     if layout.sequence_parallel and (t == 1 or model.seq % t):
         out.append("sequence parallelism needs t > 1 dividing the sequence length")
     return out
 
 
-def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages=None,
+def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages=None,
             zero1_grad_reduce: str = "reduce-scatter") -> Prediction:
     """Evaluate one layout (structural problems are reported, numbers still computed if possible).
     ``zero1_grad_reduce``: how ZeRO-1/2 reduce gradients -- "reduce-scatter" (mtds's, Megatron's
     distributed optimizer: RS + parameter AG, 2 Psi (d-1)/d) or "all-reduce" (DeepSpeed's own ZeRO-1:
     AR + AG, 3 Psi (d-1)/d).
-    ``stages``: the partition the run uses (an ``mtds.pipeline_layout.StageLayout``, p > 1): its critical
+    ``stages``: the partition the run uses (an ``mtds.parallel.pipeline_layout.StageLayout``, p > 1): its critical
     rank sets the compute and the bubble (:func:`partition_times`); None: l/p blocks per rank, the LM
     head's rank critical (the uniform partition of a model whose l divides by p·v)."""
     reasons = structural_problems(model, layout, work, cluster, explicit_stages=stages is not None)
@@ -181,7 +186,7 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
         dp_s = (busy ** k + z ** k) ** (1.0 / k) - busy
     else:
         # ZeRO-0: all-reduce; ZeRO-1/2 reduce-scatter + all-gather, the same ring volume (on gloo too: mtds's
-        # ZeRO-1 reduce-scatter is its own ring of sends, mtds/dp_reduce.py, not gloo's reduce_scatter, which
+        # ZeRO-1 reduce-scatter is its own ring of sends, mtds/parallel/dp_reduce.py, not gloo's reduce_scatter, which
         # all-reduces -- that one is ZeRO-3's, host_costs.zero3_traffic); DeepSpeed's own ZeRO-1 all-reduces
         # the gradients and then all-gathers the updated parameters
         dp_s = (1.0 - cluster.calib.dp_overlap) * comm.all_reduce(grad_bytes, d, t, cluster)
@@ -216,7 +221,7 @@ def predict(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, 
     )
 
 
-def partition_times(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stages, m: int,
+def partition_times(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages, m: int,
                     t_acc: float, compute_s: float, t_tp_one: float) -> tuple:
     """(compute, TP, bubble seconds, stage report) of a step under an explicit partition.
 
@@ -245,7 +250,7 @@ def partition_times(model: ModelSpec, layout: Layout, work: Workload, cluster: C
     return compute_s * share, tp_s, bubble_s * share, report.as_dict()
 
 
-def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, t_tp_one: float,
+def stage_pass_times(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, t_tp_one: float,
                      t_acc: float) -> tuple[float, float, float]:
     """(F, B, W) seconds of one microbatch on one pipeline stage. F: forward compute + its 2 TP
     collectives per layer; W: the weight-gradient GEMMs (same FLOPs as the forward's) + the
@@ -260,7 +265,7 @@ def stage_pass_times(model: ModelSpec, layout: Layout, work: Workload, cluster: 
     return f, stage - f - w_pass, w_pass
 
 
-def sequence_parallel_grad_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster,
+def sequence_parallel_grad_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster,
                                 m: int) -> float:
     """With sequence parallelism, the parameters replicated over the TP group see 1/t of the
     sequence, so their gradients are all-reduced over the TP group: once per step under ZeRO-0/1 (as

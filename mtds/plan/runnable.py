@@ -7,18 +7,13 @@ layout), shown with the reason.
 """
 from __future__ import annotations
 
+from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
+
+# The trainer runs every word of the shared vocabulary (mtds.parallel.choices); a feature that exists in the
+# vocabulary before train.py can run it is set False here.
 TRAIN_PY_RUNS = {
-    "pipeline_schedule": {
-        "1f1b": True,          # DeepSpeed's PipelineEngine
-        "interleaved": True,   # mtds.pipe.engine.ScheduledPipelineEngine
-        "zb-h1": True,         # mtds.pipe.engine with deferred TP weight gradients (fp32, bf16, fp16)
-        "dualpipev": True,     # DeepSpeed's DualPipeVEngine under train.py
-    },
-    "recompute": {
-        "none": True,
-        "full": True,          # --recompute full
-        "selective": True,     # --recompute selective
-    },
+    "pipeline_schedule": {name: True for name in PIPELINE_SCHEDULES},
+    "recompute": {mode: True for mode in RECOMPUTE_MODES},
 }
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan.candidate import PIPELINE_SCHEDULES, RECOMPUTE_CHOICES, Layout, Workload
+from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, predict_memory
 from mtds.plan.model_spec import ModelSpec
@@ -37,7 +38,7 @@ class PlanResult:
     """Feasible predictions ranked by step time, and infeasible layouts with reasons."""
 
     feasible: list = field(default_factory=list)
-    infeasible: list = field(default_factory=list)   # (Layout, [reasons]) pairs
+    infeasible: list = field(default_factory=list)   # (Candidate, [reasons]) pairs
 
     @property
     def best(self) -> Prediction | None:
@@ -45,7 +46,7 @@ class PlanResult:
 
 
 def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed: dict, max_microbatch: int = 64):
-    """Yield every Layout consistent with the fixed knobs (structural checks come later)."""
+    """Yield every Candidate consistent with the fixed knobs (structural checks come later)."""
     n = cluster.gpus
     # t divides the node size so that no tensor-parallel group straddles two nodes (with rank
     # order t innermost, t=6 on 8-GPU nodes would put ranks 6-11 on two nodes, over InfiniBand)
@@ -65,7 +66,7 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
             schedules = _schedules(fixed.get("pipeline_schedule"), p)
             zs = [fixed["zero_stage"]] if fixed.get("zero_stage") is not None else (
                 [0] if d == 1 else [0, 1] if p > 1 else [0, 1, 2, 3])
-            rs = [fixed["recompute"]] if fixed.get("recompute") else list(RECOMPUTE_CHOICES)
+            rs = [fixed["recompute"]] if fixed.get("recompute") else list(RECOMPUTE_MODES)
             sps = [fixed["sequence_parallel"]] if fixed.get("sequence_parallel") is not None else (
                 [False, True] if t > 1 else [False])
             for b in bs:
@@ -73,7 +74,7 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
                     for z in zs:
                         for r in rs:
                             for sp in sps:
-                                yield Layout(t, p, d, b, v, z, r, sp, sched)
+                                yield Candidate(t, p, d, b, v, z, r, sp, sched)
 
 
 def _schedules(fixed, p: int) -> list[str]:
@@ -135,7 +136,7 @@ def evaluate(model: ModelSpec, work: Workload, cluster: Cluster, runnable_only: 
     if not tried:
         # nothing to enumerate (e.g. non-divisible sizes): build the literal layout
         t, p = fixed.get("tp", 1), fixed.get("pp", 1)
-        lay = Layout(t, p, fixed.get("dp") or max(1, cluster.gpus // (t * p)), fixed.get("microbatch", 1),
+        lay = Candidate(t, p, fixed.get("dp") or max(1, cluster.gpus // (t * p)), fixed.get("microbatch", 1),
                      fixed.get("virtual_stages", 1), fixed.get("zero_stage", 0),
                      fixed.get("recompute", "full"), fixed.get("sequence_parallel", False),
                      fixed.get("pipeline_schedule", "") if isinstance(fixed.get("pipeline_schedule", ""), str) else "")

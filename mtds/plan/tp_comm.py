@@ -20,16 +20,16 @@ biases) are summed over TP: one flat all-reduce under ZeRO-0/1, one per tensor p
 ZeRO-2/3 (DeepSpeed reduces each gradient as backward produces it).
 
 Bytes are those of the full tensor S (all-reduce: the buffer; all-gather: the gathered result;
-reduce-scatter: the input); what a ring moves per rank (mtds.ring: 2(n-1)/n S for an all-reduce,
-(n-1)/n S for the other two) is the "bus bytes" of mtds.comm_trace.
+reduce-scatter: the input); what a ring moves per rank (mtds.parallel.ring: 2(n-1)/n S for an all-reduce,
+(n-1)/n S for the other two) is the "bus bytes" of mtds.observe.comm_trace.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtds import ring
+from mtds.parallel import ring
 from mtds.plan import comm, compute
-from mtds.plan.candidate import Layout, Workload
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.model_spec import ModelSpec
 
@@ -48,7 +48,7 @@ class Collective:
         return self.calls * comm.ring_time(self.kind, self.nbytes, n, 1, cluster)
 
 
-def layer_collectives(model: ModelSpec, layout: Layout, work: Workload) -> list[Collective]:
+def layer_collectives(model: ModelSpec, layout: Candidate, work: Workload) -> list[Collective]:
     """One transformer layer, one micro-batch (see the module docstring)."""
     activation = model.seq * layout.microbatch * model.hidden * work.bytes_per_value
     recompute = 1 if layout.recompute == "full" else 0
@@ -59,7 +59,7 @@ def layer_collectives(model: ModelSpec, layout: Layout, work: Workload) -> list[
             Collective("all_gather", activation, 2, regather=True)]
 
 
-def layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster) -> float:
+def layer_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
     """Exposed time of one layer's collectives, one micro-batch. The two backward re-gathers run while
     the input-gradient GEMM of the same linear (QKV, fc1) computes (mtds.tp.sequence_linear, as
     Megatron), so only what the GEMM does not cover is exposed."""
@@ -77,7 +77,7 @@ def layer_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluste
     return total
 
 
-def end_collectives(model: ModelSpec, layout: Layout, work: Workload, stage: str) -> list[Collective]:
+def end_collectives(model: ModelSpec, layout: Candidate, work: Workload, stage: str) -> list[Collective]:
     """The embedding (stage "first"), the LM head and loss (stage "last"), or both ("all", p = 1);
     one micro-batch."""
     s, b, h = model.seq, layout.microbatch, model.hidden
@@ -99,7 +99,7 @@ def end_collectives(model: ModelSpec, layout: Layout, work: Workload, stage: str
     return out
 
 
-def shared_gradient_collectives(model: ModelSpec, layout: Layout, grad_bytes: float,
+def shared_gradient_collectives(model: ModelSpec, layout: Candidate, grad_bytes: float,
                                 microbatches: int) -> list[Collective]:
     """Per step, SP only: the TP sum of the replicated parameters' gradients (h values per tensor:
     per layer 2 norms' weights (+ biases for LayerNorm) and, with biases, the attention-projection and
@@ -114,7 +114,7 @@ def shared_gradient_collectives(model: ModelSpec, layout: Layout, grad_bytes: fl
     return [Collective("all_reduce", model.hidden * grad_bytes, microbatches * tensors)]
 
 
-def per_step_collectives(model: ModelSpec, layout: Layout, work: Workload, stage: str, microbatches: int,
+def per_step_collectives(model: ModelSpec, layout: Candidate, work: Workload, stage: str, microbatches: int,
                          grad_bytes: float) -> list[Collective]:
     """Everything above for one step of one GPU of ``stage``: the layers of one pipeline stage and the
     stage's ends, for every micro-batch, plus the per-step shared-gradient sum."""
@@ -130,7 +130,7 @@ def collectives_time(collectives: list[Collective], tp: int, cluster: Cluster) -
     return sum(c.time(tp, cluster) for c in collectives)
 
 
-def per_step_time(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluster, stage: str,
+def per_step_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stage: str,
                   microbatches: int, grad_bytes: float) -> float:
     """Exposed seconds of :func:`per_step_collectives` (re-gathers partly hidden, see layer_time)."""
     ends = end_collectives(model, layout, work, stage)

@@ -1,5 +1,3 @@
-"""Keeping a long run alive and honest: loading files without running their code (loading.py),
-durable writes (durable.py), and, in a running job, signals, NaN checks and hang detection."""
-from .loading import UnreadableFileError, UnsafeCheckpointError, allowed_globals, safe_load, verify_loadable
-
-__all__ = ["UnreadableFileError", "UnsafeCheckpointError", "allowed_globals", "safe_load", "verify_loadable"]
+"""Keeping a running job alive and honest: signals (signals.py), NaN/inf checks (numerics.py), start-up that
+never hangs silently (startup.py), hang detection (heartbeat.py, store.py), one rank doing long work first
+(leader.py). Safe loading and durable writes belong to checkpoints: :mod:`mtds.checkpoint`."""

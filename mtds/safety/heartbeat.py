@@ -22,7 +22,7 @@ import time
 
 import torch.distributed as dist
 
-from .store import rendezvous_store
+from mtds.safety.store import rendezvous_store
 
 
 FAILED = "failed:"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from .store import rendezvous_store
+from mtds.safety.store import rendezvous_store
 
 _calls = itertools.count()    # keys are per call, so a process running several runs starts fresh
 FAILED = "failed:"

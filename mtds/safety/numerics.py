@@ -101,10 +101,3 @@ class StepFlags:
         raise NonFiniteError(f"step {step}: {what} (reduced over ranks: every rank sees it); {where}; stopped "
                              f"before saving the poisoned state (lower --lr, raise warm-up or clipping, or resume "
                              f"from the last checkpoint)")
-
-
-def check_finite(step: int, loss: float, grad_norm: float | None, device, local_bad: bool = False) -> None:
-    """Raise :class:`NonFiniteError` on every rank if any rank sees a non-finite loss or grad norm.
-
-    ``local_bad``: this rank's own gradients were non-finite this step (:class:`LocalNonFinite`)."""
-    StepFlags.agree(loss, grad_norm, device, local_bad).raise_if_nonfinite(step, loss, grad_norm)

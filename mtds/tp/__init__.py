@@ -1,15 +1,15 @@
 """Megatron-style tensor parallelism: mappings, layers, vocab-parallel cross entropy, RNG tracker."""
-from .cross_entropy import gather_vocab_parallel_logits, vocab_parallel_cross_entropy
-from .init_shard import shard_rows
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tensor_parallel,
+from mtds.tp.cross_entropy import gather_vocab_parallel_logits, vocab_parallel_cross_entropy
+from mtds.tp.init_shard import shard_rows
+from mtds.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tensor_parallel,
                      padded_vocab_size, parallel_lm_logits, unshard_rows)
-from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+from mtds.tp.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
-from .sequence_grads import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
+from mtds.tp.sequence_grads import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
                              shared_by_sequence_shards)
-from .random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed, seed_parallel_streams
+from mtds.tp.random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed, seed_parallel_streams
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallel_lm_logits",

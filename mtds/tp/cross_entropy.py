@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layers import tp_world_and_rank
+from mtds.tp.layers import tp_world_and_rank
 
 
 def _vocab_range(logits: torch.Tensor, group) -> tuple[int, int]:

@@ -14,16 +14,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtds.model_config import padded_vocab_size
+from mtds.parallel.vocab import padded_vocab_size
 
-from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+from mtds.tp.mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
-from .init_shard import NormalInit, build_shard
-from .overlapped_linear import linear_all_reducing_input_grad
-from .sequence_grads import mark_sequence_parallel, shared_by_sequence_shards
-from .sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
-from .weight_grad_store import linear_with_deferred_weight_grad
+from mtds.tp.init_shard import NormalInit, build_shard
+from mtds.tp.overlapped_linear import linear_all_reducing_input_grad
+from mtds.tp.sequence_grads import mark_sequence_parallel, shared_by_sequence_shards
+from mtds.tp.sequence_linear import SEQUENCE_DIM, linear_with_sequence_parallel_input
+from mtds.tp.weight_grad_store import linear_with_deferred_weight_grad
 
 InitMethod = Callable[[torch.Tensor], None]
 

@@ -7,7 +7,7 @@ identity backward (leave it). Scatter/gather split the last (hidden) dim; the se
 
 The process group is always an explicit argument (``None`` means no tensor parallelism), so these
 functions read no global state. Collectives are called through ``torch.distributed`` attributes at
-call time, which keeps them visible to :mod:`mtds.comm_trace`.
+call time, which keeps them visible to :mod:`mtds.observe.comm_trace`.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ bias) gets only this slice's part of its gradient; the TP ranks' parts must be s
 
 Once per step needs the accumulated gradient to be in ``param.grad`` at the boundary. A parameter
 takes that route only when marked ``sequence_parallel_grads_deferred`` (the trainer marks them when
-its DeepSpeed path keeps gradients there, see :mod:`mtds.training.sequence_grads`).
+its DeepSpeed path keeps gradients there, see :mod:`mtds.training.sequence_grad_hook`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .mappings import copy_to_tensor_parallel_region
+from mtds.tp.mappings import copy_to_tensor_parallel_region
 
 
 def mark_sequence_parallel(param: torch.Tensor | None) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mappings import _gather, _reduce_scatter, _start_gather, _start_reduce_scatter, _world
-from .weight_grad_store import accumulate_linear_grads, linear_with_deferred_weight_grad
+from mtds.tp.mappings import _gather, _reduce_scatter, _start_gather, _start_reduce_scatter, _world
+from mtds.tp.weight_grad_store import accumulate_linear_grads, linear_with_deferred_weight_grad
 
 SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
 

@@ -17,13 +17,13 @@ from mtds.pipe.select import OWN_ENGINE
 from mtds.safety.numerics import LocalNonFinite
 from mtds.safety.startup import BuildLockWatchdog
 
-from .config import TrainConfig
-from .distributed import configure_matmul_precision
-from .ds_config import BatchPlan, load_ds_config, override_batch, precision, prepare_ds_config, zero_stage
-from .engine_setup import create_engine, install_engine_patches
-from .logger import StepLogger
-from .stage_plan import describe, resolve_stage_layout
-from .world import World
+from mtds.training.config import TrainConfig
+from mtds.training.distributed import configure_matmul_precision
+from mtds.training.ds_config import BatchPlan, load_ds_config, override_batch, precision, prepare_ds_config, zero_stage
+from mtds.training.engine_setup import create_engine, install_engine_patches
+from mtds.observe.logger import StepLogger
+from mtds.training.stage_plan import describe, resolve_stage_layout
+from mtds.training.world import World
 
 
 @dataclass

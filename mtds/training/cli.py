@@ -6,7 +6,7 @@ import os
 import sys
 import textwrap
 
-from .config import RECOMPUTE_MODES, TrainConfig
+from mtds.training.config import RECOMPUTE_MODES, TrainConfig
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -222,23 +222,23 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "bad input": reported as one line, not a traceback."""
     from mtds.data import DataError
-    from mtds.layout import LayoutError
+    from mtds.parallel.layout import LayoutError
     from mtds.safety.numerics import NonFiniteError
     from mtds.safety.startup import RendezvousError
 
-    from .checkpoint import CheckpointError
-    from .consistency import ReplicaMismatch
-    from .ds_config import ConfigError
+    from mtds.checkpoint.lifecycle import CheckpointError
+    from mtds.training.consistency import ReplicaMismatch
+    from mtds.training.ds_config import ConfigError
     return (LayoutError, ConfigError, DataError, CheckpointError, ReplicaMismatch, NonFiniteError, RendezvousError,
             ValueError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from .distributed import run_and_exit
+    from mtds.training.distributed import run_and_exit
 
     def work():
-        from .loop import run
+        from mtds.training.job import run
         run(config_from_args(args))
 
     run_and_exit(work, user_errors(), debug=args.debug)

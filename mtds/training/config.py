@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+from mtds.parallel.choices import RECOMPUTE_MODES
+
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
 
 
@@ -24,7 +25,7 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"             # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
     virtual_stages: int = 1                     # model chunks per pipeline rank (interleaved: >= 2)
     zero1_grad_reduce: str = "reduce-scatter"   # ZeRO-1 gradients: reduce-scatter (mtds) | all-reduce (DeepSpeed's)
-    pipeline_layout: str | None = None          # blocks per virtual stage, e.g. "Et*3|t*3|t*2L" (mtds.pipeline_layout)
+    pipeline_layout: str | None = None          # blocks per virtual stage, e.g. "Et*3|t*3|t*2L" (mtds.parallel.pipeline_layout)
     pipeline_balance: str | None = None         # uniform | cost (None: mtds.training.stage_plan.DEFAULT_BALANCE)
     # data
     data: str | None = None                     # None: the shipped corpus
@@ -53,7 +54,7 @@ class TrainConfig:
     recompute: str = "none"                     # none | selective (attention core) | full (whole blocks)
     recompute_interval: int = 1                 # full: every N consecutive blocks are recomputed as one unit
     compile: bool = False                       # torch.compile each transformer layer (mtds.model.compile)
-    profile_step: int | None = None             # profile this step (torch.profiler; mtds.step_profile)
+    profile_step: int | None = None             # profile this step (torch.profiler; mtds.observe.step_profile)
     profile_trace: str | None = None            # its Chrome trace, one file per rank (.rankR before the suffix)
     init_from_hf: str | None = None
     # checkpoints and logs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtds.layout import ParallelGroups
+from mtds.parallel.layout import ParallelGroups
 
 
 class ReplicaMismatch(RuntimeError):

@@ -17,7 +17,7 @@ def device_and_backend() -> tuple[torch.device, str]:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         have = torch.cuda.device_count()
         if local_rank >= have:
-            from mtds.layout import LayoutError
+            from mtds.parallel.layout import LayoutError
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             raise LayoutError(
                 f"local rank {local_rank} has no GPU of its own: {have} GPU(s) visible on this node"

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mtds.layout import ParallelLayout
+from mtds.parallel.layout import ParallelLayout
 
 
 class ConfigError(ValueError):

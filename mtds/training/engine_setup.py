@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mtds.comm_trace import label_deepspeed_groups
+from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
-from mtds.dp_reduce import reduce_scatter_sum, split_by_spans
+from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
 from mtds.pipe.select import OWN_ENGINE
 
-from .config import TrainConfig
-from .ds_config import BatchPlan
-from .grad_norm import install_fp32_clipping, mark_sharded_gradients
-from .schedule import build_scheduler
-from .sequence_grads import defer_sequence_parallel_grads
-from .world import World
+from mtds.training.config import TrainConfig
+from mtds.training.ds_config import BatchPlan
+from mtds.training.grad_norm import install_fp32_clipping, mark_sharded_gradients
+from mtds.training.schedule import build_scheduler
+from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
+from mtds.training.world import World
 
 
 def _lr_scheduler(cfg: TrainConfig, ds_config: dict) -> Callable | None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mtds.deepspeed_compat import patches
-from mtds.layout import ParallelGroups
+from mtds.parallel.layout import ParallelGroups
 
 
 def global_grad_norm(parameters: Iterable[torch.Tensor], groups: ParallelGroups) -> float:

@@ -25,10 +25,10 @@ from mtds.deepspeed_compat import verify_ran
 from mtds.safety.numerics import StepFlags
 from mtds.safety.signals import StopRequest
 
-from . import checkpoint as ckpt
-from .build import BuiltRun
-from .result import RunResult
-from .steps import eval_loss
+from mtds.checkpoint import lifecycle as ckpt
+from mtds.training.build import BuiltRun
+from mtds.training.result import RunResult
+from mtds.training.step import eval_loss
 
 
 class StepHook(Protocol):
@@ -82,7 +82,7 @@ class TimelineHook(Hook):
     """--timeline: the measured pipeline bubble in each record, the last step's trace files at the end."""
 
     def __init__(self, built: BuiltRun):
-        from mtds.pipe.instrument import StepTimeline
+        from mtds.observe.pipe_instrument import StepTimeline
         self.built = built
         self.timeline = StepTimeline(built.engine, built.world.groups, built.cfg.timeline)
 
@@ -98,7 +98,7 @@ class TimelineHook(Hook):
 
 class ProfileHook(Hook):
     """--profile-step N: that step under torch.profiler (CPU, and CUDA where the run is on a GPU), first of
-    the hooks so that it holds exactly the step; its summary by kind of work (mtds.step_profile) goes to the
+    the hooks so that it holds exactly the step; its summary by kind of work (mtds.observe.step_profile) goes to the
     result and the console, the Chrome trace to --profile-trace (one file per rank)."""
 
     def __init__(self, built: BuiltRun, result: RunResult):
@@ -118,7 +118,7 @@ class ProfileHook(Hook):
     def after_step(self, step, record):
         if self.prof is None:
             return None
-        from mtds.step_profile import format_summary, summarize
+        from mtds.observe.step_profile import format_summary, summarize
         device = self.built.world.device.type
         if device == "cuda":
             torch.cuda.synchronize()
@@ -175,7 +175,7 @@ class ReplicaCheckHook(Hook):
 
     def after_step(self, step, record):
         if step % self.built.cfg.check_replicas_interval == 0:
-            from .consistency import check_replicas
+            from mtds.training.consistency import check_replicas
             check_replicas(self.built.engine.module, self.built.world.groups)
 
 

@@ -18,4 +18,4 @@ class RunResult:
     layers: list[int] = field(default_factory=list)   # global layer indices this rank built (mtds.model.stages)
     final_step: int = 0
     stopped_by: str | None = None                     # SIGTERM / SIGINT when the run stopped early
-    profile: dict | None = None                       # --profile-step: mtds.step_profile.summarize's summary
+    profile: dict | None = None                       # --profile-step: mtds.observe.step_profile.summarize's summary

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mtds.pipeline_layout import StageLayout, parse_layout, uniform_layout
+from mtds.parallel.pipeline_layout import StageLayout, parse_layout, uniform_layout
 from mtds.plan.balance import DEFAULT_BALANCE, REFERENCE_GPU
 
 
@@ -21,12 +21,12 @@ def device_memory_bytes(device: torch.device) -> float:
 
 
 def planner_view(cfg, model_cfg, layout, batch, precision: str, zero_stage: int):
-    """(ModelSpec, Layout, Workload, Cluster) of this run, as mtds.plan sees it."""
-    from mtds.plan import Cluster, Layout, ModelSpec, Workload, get_gpu
+    """(ModelSpec, Candidate, Workload, Cluster) of this run, as mtds.plan sees it."""
+    from mtds.plan import Cluster, Candidate, ModelSpec, Workload, get_gpu
     spec = ModelSpec.from_config(model_cfg, seq=cfg.seq_length)
-    plan_layout = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatch=batch.micro_batch,
-                         virtual_stages=layout.vp, zero_stage=zero_stage, recompute=cfg.recompute,
-                         sequence_parallel=cfg.sequence_parallel, pipeline_schedule=cfg.pipeline_schedule)
+    plan_layout = Candidate.of_layout(layout, microbatch=batch.micro_batch, zero_stage=zero_stage,
+                                      recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                                      pipeline_schedule=cfg.pipeline_schedule)
     work = Workload(global_batch=batch.global_batch, precision=precision)
     return spec, plan_layout, work, Cluster(get_gpu(REFERENCE_GPU, precision), gpus=layout.world_size)
 

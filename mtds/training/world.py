@@ -11,17 +11,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mtds.comm_trace import CommTracer
-from mtds.config import ModelConfig, resolve_model_config
-from mtds.cpu_allocator import tune_cpu_allocator
-from mtds.layout import ParallelGroups, ParallelLayout
-from mtds.pipeline_layout import parse_layout
+from mtds.observe.comm_trace import CommTracer
+from mtds.model.config import ModelConfig
+from mtds.hf.resolve import resolve_model_config
+from mtds.training.cpu_allocator import tune_cpu_allocator
+from mtds.parallel.layout import ParallelGroups, ParallelLayout
+from mtds.parallel.pipeline_layout import parse_layout
 from mtds.safety.heartbeat import Heartbeat
 from mtds.safety.startup import rendezvous_error
 from mtds.tp import RNGTracker, seed_parallel_streams
 
-from .config import TrainConfig
-from .distributed import init_distributed
+from mtds.training.config import TrainConfig
+from mtds.training.distributed import init_distributed
 
 
 @dataclass
@@ -36,7 +37,7 @@ class World:
     groups: ParallelGroups
     rng: RNGTracker                # dropout streams, masks keyed by (step, micro-batch, layer)
     tracer: CommTracer | None      # bytes per collective (None: --trace-comm off)
-    allocator: str | None = None   # what mtds.cpu_allocator set (CPU runs), for the start-up log
+    allocator: str | None = None   # what mtds.training.cpu_allocator set (CPU runs), for the start-up log
 
 
 def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:

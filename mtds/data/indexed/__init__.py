@@ -7,8 +7,8 @@
 Files are read and written byte-compatibly with megatron-core's IndexedDataset /
 IndexedDatasetBuilder (tests/test_indexed_format.py checks both directions).
 """
-from .format import bin_path, dtype_for_vocab, idx_path
-from .reader import IndexedDataset
-from .writer import IndexedWriter, merge_indexed
+from mtds.data.indexed.format import bin_path, dtype_for_vocab, idx_path
+from mtds.data.indexed.reader import IndexedDataset
+from mtds.data.indexed.writer import IndexedWriter, merge_indexed
 
 __all__ = ["IndexedDataset", "IndexedWriter", "merge_indexed", "dtype_for_vocab", "bin_path", "idx_path"]

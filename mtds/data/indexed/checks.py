@@ -1,7 +1,7 @@
 """Cheap checks that an indexed dataset fits the model: token ids below its vocabulary."""
 import numpy as np
 
-from ..errors import DataError
+from mtds.data.errors import DataError
 
 _BLOCKS, _BLOCK = 32, 1 << 15
 

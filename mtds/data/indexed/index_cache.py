@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..errors import DataError
+from mtds.data.errors import DataError
 
 _SAMPLED_BLOCKS, _BLOCK = 16, 1 << 16
 

@@ -16,8 +16,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ..errors import DataError
-from ..source import _builder_for, _data_files, _is_saved_dataset, _pick_split
+from mtds.data.errors import DataError
+from mtds.data.source import _builder_for, _data_files, _is_saved_dataset, _pick_split
 
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from ..errors import DataError
-from .format import bin_path, dtype_for_vocab, idx_path
-from .inputs import iter_documents
-from .reader import IndexedDataset
-from .writer import IndexedWriter, merge_indexed
+from mtds.data.errors import DataError
+from mtds.data.indexed.format import bin_path, dtype_for_vocab, idx_path
+from mtds.data.indexed.inputs import iter_documents
+from mtds.data.indexed.reader import IndexedDataset
+from mtds.data.indexed.writer import IndexedWriter, merge_indexed
 
 CHUNK_DOCS = 256                # documents per chunk ...
 CHUNK_CHARS = 4 * 1024 * 1024   # ... or fewer, once they hold this much text
@@ -80,7 +80,7 @@ class _Encoder:
             self.backend.encode_special_tokens = True
             self.tok = None
         else:   # a slow (python) tokenizer: load it by name
-            from ..tokenizer import load_tokenizer
+            from mtds.data.tokenizer import load_tokenizer
             self.tok = load_tokenizer(payload)
         self.keys, self.append_eod = keys, append_eod
 
@@ -140,7 +140,7 @@ def _chunks(docs, shard):
 def preprocess(input_path, prefix, *, json_keys=("text",), tokenizer=None, workers=1,
                append_eod=False, shard=None, overwrite=False, show_progress=True, log=print) -> dict:
     """Returns {key: {"prefix", "documents", "tokens"}} plus "seconds". Raises DataError."""
-    from ..tokenizer import load_tokenizer
+    from mtds.data.tokenizer import load_tokenizer
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
     keys = list(dict.fromkeys(json_keys))

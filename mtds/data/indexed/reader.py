@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from ..errors import DataError
-from .format import DTYPE_CODES, HEADER, HEADER_SIZE, MAGIC, VERSION, bin_path, idx_path
+from mtds.data.errors import DataError
+from mtds.data.indexed.format import DTYPE_CODES, HEADER, HEADER_SIZE, MAGIC, VERSION, bin_path, idx_path
 
 
 class IndexedDataset:

@@ -20,7 +20,7 @@ first n samples of a longer build are the n samples of a shorter one: a run resu
 """
 import numpy as np
 
-from ..errors import DataError
+from mtds.data.errors import DataError
 
 
 def _first_window(epoch, total: int, s: int):

@@ -12,9 +12,9 @@ import shutil
 
 import numpy as np
 
-from ..errors import DataError
-from .format import bin_path, idx_path, pack_header
-from .reader import IndexedDataset
+from mtds.data.errors import DataError
+from mtds.data.indexed.format import bin_path, idx_path, pack_header
+from mtds.data.indexed.reader import IndexedDataset
 
 _CHUNK = 1 << 20   # index entries per write when building the .idx
 

@@ -1,0 +1,92 @@
+"""How every logical parameter of a GPT is split over tensor-parallel ranks, without building the model.
+
+Checkpoint readers/writers and DeepSpeed's universal-checkpoint patterns need this for models far larger
+than memory, so it is a table derived from ModelConfig alone. tests/test_reshard_spec.py checks it
+against the attributes the tp layers put on real parameters (tensor_model_parallel, partition_dim,
+partition_segments), which remain the ground truth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtds.model.config import ModelConfig
+from mtds.tp import shard_rows, unshard_rows
+
+
+@dataclass(frozen=True)
+class Split:
+    dim: int | None                       # None: replicated on every TP rank
+    segments: tuple[int, ...] | None = None   # fused q|k|v or gate|up: each segment split separately
+    vocab: bool = False                   # dim 0 is the vocabulary, zero-padded to cfg.padded_vocab_size(t)
+
+
+REPLICATED = Split(None)
+
+
+def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
+    """{global layer: its parameter names} of the model mtds builds for cfg (0 embedding, 1..L blocks,
+    L+1 final norm, L+2 the untied head), in the order the modules register them."""
+    norm = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
+    linear = ["weight", "bias"] if cfg.linear_bias else ["weight"]
+    qkv = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
+    block = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
+             + [f"attention.out_proj.{n}" for n in linear] + [f"post_attention_norm.{n}" for n in norm]
+             + [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear])
+    names = {0: ["word_embeddings.weight"] + (["position_embeddings.weight"] if cfg.position_embedding == "learned"
+                                              else [])}
+    names.update({i: list(block) for i in range(1, cfg.num_layers + 1)})
+    names[cfg.num_layers + 1] = [f"norm.{n}" for n in norm]
+    if not cfg.tie_word_embeddings:
+        names[cfg.num_layers + 2] = ["weight"]
+    return names
+
+
+def split_of(cfg: ModelConfig, layer: int, name: str) -> Split:
+    """Split of parameter ``name`` inside global layer ``layer`` (0 emb, 1..L blocks, L+1 norm, L+2 head)."""
+    L = cfg.num_layers
+    if layer == 0:
+        return Split(0, vocab=True) if name == "word_embeddings.weight" else REPLICATED
+    if layer == L + 2:
+        return Split(0, vocab=True)
+    if layer == L + 1 or "norm" in name or name.endswith(("out_proj.bias", "fc_out.bias")):
+        return REPLICATED
+    if name.startswith("attention.qkv."):
+        d = cfg.head_dim
+        return Split(0, (cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d))
+    if name.startswith("mlp.fc_in."):
+        return Split(0, (cfg.ffn_size, cfg.ffn_size) if cfg.activation == "swiglu" else None)
+    if name in ("attention.out_proj.weight", "mlp.fc_out.weight"):
+        return Split(1)
+    raise KeyError(f"no tensor-parallel split known for layer {layer} parameter {name!r}")
+
+
+def shard(cfg: ModelConfig, layer: int, name: str, full: torch.Tensor, t: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s piece (of t) of the full, unpadded logical tensor."""
+    s = split_of(cfg, layer, name)
+    if s.dim is None or t == 1 and not s.vocab:
+        return full
+    if s.vocab and full.shape[0] < cfg.padded_vocab_size(t):
+        pad = full.new_zeros((cfg.padded_vocab_size(t) - full.shape[0], *full.shape[1:]))
+        full = torch.cat([full, pad], dim=0)
+    return shard_rows(full, s.dim, t, rank, s.segments)
+
+
+def unshard(cfg: ModelConfig, layer: int, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Full unpadded logical tensor from every TP rank's piece (rank order)."""
+    s = split_of(cfg, layer, name)
+    if s.dim is None:
+        return pieces[0]
+    full = unshard_rows(pieces, s.dim, s.segments)
+    return full[:cfg.vocab_size] if s.vocab else full
+
+
+def local_shape(cfg: ModelConfig, layer: int, name: str, full_shape: tuple[int, ...], t: int) -> tuple[int, ...]:
+    s = split_of(cfg, layer, name)
+    shape = list(full_shape)
+    if s.vocab:
+        shape[0] = cfg.padded_vocab_size(t)
+    if s.dim is not None:
+        shape[s.dim] //= t
+    return tuple(shape)
