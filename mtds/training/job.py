@@ -9,7 +9,7 @@
      patches mtds installs on it (checked by ``deepspeed_compat.check_engine``), then the caller's
      probes; precision and ZeRO stage are decided here
   3. resume (``resume`` below): weights, optimizer, RNG and data position from ``--load``
-  4. train (``step_loop.train``): the step loop; logging, NaN/inf checks, replica checks, evaluation,
+  4. train (``train_loop.train``): the step loop; logging, NaN/inf checks, replica checks, evaluation,
      checkpoints, signals, timeline and tracer are step hooks (``hooks.step_hooks``)
 
 docs/training_loop.md walks the phases and hooks.
