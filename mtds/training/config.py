@@ -1,87 +1,217 @@
 """Everything one training run needs, as one frozen value (the CLI builds it; Python users too).
 
 Run settings only: what a caller wants to observe or inject (test probes) goes to ``run(cfg, ...)``.
-Every numeric setting's range is checked here, in ``_check_ranges``, with one line naming the flag.
+Each field is its option's one definition (mtds.training.options): train.py's flags and their help come
+from it, and so does each numeric setting's range, checked here with one line naming the flag. Fields
+stand in --help's sections and order.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass
 from typing import Any
 
 from mtds.parallel.choices import RECOMPUTE_MODES
+from mtds.training.options import check_ranges, opt
 
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
+LR_DECAYS = ("cosine", "linear", "constant")
+ON_NAN = ("stop", "skip")
+PIPELINE_BALANCES = ("uniform", "cost")
+# --help's sections, in its order
+LAYOUT, DATA, OPTIM, LOGS = "layout and model", "data", "optimisation", "checkpoints and logs"
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    deepspeed_config: Any                       # path to DeepSpeed JSON, or the dict itself
-    model: Any = "gpt2-tiny"                    # preset name, HF config.json/dir, or ModelConfig
-    model_overrides: dict = field(default_factory=dict)   # e.g. {"hidden_dropout": 0.1}
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False             # split activations along the sequence over the TP group
-    pipeline_schedule: str = "1f1b"             # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
-    virtual_stages: int = 1                     # model chunks per pipeline rank (interleaved: >= 2)
-    zero1_grad_reduce: str = "reduce-scatter"   # ZeRO-1 gradients: reduce-scatter (mtds) | all-reduce (DeepSpeed's)
-    pipeline_layout: str | None = None          # blocks per virtual stage, e.g. "Et*3|t*3|t*2L" (mtds.parallel.pipeline_layout)
-    pipeline_balance: str | None = None         # uniform | cost (None: mtds.training.stage_plan.DEFAULT_BALANCE)
+    # layout and model
+    deepspeed_config: Any = opt(                # path to DeepSpeed JSON, or the dict itself
+        MISSING, "--deepspeed_config", "--deepspeed-config", section=LAYOUT,
+        help="DeepSpeed JSON (batch sizes, precision, ZeRO stage, optimizer); see ds_configs/")
+    tp: int = opt(
+        1, "--tensor-model-parallel-size", "--tp", section=LAYOUT, at_least=1,
+        help="tensor parallel size t (must divide attention heads) [1]")
+    pp: int = opt(
+        1, "--pipeline-model-parallel-size", "--pp", section=LAYOUT, at_least=1,
+        help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
+    pipeline_schedule: str = opt(               # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
+        "1f1b", "--pipeline-schedule", section=LAYOUT, metavar="NAME",
+        help="pipeline schedule: 1f1b (DeepSpeed's engine), interleaved (PTD-P interleaved 1F1B on "
+             "mtds's engine: bubble (p-1)/(v m); needs --virtual-stages >= 2 and micro-batches >= "
+             "--pp), zb-h1 (zero-bubble H1 on mtds's engine: weight gradients of the TP linears deferred to fill "
+             "the bubble; micro-batches >= --pp) or dualpipev (DeepSpeed's DualPipeVEngine; "
+             "micro-batches >= 2 pp) [1f1b]")
+    virtual_stages: int = opt(
+        1, "--virtual-stages", section=LAYOUT, at_least=1, metavar="V",
+        help="model chunks per pipeline rank for --pipeline-schedule interleaved [1]")
+    pipeline_layout: str | None = opt(          # blocks per virtual stage, e.g. "Et*3|t*3|t*2L" (mtds.parallel.pipeline_layout)
+        None, "--pipeline-layout", section=LAYOUT, metavar="LAYOUT",
+        help="transformer blocks per virtual stage, Megatron-style: E embedding, t block, L final norm "
+             "+ LM head + loss, | next stage, X*n repeats, (...) groups; E first, L last, p x v stages "
+             "(dualpipev: 2p, in V order), e.g. 'Et*3|t*3|t*2L' or 'E|t*4|t*4|L' [--pipeline-balance]")
+    pipeline_balance: str | None = opt(         # None: mtds.training.stage_plan.DEFAULT_BALANCE
+        None, "--pipeline-balance", section=LAYOUT, choices=PIPELINE_BALANCES,
+        help="without --pipeline-layout: uniform = the same number of blocks per stage; cost = split by "
+             "the planner's per-layer cost (embedding, blocks, final norm, LM head and loss, forward + "
+             "backward) with every rank's predicted memory within the device's [cost]")
+    sequence_parallel: bool = opt(
+        False, "--sequence-parallel", section=LAYOUT,
+        help="sequence parallelism (Korthikanti et al. 2022): layer norms, dropout and residuals work "
+             "on 1/t of the sequence, saving activation memory; all-gathers and reduce-scatters replace "
+             "the all-reduces, plus one all-gather per column-parallel linear in backward (only the "
+             "input slice is kept); same losses. Needs t > 1 dividing --seq-length")
+    model: Any = opt(                           # preset name, HF config.json/dir, or ModelConfig
+        "gpt2-tiny", "--model", section=LAYOUT,
+        help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
+             "file/directory [the --init-from-hf directory, else gpt2-tiny]")
+    init_from_hf: str | None = opt(
+        None, "--init-from-hf", section=LAYOUT, metavar="DIR",
+        help="start from HuggingFace weights in DIR (each rank reads only its layers and shards)")
+    model_overrides: dict = opt(                # e.g. {"hidden_dropout": 0.1}
+        factory=dict, no_flag="any ModelConfig key from Python; train.py's --dropout sets two (cli.py)")
+    recompute: str = opt(                       # none | selective (attention core) | full (whole blocks)
+        "none", "--recompute", "--recompute-granularity", section=LAYOUT, choices=RECOMPUTE_MODES,
+        help="activation recomputation in backward: selective = the attention core (scores, softmax, "
+             "dropout; Korthikanti et al. 2022), full = whole blocks, --recompute-interval at a time "
+             "[none]")
+    recompute_interval: int = opt(              # full: every N consecutive blocks are recomputed as one unit
+        1, "--recompute-interval", "--recompute-num-layers", section=LAYOUT, at_least=1, metavar="N",
+        help="with --recompute full: every N consecutive blocks are recomputed as one "
+             "unit (only each unit's input is kept) [1]")
+    compile: bool = opt(                        # torch.compile each transformer layer (mtds.model.compile)
+        False, "--compile", section=LAYOUT,
+        help="torch.compile each transformer layer (CPU: Inductor's C++ backend, needs a C++ compiler; "
+             "the first steps pay the compilation) [off]")
+    seed: int = opt(
+        1234, "--seed", section=LAYOUT, at_least=0,
+        help="weights, data order and dropout all follow it [1234]")
     # data
-    data: str | None = None                     # None: the shipped corpus
-    text_column: str = "text"
-    tokenizer: str | None = None                # None: the shipped tokenizer
-    seq_length: int = 128
-    num_proc: int = 1
-    eval_split: float = 0.02
-    eval_data: str | None = None
-    data_path: tuple | None = None              # Megatron indexed data: (PREFIX,) or (W1, PREFIX1, W2, PREFIX2, ...)
-    eval_data_path: tuple | None = None         # same syntax, for evaluation (else --eval-split of each source is held out)
-    eod_mask_loss: bool = False                 # no loss where the input token is EOS (Megatron's --eod-mask-loss)
-    reset_position_ids: bool = False            # positions restart after each EOS (Megatron's --reset-position-ids)
-    reset_attention_mask: bool = False          # each packed document attends only to itself (--reset-attention-mask)
-    eval_interval: int = 0                      # 0: evaluate only at the end
-    eval_iters: int = 4                         # global batches per evaluation
+    data: str | None = opt(
+        None, "--data", section=DATA,
+        help="text/json/jsonl/csv/parquet file or directory, a save_to_disk directory, or a "
+             "datasets hub name [shipped Shakespeare corpus]")
+    data_path: tuple | None = opt(              # Megatron indexed data: (PREFIX,) or (W1, PREFIX1, W2, PREFIX2, ...)
+        None, "--data-path", section=DATA, nargs="+", metavar="[W] PREFIX",
+        help="Megatron indexed data (PREFIX.bin/.idx from mtds-preprocess or Megatron): one PREFIX, or "
+             "weight prefix pairs to blend, e.g. 0.3 A 0.7 B (instead of --data)")
+    eval_data_path: tuple | None = opt(         # same syntax, for evaluation (else --eval-split of each source)
+        None, "--eval-data-path", section=DATA, nargs="+", metavar="[W] PREFIX",
+        help="indexed evaluation data, same syntax (default: --eval-split of each source's documents)")
+    eod_mask_loss: bool = opt(                  # no loss where the input token is EOS (Megatron's --eod-mask-loss)
+        False, "--eod-mask-loss", section=DATA,
+        help="no loss where the input token is the tokenizer's EOS (end of document), as Megatron's")
+    reset_position_ids: bool = opt(             # positions restart after each EOS (Megatron's --reset-position-ids)
+        False, "--reset-position-ids", section=DATA,
+        help="positions restart at 0 after each EOS: every packed document starts at position 0")
+    reset_attention_mask: bool = opt(
+        False, "--reset-attention-mask", section=DATA,
+        help="each packed document attends only to its own tokens (block-diagonal causal mask)")
+    text_column: str = opt(
+        "text", "--text-column", section=DATA, help="field holding the text [text]")
+    tokenizer: str | None = opt(
+        None, "--tokenizer", section=DATA, help="HF tokenizer name or path [shipped byte-level BPE]")
+    seq_length: int = opt(
+        128, "--seq-length", section=DATA, at_least=1, help="tokens per sample [128]")
+    num_proc: int = opt(
+        1, "--num-proc", section=DATA, at_least=1, help="processes for tokenization [1]")
+    eval_split: float = opt(
+        0.02, "--eval-split", section=DATA, at_least=0, below=1, note=" (the fraction held out)",
+        help="fraction held out for evaluation [0.02]")
+    eval_data: str | None = opt(
+        None, "--eval-data", section=DATA, help="separate evaluation data (instead of --eval-split)")
+    eval_interval: int = opt(
+        0, "--eval-interval", section=DATA, at_least=0, note=" (0: evaluate at the end only)",
+        help="evaluate every N steps (0: at the end) [0]")
+    eval_iters: int = opt(
+        4, "--eval-iters", section=DATA, at_least=1, help="global batches per evaluation [4]")
     # optimisation
-    steps: int = 100
-    lr: float | None = None                     # overrides optimizer.params.lr
-    global_batch_size: int | None = None        # overrides train_batch_size (Megatron's --global-batch-size)
-    micro_batch_size: int | None = None         # overrides train_micro_batch_size_per_gpu (--micro-batch-size)
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    lr_decay: str = "cosine"                    # cosine | linear | constant (ignored if the config has a scheduler)
-    seed: int = 1234
-    recompute: str = "none"                     # none | selective (attention core) | full (whole blocks)
-    recompute_interval: int = 1                 # full: every N consecutive blocks are recomputed as one unit
-    compile: bool = False                       # torch.compile each transformer layer (mtds.model.compile)
-    profile_step: int | None = None             # profile this step (torch.profiler; mtds.observe.step_profile)
-    profile_trace: str | None = None            # its Chrome trace, one file per rank (.rankR before the suffix)
-    init_from_hf: str | None = None
+    steps: int = opt(
+        100, "--steps", section=OPTIM, at_least=0, help="optimizer steps [100]")
+    global_batch_size: int | None = opt(        # overrides train_batch_size (Megatron's --global-batch-size)
+        None, "--global-batch-size", section=OPTIM, metavar="B",
+        help="sequences per optimizer step over all data-parallel ranks (overrides the DeepSpeed "
+             "config's train_batch_size; accumulation = B / (micro batch x dp))")
+    micro_batch_size: int | None = opt(         # overrides train_micro_batch_size_per_gpu (--micro-batch-size)
+        None, "--micro-batch-size", section=OPTIM, metavar="b",
+        help="sequences per micro-batch per rank (overrides train_micro_batch_size_per_gpu)")
+    lr: float | None = opt(                     # overrides optimizer.params.lr
+        None, "--lr", section=OPTIM, above=0, help="peak learning rate (overrides the DeepSpeed config)")
+    min_lr: float = opt(
+        0.0, "--min-lr", section=OPTIM, at_least=0, help="learning rate at the end of decay [0]")
+    warmup_steps: int = opt(
+        0, "--warmup-steps", section=OPTIM, at_least=0, help="linear warm-up steps [0]")
+    lr_decay: str = opt(
+        "cosine", "--lr-decay", section=OPTIM, choices=LR_DECAYS,
+        help="decay after warm-up (unless the DeepSpeed config has a scheduler) [cosine]")
+    zero1_grad_reduce: str = opt(               # ZeRO-1 gradients: reduce-scatter (mtds) | all-reduce (DeepSpeed's)
+        "reduce-scatter", "--zero1-grad-reduce", section=OPTIM, choices=ZERO1_GRAD_REDUCE,
+        help="ZeRO-1's data-parallel gradient reduction: reduce-scatter, each rank summing only the "
+             "partition it updates (2(d-1)/d x the parameters' bytes per step with the all-gather), or "
+             "DeepSpeed's own all-reduce (3(d-1)/d) [reduce-scatter]")
     # checkpoints and logs
-    save: str | None = None
-    save_interval: int = 0
-    keep_last: int = 0                          # keep only the newest K complete checkpoints; 0 keeps all
-    load: str | None = None
-    log_jsonl: str | None = None
-    tensorboard: str | None = None
-    timeline: str | None = None                 # Chrome trace JSON (+ .png Gantt) of the last step; bubble per step
-    plot: str | None = None                     # PNG of loss / lr / throughput at the end
-    progress: bool | None = None                # None: a bar when stdout is a TTY
-    check_replicas_interval: int = 0            # verify TP-replicated/tied weights agree every N steps
-    trace_comm: bool = True                     # count bytes per collective (cheap)
-    dist_timeout_s: float = 600.0
-    on_nan: str = "stop"                        # stop | skip (skip: only steps the engine did not apply)
-    save_on_signal: bool = True                 # SIGTERM/SIGINT: finish the step, save (with --save), exit 0
-    build_lock_timeout_s: float = 300.0         # a torch-extensions build lock held longer ends start-up
-    heartbeat_timeout_s: float = 30.0           # a peer silent this long (dead or frozen) ends this rank; 0 off
+    save: str | None = opt(
+        None, "--save", section=LOGS, metavar="DIR", help="checkpoint directory")
+    save_interval: int = opt(
+        0, "--save-interval", section=LOGS, at_least=0, note=" (0: save at the end only)",
+        help="save every N steps (and at the end) [0]")
+    keep_last: int = opt(
+        0, "--keep-last", section=LOGS, at_least=0, note=" (0 keeps every checkpoint)", metavar="K",
+        help="after each complete save delete all but the newest K complete checkpoints [0: keep all]")
+    load: str | None = opt(
+        None, "--load", section=LOGS, metavar="DIR",
+        help="resume from the newest complete checkpoint in DIR (or the global_stepN folder given), naming any "
+             "incomplete one skipped")
+    log_jsonl: str | None = opt(
+        None, "--log-jsonl", section=LOGS, metavar="FILE", help="one JSON object per step (and per evaluation)")
+    tensorboard: str | None = opt(
+        None, "--tensorboard", section=LOGS, metavar="DIR", help="TensorBoard scalars")
+    plot: str | None = opt(
+        None, "--plot", section=LOGS, metavar="PNG",
+        help="write loss / learning-rate / throughput curves here at the end")
+    timeline: str | None = opt(                 # Chrome trace JSON (+ .png Gantt) of the last step; bubble per step
+        None, "--timeline", section=LOGS, metavar="JSON",
+        help="pipeline timeline: measured bubble per stage in every step's log; the last step as a "
+             "Chrome trace (open in Perfetto) here and a Gantt chart PNG next to it")
+    profile_step: int | None = opt(             # profile this step (torch.profiler; mtds.observe.step_profile)
+        None, "--profile-step", section=LOGS, metavar="N",
+        help="profile step N with torch.profiler (CPU, and CUDA on GPUs): one console line of where its "
+             "time went by kind of work (GEMM, attention, element-wise, copies, reductions, norms, "
+             "optimizer, collectives), kernel count and how busy the device was")
+    profile_trace: str | None = opt(            # its Chrome trace, one file per rank (.rankR before the suffix)
+        None, "--profile-trace", section=LOGS, metavar="JSON",
+        help="with --profile-step: that step's Chrome trace, one file per rank (FILE.rankR.json)")
+    progress: bool | None = opt(                # None: a bar when stdout is a TTY
+        None, "--no-progress", section=LOGS, action="store_false", help="no progress bar even on a terminal")
+    check_replicas_interval: int = opt(         # verify TP-replicated/tied weights agree every N steps
+        0, "--check-replicas", section=LOGS, at_least=0, note=" (0: off)", metavar="N",
+        help="every N steps verify TP-replicated and tied weights are identical [off]")
+    trace_comm: bool = opt(                     # count bytes per collective (cheap)
+        True, no_flag="cheap, so always on for train.py; benchmarks and tests switch it off from Python")
+    dist_timeout_s: float = opt(
+        600.0, "--dist-timeout", section=LOGS, above=0, note=" seconds",
+        help="seconds before a collective gives up [600]")
+    on_nan: str = opt(
+        "stop", "--on-nan", section=LOGS, choices=ON_NAN,
+        help="a NaN/inf loss or grad norm (bf16/fp32): stop with one line naming the step and the ranks "
+             "whose own gradients were non-finite, saving nothing, or skip steps the optimizer did not "
+             "apply (ZeRO-1/2) [stop]")
+    save_on_signal: bool = opt(                 # SIGTERM/SIGINT: finish the step, save (with --save), exit 0
+        True, "--no-save-on-signal", section=LOGS, action="store_false",
+        help="on SIGTERM/SIGINT stop after the current step without saving (default: save with --save)")
+    heartbeat_timeout_s: float = opt(
+        30.0, "--heartbeat-timeout", section=LOGS, at_least=0, note=" seconds (0: off)", metavar="S",
+        help="stop (exit 1, naming the rank) when a peer rank is silent this long: dead or frozen where no "
+             "socket says so; 0 turns the watchdog off [30]")
+    build_lock_timeout_s: float = opt(
+        300.0, "--build-lock-timeout", section=LOGS, above=0, note=" seconds", metavar="S",
+        help="fail start-up when a torch-extensions build lock is waited on for S seconds [300]")
 
     def __post_init__(self) -> None:
-        self._check_ranges()
-        if self.lr_decay not in ("cosine", "linear", "constant"):
+        check_ranges(self)
+        if self.lr_decay not in LR_DECAYS:
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
         if self.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
             raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
-        if self.on_nan not in ("stop", "skip"):
+        if self.on_nan not in ON_NAN:
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
         if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":
             # the document ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples,
@@ -105,7 +235,7 @@ class TrainConfig:
         self._check_stage_layout()
 
     def _check_stage_layout(self) -> None:
-        if self.pipeline_balance not in (None, "uniform", "cost"):
+        if self.pipeline_balance not in (None, *PIPELINE_BALANCES):
             raise ValueError(f"--pipeline-balance must be uniform or cost, got {self.pipeline_balance!r}")
         if self.pipeline_layout is None:
             return
@@ -114,32 +244,3 @@ class TrainConfig:
         if self.pipeline_balance is not None:
             raise ValueError(f"--pipeline-layout fixes the partition; --pipeline-balance {self.pipeline_balance} "
                              f"would choose another: give one of the two")
-
-    def _check_ranges(self) -> None:
-        """Each numeric setting within its range (floats also finite), else one line naming the flag."""
-        at_least_0, at_least_1, above_0 = (">= 0", 0, False), (">= 1", 1, False), ("> 0", 0, True)
-        rules = [  # (flag, value, (words, bound, strict), what the bound means)
-            ("--tp", self.tp, at_least_1, ""), ("--pp", self.pp, at_least_1, ""),
-            ("--virtual-stages", self.virtual_stages, at_least_1, ""),
-            ("--seq-length", self.seq_length, at_least_1, ""), ("--num-proc", self.num_proc, at_least_1, ""),
-            ("--eval-interval", self.eval_interval, at_least_0, " (0: evaluate at the end only)"),
-            ("--eval-iters", self.eval_iters, at_least_1, ""),
-            ("--steps", self.steps, at_least_0, ""),
-            ("--lr", self.lr, above_0, ""), ("--min-lr", self.min_lr, at_least_0, ""),
-            ("--warmup-steps", self.warmup_steps, at_least_0, ""), ("--seed", self.seed, at_least_0, ""),
-            ("--recompute-interval", self.recompute_interval, at_least_1, ""),
-            ("--save-interval", self.save_interval, at_least_0, " (0: save at the end only)"),
-            ("--keep-last", self.keep_last, at_least_0, " (0 keeps every checkpoint)"),
-            ("--check-replicas", self.check_replicas_interval, at_least_0, " (0: off)"),
-            ("--dist-timeout", self.dist_timeout_s, above_0, " seconds"),
-            ("--build-lock-timeout", self.build_lock_timeout_s, above_0, " seconds"),
-            ("--heartbeat-timeout", self.heartbeat_timeout_s, at_least_0, " seconds (0: off)"),
-        ]
-        for flag, value, (words, bound, strict), note in rules:
-            if value is None:
-                continue
-            finite = not isinstance(value, float) or math.isfinite(value)
-            if not finite or value < bound or (strict and value == bound):
-                raise ValueError(f"{flag} must be {words}{note}, got {value}")
-        if not (0.0 <= self.eval_split < 1.0):
-            raise ValueError(f"--eval-split must be in [0, 1) (the fraction held out), got {self.eval_split}")
