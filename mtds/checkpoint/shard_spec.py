@@ -31,8 +31,10 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
     norm = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
     linear = ["weight", "bias"] if cfg.linear_bias else ["weight"]
     qkv = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
+    out_proj = ["weight", "bias"] if cfg.has_out_proj_bias else ["weight"]
+    qk_norm = [f"attention.{x}_norm.{n}" for x in "qk" for n in norm] if cfg.qk_norm else []
     block = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
-             + [f"attention.out_proj.{n}" for n in linear] + [f"post_attention_norm.{n}" for n in norm]
+             + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm]
              + [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear])
     names = {0: ["word_embeddings.weight"] + (["position_embeddings.weight"] if cfg.position_embedding == "learned"
                                               else [])}

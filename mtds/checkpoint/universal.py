@@ -52,8 +52,11 @@ def universal_info(cfg: ModelConfig, tp: int) -> dict:
     replicated = [_ANY + r"(.*_)?norm\.(weight|bias)$"]                     # block norms and the final norm
     if cfg.position_embedding == "learned":
         replicated.append(_ANY + r"position_embeddings\.weight$")
-    if cfg.linear_bias:   # row-parallel biases are added once after the reduce: replicated
-        replicated.append(_BLOCK + r"(attention\.out_proj|mlp\.fc_out)\.bias$")
+    # row-parallel biases are added once after the reduce: replicated
+    row_biases = [name for name, has in ((r"attention\.out_proj", cfg.has_out_proj_bias),
+                                         (r"mlp\.fc_out", cfg.linear_bias)) if has]
+    if row_biases:
+        replicated.append(_BLOCK + rf"({'|'.join(row_biases)})\.bias$")
     return {
         "universal_checkpoint_version": 0.4,
         "tp_replicated_parameter_patterns": replicated,

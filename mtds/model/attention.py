@@ -5,7 +5,12 @@ parallelism an all-gather of the input and a reduce-scatter of the output instea
 Selective recomputation (Korthikanti et al. 2022, Section 5): the core between the two projections
 (scores QK^T, softmax, attention dropout, probabilities x V) keeps 5as^2b bytes per layer for
 backward but costs few FLOPs, so with ``recompute_core`` only its input (the QKV projection) is kept
-and the core runs again in backward; the RNG tracker replays the dropout masks bit for bit."""
+and the core runs again in backward; the RNG tracker replays the dropout masks bit for bit.
+
+Qwen3's q/k norm (``cfg.qk_norm``) normalises each head's query and key over head_dim before RoPE,
+with one head_dim weight shared by all heads: every TP rank holds it whole but applies it to its own
+heads only, so its gradient is a partial sum over the TP group, summed like the sequence-parallel norms'
+(Megatron all-reduces its q/k layernorm gradients over TP the same way)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +24,10 @@ from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
 
 from mtds.model.documents import DocumentMasking, document_mask, document_positions, enabled
 from mtds.model.init import normal_init, output_init
+from mtds.model.norms import make_norm
 from mtds.model.parallel import check_tensor_parallel
 from mtds.model.rotary import apply_rotary, rotary_cos_sin
+from mtds.model.sliding_window import window_bites, window_mask
 
 
 class SelfAttention(nn.Module):
@@ -39,8 +46,12 @@ class SelfAttention(nn.Module):
                                         output_segments=[cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d],
                                         sequence_parallel=sequence_parallel)
         self.out_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, group=tp_group,
-                                          bias=cfg.linear_bias, input_is_parallel=True, init_method=output_init(cfg),
-                                          sequence_parallel=sequence_parallel)
+                                          bias=cfg.has_out_proj_bias, input_is_parallel=True,
+                                          init_method=output_init(cfg), sequence_parallel=sequence_parallel)
+        if cfg.qk_norm:   # after the projections: their init draws are the same with or without it
+            heads_group = tp_group if t > 1 else None
+            self.q_norm = make_norm(cfg, heads_group, size=d)
+            self.k_norm = make_norm(cfg, heads_group, size=d)
         self._rotary_cache: dict = {}
 
     def _rotary(self, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +81,8 @@ class SelfAttention(nn.Module):
         k = k.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, d).transpose(1, 2)
         docs = self.documents
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.position_embedding == "rotary":
             if docs is not None and docs.reset_position_ids:   # per-document positions: per call
                 cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype, document_positions(segments))
@@ -83,7 +96,10 @@ class SelfAttention(nn.Module):
         # sdpa's enable_gqa does without copying K and V per query head.
         gqa = self.local_kv_heads != self.local_heads
         mask = document_mask(segments) if docs is not None and docs.reset_attention_mask else None
-        with forked:   # a block-diagonal causal mask, or plain causal attention
+        if window_bites(self.cfg.sliding_window, s):   # [s, s] broadcasts over batch and heads
+            window = window_mask(self.cfg.sliding_window, s, qkv.device)
+            mask = window if mask is None else mask & window
+        with forked:   # a block-diagonal and/or sliding-window causal mask, or plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                  enable_gqa=gqa)
         return out.transpose(1, 2).reshape(b, s, self.local_heads * d)

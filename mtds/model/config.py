@@ -18,7 +18,13 @@ from mtds.parallel.vocab import padded_vocab_size
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
-ARCHITECTURES = ("gpt2", "gpt_neox", "llama")
+ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral")
+# RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+# The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
+ROPE_SCALING_REQUIRED = {"linear": ("factor",),
+                         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                         "yarn": ("original_max_position_embeddings",)}
 
 
 @dataclass(frozen=True)
@@ -28,16 +34,22 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int | None = None          # None -> num_heads (multi-head); fewer = grouped-query attention
+    kv_channels: int | None = None           # per-head dim; None -> hidden_size / num_heads (Qwen3: explicit)
     ffn_hidden_size: int | None = None       # None -> 4 * hidden_size (resolved in __post_init__)
     max_position_embeddings: int = 1024
     position_embedding: str = "learned"      # "learned" (GPT-2) | "rotary" (NeoX, Llama)
     rotary_percent: float = 1.0              # fraction of each head's dims that are rotated (NeoX: 0.25)
     rotary_base: float = 10000.0
+    rope_scaling: str | None = None          # None (plain RoPE) | "linear" | "llama3" | "yarn"
+    rope_scaling_params: Any = ()            # that scheme's parameters: sorted ((key, value), ...) pairs
     normalization: str = "layernorm"         # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
     activation: str = "gelu_tanh"            # "gelu_tanh" (GPT-2 gelu_new) | "gelu" (exact) | "swiglu"
     qkv_bias: bool = True                    # bias of the fused QKV projection
-    linear_bias: bool = True                 # bias of attention out-proj and both MLP projections
+    linear_bias: bool = True                 # bias of both MLP projections (and of the out-proj, see below)
+    out_proj_bias: bool | None = None        # bias of the attention out-proj; None -> same as linear_bias
+    qk_norm: bool = False                    # Qwen3: a norm over each head's q and k (head_dim weights) before RoPE
+    sliding_window: int | None = None        # Mistral: a query sees only the last sliding_window keys; None -> all
     parallel_residual: bool = False          # NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     tie_word_embeddings: bool = True
     hidden_dropout: float = 0.0
@@ -52,8 +64,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or self.kv_channels <= 0):
+            raise ValueError(f"ModelConfig.kv_channels must be a positive int or None, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}: "
+                             f"set kv_channels (the per-head dim)")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
             raise ValueError(f"num_kv_heads {self.num_kv_heads} must be positive and divide "
                              f"num_heads {self.num_heads}")
@@ -62,6 +79,23 @@ class ModelConfig:
         # Resolve the None defaults so equal models compare equal whichever way they were spelled.
         object.__setattr__(self, "num_kv_heads", self.num_kv_heads or self.num_heads)
         object.__setattr__(self, "ffn_hidden_size", self.ffn_hidden_size or 4 * self.hidden_size)
+        # The opposite for the two overrides: stored only where they differ from what they override, so
+        # dataclasses.replace(cfg, hidden_size=..., linear_bias=...) still changes the tied value with it,
+        # and an mtds_meta.json written before these fields existed reads as the same model.
+        if self.kv_channels is not None and self.kv_channels * self.num_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)
+        if self.out_proj_bias is not None and self.out_proj_bias == self.linear_bias:
+            object.__setattr__(self, "out_proj_bias", None)
+        object.__setattr__(self, "rope_scaling_params", _frozen_params(self.rope_scaling_params))
+        if self.rope_scaling is not None:
+            _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+            if self.position_embedding != "rotary":
+                raise ValueError(f"rope_scaling {self.rope_scaling!r} needs position_embedding='rotary'")
+            missing = [k for k in ROPE_SCALING_REQUIRED[self.rope_scaling] if k not in self.rope_params]
+            if missing:
+                raise ValueError(f"rope_scaling {self.rope_scaling!r} needs rope_scaling_params {missing}")
+        elif self.rope_scaling_params:
+            raise ValueError(f"rope_scaling_params {dict(self.rope_scaling_params)} given without a rope_scaling type")
         _check_choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
         _check_choice("activation", self.activation, ACTIVATIONS)
@@ -80,7 +114,16 @@ class ModelConfig:
     # ---- derived sizes ------------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def has_out_proj_bias(self) -> bool:
+        return self.linear_bias if self.out_proj_bias is None else self.out_proj_bias
+
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        """rope_scaling_params as a dict (transformers' keys: factor, original_max_position_embeddings, ...)."""
+        return dict(self.rope_scaling_params)
 
     @property
     def kv_heads(self) -> int:
@@ -110,6 +153,18 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _frozen_params(params: Any) -> tuple[tuple[str, Any], ...]:
+    """A dict, pairs, or JSON's lists of pairs -> sorted ((key, value), ...): hashable, and equal however
+    spelled (mtds_meta.json stores the tuple as lists). None values mean "absent", as in transformers."""
+    items = params.items() if isinstance(params, dict) else params
+    out = []
+    for pair in items:
+        key, value = pair
+        if value is not None:
+            out.append((str(key), value))
+    return tuple(sorted(out))
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -49,8 +49,11 @@ class LayerNorm(nn.LayerNorm):
                             shared_by_sequence_shards(self.bias, group), self.eps)
 
 
-def make_norm(cfg: ModelConfig, sequence_parallel_group=None) -> nn.Module:
-    """``sequence_parallel_group``: the TP group when activations are split along the sequence."""
+def make_norm(cfg: ModelConfig, sequence_parallel_group=None, size: int | None = None) -> nn.Module:
+    """``sequence_parallel_group``: the TP group when activations are split along the sequence (or, for the
+    q/k norm, along the heads: any replicated weight whose gradient is a partial sum over the group).
+    ``size``: the normalised dim, hidden_size unless given (the q/k norm: head_dim)."""
+    size = size or cfg.hidden_size
     if cfg.normalization == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel_group)
-    return LayerNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel_group)
+        return RMSNorm(size, cfg.norm_eps, sequence_parallel_group)
+    return LayerNorm(size, cfg.norm_eps, sequence_parallel_group)
