@@ -33,7 +33,40 @@ def hf_config(name: str):
         return T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=96, n_positions=32, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu", tie_word_embeddings=False,
                             **common)
+    if name in FAMILIES:
+        return FAMILIES[name]()
     raise KeyError(name)
+
+
+# The dense families of 2026 (tests/test_hf_families.py), one shape for all: hidden 64, 4 heads, 2 kv heads,
+# 2 layers; positions up to 64 so a 48-token input reaches past the RoPE scalings' original context (16)
+# and past Mistral's short window (8).
+FAMILY_SEQ = 48
+
+
+def _family(cls_name: str, **kw):
+    import transformers as T
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, max_position_embeddings=64, rope_theta=500.0, vocab_size=VOCAB,
+                 bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    return getattr(T, cls_name)(**{**shape, **kw})
+
+
+FAMILIES = {
+    # Llama 3.1's scaling, in transformers 5's spelling
+    "llama_rope_llama3": lambda: _family("LlamaConfig", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    # position interpolation, in the older rope_scaling spelling; o_proj bias without MLP biases
+    "llama_rope_linear": lambda: _family("LlamaConfig", rope_scaling={"type": "linear", "factor": 4.0},
+                                         attention_bias=True, mlp_bias=False),
+    "llama_rope_yarn": lambda: _family("LlamaConfig", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2": lambda: _family("Qwen2Config"),                                       # q/k/v biases only
+    "qwen3": lambda: _family("Qwen3Config", head_dim=32, tie_word_embeddings=True),   # 4 x 32 != 64
+    "mistral": lambda: _family("MistralConfig", sliding_window=None),              # full attention
+    "mistral_window": lambda: _family("MistralConfig", sliding_window=8),           # the window bites
+}
 
 
 def hf_model(name: str, seed: int = 0):

@@ -74,11 +74,10 @@ def test_transformers_4_style_flat_keys():
 
 @pytest.mark.parametrize("make, needle", [
     (lambda: T.BertConfig(), "supported: gpt2, gpt_neox, llama"),
-    (lambda: T.LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}), "'linear'"),
+    (lambda: T.GPTNeoXConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}), "'linear'"),
     (lambda: {"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
     (lambda: T.LlamaConfig(hidden_act="gelu"), "silu"),
-    (lambda: T.LlamaConfig(attention_bias=True), "mlp_bias"),
-    (lambda: T.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32), "head_dim"),
+    (lambda: {"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     (lambda: T.GPT2Config(activation_function="relu"), "gelu_new"),
     (lambda: T.GPT2Config(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (lambda: T.GPTNeoXConfig(hidden_act="relu"), "gelu"),
@@ -95,3 +94,30 @@ def test_export_refuses_what_the_architecture_cannot_express():
     with pytest.raises(UnsupportedHFConfig) as e:
         hf_config_dict(cfg)                      # architecture gpt2 has learned positions only
     assert "position_embedding" in _one_line(e)
+    qwen2_like = ModelConfig(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, position_embedding="rotary",
+                             normalization="rmsnorm", activation="swiglu", qkv_bias=True, linear_bias=False,
+                             architecture="llama")   # Llama's attention_bias covers o_proj too
+    with pytest.raises(UnsupportedHFConfig) as e:
+        hf_config_dict(qwen2_like)
+    assert "has_out_proj_bias" in _one_line(e)
+
+
+def test_new_fields_keep_old_configs_and_metas_the_same():
+    """Configs (and mtds_meta.json files) written before kv_channels, out_proj_bias, qk_norm, sliding_window
+    and rope scaling existed read as the same model; the overrides are stored only where they differ, so
+    replacing the value they override still moves them along."""
+    cfg = resolve_model_config(hf_config("llama"))
+    old = {k: v for k, v in cfg.to_dict().items()
+           if k not in ("kv_channels", "out_proj_bias", "qk_norm", "sliding_window", "rope_scaling",
+                        "rope_scaling_params")}
+    assert ModelConfig(**old) == cfg
+    gpt2 = PRESETS["gpt2-tiny"]
+    assert (gpt2.kv_channels, gpt2.out_proj_bias, gpt2.head_dim) == (None, None, 32)
+    import dataclasses
+    assert not dataclasses.replace(gpt2, linear_bias=False).has_out_proj_bias
+    assert dataclasses.replace(gpt2, hidden_size=256).head_dim == 64
+    scaled = ModelConfig(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, kv_channels=32,
+                         position_embedding="rotary", rope_scaling="yarn",
+                         rope_scaling_params={"factor": 4.0, "original_max_position_embeddings": 16})
+    assert ModelConfig(**json.loads(json.dumps(scaled.to_dict()))) == scaled   # the meta's lists of pairs
+    assert (scaled.head_dim, scaled.qkv_size) == (32, (4 + 2 * 4) * 32)   # not hidden-wide: 4 heads x 32

@@ -9,7 +9,7 @@ from typing import Any
 
 from mtds.model.config import ModelConfig
 
-from mtds.hf.common import require, require_export
+from mtds.hf.common import PLAIN_ATTENTION, require, require_export
 from mtds.hf.table import WeightMap
 
 MODEL_TYPE = "gpt2"
@@ -47,7 +47,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     require_export(cfg, MODEL_TYPE, position_embedding="learned", normalization="layernorm",
                    activation=("gelu_tanh", "gelu"), qkv_bias=True, linear_bias=True, parallel_residual=False,
-                   kv_heads=cfg.num_heads)
+                   kv_heads=cfg.num_heads, **PLAIN_ATTENTION)
     return {"model_type": MODEL_TYPE, "architectures": [HF_ARCHITECTURE], "vocab_size": cfg.vocab_size,
             "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
             "n_inner": cfg.ffn_size, "n_positions": cfg.max_position_embeddings,

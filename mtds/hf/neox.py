@@ -10,7 +10,7 @@ from typing import Any
 
 from mtds.model.config import ModelConfig
 
-from mtds.hf.common import read_rope, require, require_export, rope_to_hf
+from mtds.hf.common import PLAIN_ATTENTION, read_rope, require, require_export, rope_to_hf
 from mtds.hf.table import WeightMap
 
 MODEL_TYPE = "gpt_neox"
@@ -29,7 +29,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     require(act in _ACTIVATIONS, f"gpt_neox: hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
     # NeoX's MLP always has biases; attention_bias=False would need a separate flag for the out-proj.
     require(d.get("attention_bias", True), "gpt_neox: attention_bias=False is not supported (only True)")
-    theta, percent = read_rope(d, MODEL_TYPE, default_theta=10000.0, default_percent=0.25)
+    rope = read_rope(d, MODEL_TYPE, default_theta=10000.0, default_percent=0.25)   # plain RoPE only
+    theta, percent = rope.theta, rope.percent
     hidden = d.get("hidden_size", 6144)
     return ModelConfig(
         vocab_size=d.get("vocab_size", 50432), hidden_size=hidden, num_layers=d.get("num_hidden_layers", 44),
@@ -44,7 +45,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     require_export(cfg, MODEL_TYPE, position_embedding="rotary", normalization="layernorm",
-                   activation=("gelu", "gelu_tanh"), qkv_bias=True, linear_bias=True, kv_heads=cfg.num_heads)
+                   activation=("gelu", "gelu_tanh"), qkv_bias=True, linear_bias=True, kv_heads=cfg.num_heads,
+                   **PLAIN_ATTENTION)
     return {"model_type": MODEL_TYPE, "architectures": [HF_ARCHITECTURE], "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.ffn_size,

@@ -1,6 +1,6 @@
 """Registry of per-architecture adapters and the architecture-agnostic entry points that dispatch to them.
 
-Each adapter module (gpt2, neox, llama) provides MODEL_TYPE, HF_ARCHITECTURE, BASE_PREFIX, IGNORED_KEYS,
+Each adapter module (gpt2, neox, llama, qwen2, qwen3, mistral) provides MODEL_TYPE, HF_ARCHITECTURE, BASE_PREFIX, IGNORED_KEYS,
 KEY_ALIASES, config_from_hf(dict), config_to_hf(cfg) and weight_table(cfg).
 """
 from __future__ import annotations
@@ -12,16 +12,26 @@ import torch
 
 from mtds.model.config import ModelConfig
 
-from mtds.hf import gpt2, llama, neox
+from mtds.hf import gpt2, llama, mistral, neox, qwen2, qwen3
 from mtds.hf.common import UnsupportedHFConfig
 from mtds.hf.table import WeightMap, table_to_hf, table_to_layers
 
-ADAPTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, neox, llama)}
+ADAPTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, neox, llama, qwen2, qwen3, mistral)}
+
+# Families users ask for, and what about them a Llama-shaped mtds layer does not compute (docs/hf_interop.md).
+_NOT_YET = {"gemma": "embeddings scaled by sqrt(hidden_size), RMSNorm as (1 + weight), GeGLU MLP",
+            "gemma2": "Gemma's, plus logit soft-capping, norms after each sublayer, alternating sliding windows",
+            "gemma3": "Gemma 2's, plus q/k norm and a RoPE base per layer type",
+            "gemma3_text": "Gemma 2's, plus q/k norm and a RoPE base per layer type",
+            "phi": "attention and MLP in parallel from one LayerNorm, partial rotary, a biased LM head",
+            "phi3": "fused qkv_proj / gate_up_proj and longrope scaling"}
 
 
 def adapter_for(model_type: str) -> ModuleType:
     if model_type not in ADAPTERS:
-        raise UnsupportedHFConfig(f"HF model_type {model_type!r} is not supported; supported: {', '.join(ADAPTERS)}")
+        why = f" ({_NOT_YET[model_type]})" if model_type in _NOT_YET else ""
+        raise UnsupportedHFConfig(f"HF model_type {model_type!r} is not supported{why}; "
+                                  f"supported: {', '.join(ADAPTERS)}")
     return ADAPTERS[model_type]
 
 

@@ -1,0 +1,81 @@
+"""What the Llama-shaped HF families share (Llama, Qwen2, Qwen3, Mistral): RMSNorm, SwiGLU, RoPE with
+its trainable scalings, separate q/k/v and gate/up projections, and one weight table for all of them.
+
+Each family's adapter says what differs (biases, q/k norm, sliding window, head_dim default) and
+refuses what it cannot express; this module reads and writes the rest. We fuse q/k/v and gate/up
+([q | k | v], [gate | up]) so one ColumnParallelLinear with output_segments serves each, giving every
+rank whole query and key/value heads (grouped-query attention: t must divide num_key_value_heads).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mtds.model.config import ROPE_SCALINGS, ModelConfig
+
+from mtds.hf.common import read_rope, require, require_export, rope_to_hf
+from mtds.hf.table import WeightMap
+
+IGNORED_KEYS = (r"rotary_emb\.inv_freq$",)
+
+
+def config_from_hf(d: dict[str, Any], arch: str, defaults: dict[str, Any], **family: Any) -> ModelConfig:
+    """ModelConfig of a Llama-shaped HF config; ``defaults``: the HF class's defaults for absent keys
+    (vocab_size, hidden_size, ...); ``family``: the ModelConfig fields the adapter decided (biases,
+    qk_norm, sliding_window, kv_channels)."""
+    get = lambda key: d[key] if d.get(key) is not None else defaults.get(key)   # noqa: E731
+    act = get("hidden_act") or "silu"
+    require(act == "silu", f"{arch}: hidden_act {act!r} is not supported; supported: silu (SwiGLU)")
+    rope = read_rope(d, arch, default_theta=10000.0, default_percent=1.0, scalings=ROPE_SCALINGS)
+    require(rope.percent == 1.0, f"{arch}: partial_rotary_factor {rope.percent} is not supported (only 1.0)")
+    heads = get("num_attention_heads")
+    return ModelConfig(
+        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=get("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
+        ffn_hidden_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"),
+        position_embedding="rotary", rotary_percent=1.0, rotary_base=rope.theta, rope_scaling=rope.scaling,
+        rope_scaling_params=rope.params, normalization="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6),
+        activation="swiglu", parallel_residual=False, tie_word_embeddings=bool(get("tie_word_embeddings")),
+        hidden_dropout=0.0, attention_dropout=float(d.get("attention_dropout", 0.0)),
+        init_std=d.get("initializer_range", 0.02), architecture=arch, **family)
+
+
+def config_to_hf(cfg: ModelConfig, arch: str, hf_architecture: str) -> dict[str, Any]:
+    """The keys every Llama-shaped config.json has; the adapter adds its own (biases, window)."""
+    require_export(cfg, arch, position_embedding="rotary", rotary_percent=1.0, normalization="rmsnorm",
+                   activation="swiglu", parallel_residual=False, hidden_dropout=0.0)
+    return {"model_type": arch, "architectures": [hf_architecture], "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_size, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "attention_dropout": cfg.attention_dropout,
+            "initializer_range": cfg.init_std, **rope_to_hf(cfg)}
+
+
+def weight_table(cfg: ModelConfig) -> list[WeightMap]:
+    L, d = cfg.num_layers, cfg.head_dim
+    qkv_sizes = (cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
+    ffn_sizes = (cfg.ffn_size, cfg.ffn_size)
+
+    def suffixes(bias: bool) -> tuple[str, ...]:
+        return (".weight", ".bias") if bias else (".weight",)
+
+    rows = [WeightMap(0, "word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for i in range(1, L + 1):
+        p = f"model.layers.{i - 1}."
+        rows += [WeightMap(i, "input_norm.weight", (p + "input_layernorm.weight",)),
+                 WeightMap(i, "post_attention_norm.weight", (p + "post_attention_layernorm.weight",))]
+        rows += [WeightMap(i, "attention.qkv" + s, tuple(p + f"self_attn.{x}_proj" + s for x in "qkv"), "concat",
+                           sizes=qkv_sizes) for s in suffixes(cfg.qkv_bias)]
+        rows += [WeightMap(i, "attention.out_proj" + s, (p + "self_attn.o_proj" + s,))
+                 for s in suffixes(cfg.has_out_proj_bias)]
+        if cfg.qk_norm:
+            rows += [WeightMap(i, f"attention.{x}_norm.weight", (p + f"self_attn.{x}_norm.weight",)) for x in "qk"]
+        for s in suffixes(cfg.linear_bias):
+            rows += [WeightMap(i, "mlp.fc_in" + s, (p + "mlp.gate_proj" + s, p + "mlp.up_proj" + s), "concat",
+                               sizes=ffn_sizes),
+                     WeightMap(i, "mlp.fc_out" + s, (p + "mlp.down_proj" + s,))]
+    rows.append(WeightMap(L + 1, "norm.weight", ("model.norm.weight",)))
+    if not cfg.tie_word_embeddings:
+        rows.append(WeightMap(L + 2, "weight", ("lm_head.weight",)))
+    return rows
