@@ -90,6 +90,17 @@ def test_llama_like_count_by_hand():
     assert model_flops_per_iteration(2, 8, 3, 16, 100) != model_config_flops(cfg, 2, 8)
 
 
+def test_explicit_head_dim_count_by_hand():
+    from mtds.model.config import ModelConfig
+    # Qwen3-like: as above but 4 heads of 8 dims (kv_channels 8: Q 32 wide, K and V 16, not 16 and 8).
+    # Per token and layer, forward: QKV 2*16*(32+16+16) = 2048, scores+xV 4*8*32 = 1024,
+    # out-proj 2*32*16 = 1024, MLP 3840 -> 7936. Logits 3200. 48 * (3*7936 + 3200) = 1,296,384.
+    cfg = ModelConfig(**LLAMA_LIKE, kv_channels=8, qk_norm=True)
+    assert model_config_flops(cfg, 2, 8) == 1_296_384
+    # selective: + 4sq = 1024 per token and layer, 3 passes: 48 * (3*8960 + 3200) = 1,443,840
+    assert model_config_flops(cfg, 2, 8, recompute="selective") == 1_443_840
+
+
 def test_step_log_reports_the_architecture_flops(tmp_path):
     """The step log's model TFLOP/s is the general count over the step time (a Llama-like model)."""
     import json

@@ -201,11 +201,13 @@ def test_fp32_grad_accumulation_memory_and_time():
     assert t_acc > 0 and small - big >= 7 * t_acc * 0.99
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2_gelu", "neox", "llama", "llama_tied", "llama_bias"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_gelu", "neox", "llama", "llama_tied", "llama_bias",
+                                  "llama_rope_linear", "qwen2", "qwen3", "mistral"])
 def test_model_spec_matches_real_models_of_every_family(name):
-    """ModelSpec of a GPT-2 / NeoX / Llama (GQA, SwiGLU, untied, RMSNorm, bias-free) config: its parameter
-    count equals the HF model's and mtds's, its per-GPU count at t = 1 equals mtds's model (padded
-    vocabulary), and its FLOPs are the step log's count for that config (one function for both)."""
+    """ModelSpec of a GPT-2 / NeoX / Llama (GQA, SwiGLU, untied, RMSNorm, bias-free) / Qwen2 (q/k/v biases
+    only) / Qwen3 (q/k norm, head_dim != h / a) / Mistral config: its parameter count equals the HF model's
+    and mtds's, its per-GPU count at t = 1 equals mtds's model (padded vocabulary) tensor by tensor, and its
+    FLOPs are the step log's count for that config (one function for both)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -221,8 +223,11 @@ def test_model_spec_matches_real_models_of_every_family(name):
     hf = AutoModelForCausalLM.from_config(hf_cfg)
     assert spec.params == sum(p.numel() for p in hf.parameters())
     torch.manual_seed(0)
-    ours = sum(p.numel() for p in GPTModel(cfg).parameters())
+    tensors = sorted(p.numel() for p in GPTModel(cfg).parameters())
+    ours = sum(tensors)
     assert stage_params(spec, Candidate(1, 1, 1, 1), "first") == ours
+    from mtds.plan import host_costs
+    assert sorted(host_costs.param_tensor_sizes(spec)) == tensors
     assert spec.hardware_flops(8, "selective") == metrics.model_config_flops(cfg, 8, 32, "selective")
     if name == "gpt2":   # PTD-P's closed form, which leaves out the final layer norm (2h)
         assert spec.params == metrics.gpt_param_count(2, 64, 250, 32) + 2 * 64

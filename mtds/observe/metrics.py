@@ -76,23 +76,26 @@ def hardware_flops_per_iteration(
 def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
                                  ffn_hidden: int | None = None, num_heads: int | None = None,
                                  num_kv_heads: int | None = None, gated_mlp: bool = False,
-                                 recompute: str = "none") -> float:
+                                 head_dim: int | None = None, recompute: str = "none") -> float:
     """Matmul FLOPs of one training iteration for any decoder of this family: the one count used by
     the step log (TFLOP/s, MFU) and the planner.
 
     Forward FLOPs per token and layer (2 per multiply-add):
-      QKV 2h(h + 2 h_kv) with h_kv = h * kv_heads / heads (grouped-query attention: smaller K, V),
-      scores and x V 4sh, output projection 2h^2, MLP 2hf per h x f matrix: 2 matrices (GELU) or
+      QKV 2h(q + 2 h_kv) with q = h and h_kv = h * kv_heads / heads (grouped-query attention: smaller K, V),
+      or q = heads * head_dim and h_kv = kv_heads * head_dim where head_dim is given (Qwen3: not h / heads),
+      scores and x V 4sq, output projection 2qh, MLP 2hf per h x f matrix: 2 matrices (GELU) or
       3 (SwiGLU: gate, up, down); the logits 2hV once per token (tied or untied head alike: an untied
       head adds parameters, not FLOPs). Backward is twice the forward, so an iteration is 3 passes.
     Recomputation, as in :func:`hardware_flops_per_iteration`: "full" runs the layers' forward again
     (4 passes of the layers, 3 of the logits); "selective" adds the attention core once more per
-    pass in the accounting of Korthikanti et al. (4sh x 3). With f = 4h, MHA and GELU this equals
+    pass in the accounting of Korthikanti et al. (4sq x 3). Elementwise work (norms, q/k norm, biases) is
+    not a matmul and not counted. With f = 4h, MHA and GELU this equals
     PTD-P's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) and 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
     """
     h, f = float(hidden), float(ffn_hidden or 4 * hidden)
-    kv = h * num_kv_heads / num_heads if (num_heads and num_kv_heads) else h
-    layer = 2 * h * (h + 2 * kv) + 4.0 * seq * h + 2 * h * h + 2 * h * f * (3 if gated_mlp else 2)
+    q = float(num_heads * head_dim) if (head_dim and num_heads) else h
+    kv = q * num_kv_heads / num_heads if (num_heads and num_kv_heads) else q
+    layer = 2 * h * (q + 2 * kv) + 4.0 * seq * q + 2 * q * h + 2 * h * f * (3 if gated_mlp else 2)
     logits = 2 * h * vocab
     tokens = float(batch) * seq
     if recompute == "none":
@@ -100,16 +103,17 @@ def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     if recompute == "full":
         return tokens * (4 * layers * layer + 3 * logits)
     if recompute == "selective":
-        return 3 * tokens * (layers * (layer + 4.0 * seq * h) + logits)
+        return 3 * tokens * (layers * (layer + 4.0 * seq * q) + logits)
     raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
 
 
 def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> float:
     """:func:`training_flops_per_iteration` for an ``mtds.hf.resolve.ModelConfig`` (FFN width, SwiGLU,
-    GQA read from it); ``recompute="none"`` gives model FLOPs, the numerator of MFU."""
+    GQA, head_dim read from it); ``recompute="none"`` gives model FLOPs, the numerator of MFU."""
     return training_flops_per_iteration(batch, seq, cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
                                         ffn_hidden=cfg.ffn_size, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
-                                        gated_mlp=cfg.activation == "swiglu", recompute=recompute)
+                                        gated_mlp=cfg.activation == "swiglu", head_dim=cfg.kv_channels,
+                                        recompute=recompute)
 
 
 # Dense tensor-core peak in TFLOP/s (no sparsity), from NVIDIA datasheets:

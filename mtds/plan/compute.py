@@ -58,7 +58,8 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     """Forward time of one layer for one microbatch on one of the t tensor-parallel GPUs.
 
     GEMMs per layer (Megatron TP split, arXiv 1909.08053 Fig. 3): QKV [bs x h]@[h x (h + 2h_kv)/t]
-    (h_kv = h for multi-head attention, smaller for GQA), scores (b a/t) x [s x h/a]@[h/a x s],
+    (h_kv = h for multi-head attention, smaller for GQA; with an explicit head_dim d, h stands for a d in
+    the attention's widths and in the projection's input), scores (b a/t) x [s x h/a]@[h/a x s],
     context (b a/t) x [s x s]@[s x h/a], projection [bs x h/t]@[h/t x h], FC1 [bs x h]@[h x f/t]
     (2f/t for SwiGLU: gate and up in one GEMM), FC2 [bs x f/t]@[f/t x h].
     Element-wise bytes (16-bit values, reads + writes, fused kernels as in Megatron):
@@ -71,12 +72,13 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     s, h, a, f = model.seq, model.hidden, model.heads, model.ffn
     w = work.bytes_per_value
     tokens = s * b
-    hd = h / a
+    q = model.q_width          # h, or a * head_dim (Qwen3)
+    hd = q / a
     heads_local = b * a / t
     kv = model.kv_width
     fc1_width = f * (model.mlp_matrices - 1)
-    linear = (gemm_time(tokens, (h + 2 * kv) / t, h, cluster, elem_bytes=w)
-              + gemm_time(tokens, h, h / t, cluster, elem_bytes=w)
+    linear = (gemm_time(tokens, (q + 2 * kv) / t, h, cluster, elem_bytes=w)
+              + gemm_time(tokens, h, q / t, cluster, elem_bytes=w)
               + gemm_time(tokens, fc1_width / t, h, cluster, elem_bytes=w)
               + gemm_time(tokens, h, f / t, cluster, elem_bytes=w))
     attn_gemm = (gemm_time(s, s, hd, cluster, batch=heads_local, elem_bytes=w)
@@ -84,7 +86,7 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     scale = w / 2.0
     hidden_ops = 22.0 * tokens * h / (t if sequence_parallel else 1)
     ffn_ops = (6.0 if model.gated_mlp else 4.0) * tokens * f / t
-    transposes = 4.0 * tokens * (2 * h + 2 * kv) / t
+    transposes = 4.0 * tokens * (2 * q + 2 * kv) / t
     softmax_ops = 9.0 * heads_local * s * s
     elem = elementwise_time(scale * (hidden_ops + ffn_ops + transposes), cluster)
     attn_elem = elementwise_time(scale * softmax_ops, cluster)

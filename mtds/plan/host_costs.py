@@ -92,13 +92,18 @@ def param_tensor_sizes(model: ModelSpec, tp: int = 1) -> list[float]:
     """Elements of every parameter tensor of one rank's whole model (GPT family; p = 1)."""
     h, f, t = model.hidden, model.ffn, tp
     norm = [h] if model.rmsnorm else [h, h]
-    qkv = (h + 2 * model.kv_width) / t
+    qkv = (model.q_width + 2 * model.kv_width) / t
     fc1 = f * (model.mlp_matrices - 1) / t
-    block = [*norm, h * qkv, h * h / t, *norm, h * fc1, f / t * h]
+    block = [*norm, h * qkv, model.q_width / t * h, *norm, h * fc1, f / t * h]
     if model.qkv_bias:
         block.append(qkv)
+    if model.has_out_proj_bias:
+        block.append(h)
     if model.linear_bias:
-        block += [h, fc1, h]
+        block += [fc1, h]
+    if model.qk_norm:   # q and k norms, head_dim wide
+        head = model.q_width / model.heads
+        block += [head] * (2 if model.rmsnorm else 4)
     out = block * model.layers + [model.padded_vocab(t) * h / t] + list(norm)
     if not model.rotary:
         out.append(model.seq * h)

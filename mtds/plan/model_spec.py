@@ -15,7 +15,10 @@ class ModelSpec:
     biases, LayerNorm, tied embeddings). The other fields describe the families mtds trains (NeoX,
     Llama): ``kv_heads`` < a is grouped-query attention (K and V are h * kv_heads / a wide),
     ``gated_mlp`` a SwiGLU MLP (three h x f matrices), ``untied_head`` a separate LM-head matrix,
-    ``rotary`` no position table, ``qkv_bias``/``linear_bias`` False: bias-free QKV / other linears, ``rmsnorm`` one vector per norm.
+    ``rotary`` no position table, ``qkv_bias``/``linear_bias`` False: bias-free QKV / MLP (and projection,
+    unless ``out_proj_bias`` says otherwise: Qwen2 has QKV biases only, Llama attention_bias without mlp_bias),
+    ``rmsnorm`` one vector per norm; ``head_dim`` a per-head width other than h / a (Qwen3: Q is a d wide, the
+    projection a d -> h), ``qk_norm`` a head_dim-wide norm on Q and on K per layer.
     FLOPs for all of them come from the same count as the step log (metrics.training_flops_per_iteration);
     the activation-memory formulas (Korthikanti et al.) stay the GPT ones.
     """
@@ -35,6 +38,9 @@ class ModelSpec:
     qkv_bias: bool = True
     linear_bias: bool = True
     rmsnorm: bool = False
+    head_dim: int | None = None          # None: h / a
+    out_proj_bias: bool | None = None    # None: as linear_bias
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
@@ -44,16 +50,31 @@ class ModelSpec:
                    vocab_multiple=cfg.make_vocab_size_divisible_by, kv_heads=cfg.kv_heads,
                    gated_mlp=cfg.activation == "swiglu", untied_head=not cfg.tie_word_embeddings,
                    rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
-                   rmsnorm=cfg.normalization == "rmsnorm")
+                   rmsnorm=cfg.normalization == "rmsnorm", head_dim=cfg.kv_channels,
+                   out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm)
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
 
     @property
+    def q_width(self) -> float:
+        """Width of Q (and of the attention context): h, or a * head_dim where that is set."""
+        return self.heads * self.head_dim if self.head_dim else self.hidden
+
+    @property
     def kv_width(self) -> float:
         """Width of K (and of V): h for multi-head attention, h * kv_heads / heads for GQA."""
-        return self.hidden * (self.kv_heads or self.heads) / self.heads
+        return self.q_width * (self.kv_heads or self.heads) / self.heads
+
+    @property
+    def has_out_proj_bias(self) -> bool:
+        return self.linear_bias if self.out_proj_bias is None else self.out_proj_bias
+
+    @property
+    def qk_norm_params(self) -> float:
+        """Parameters of one layer's q and k norms: each head_dim wide (weight, + bias for LayerNorm)."""
+        return 2 * (self.q_width / self.heads) * (1 if self.rmsnorm else 2) if self.qk_norm else 0
 
     @property
     def mlp_matrices(self) -> int:
@@ -78,18 +99,19 @@ class ModelSpec:
         return self.hidden * (1 if self.rmsnorm else 2)
 
     def sharded_params_per_layer(self) -> float:
-        """Parameters of one layer that tensor parallelism splits t ways: the QKV weight h(h + 2 h_kv)
-        and bias, the projection weight h^2, the MLP matrices (2 or 3) x h f and the column-parallel
-        MLP biases (f each for fc1 and, gated, the gate)."""
+        """Parameters of one layer that tensor parallelism splits t ways: the QKV weight h(q + 2 h_kv)
+        (q = h unless head_dim is set) and bias, the projection weight q h, the MLP matrices (2 or 3) x h f
+        and the column-parallel MLP biases (f each for fc1 and, gated, the gate)."""
         h, f = self.hidden, self.ffn
-        qkv = h + 2 * self.kv_width
+        qkv = self.q_width + 2 * self.kv_width
         bias = (qkv if self.qkv_bias else 0.0) + ((self.mlp_matrices - 1) * f if self.linear_bias else 0.0)
-        return h * qkv + h * h + self.mlp_matrices * h * f + bias
+        return h * qkv + self.q_width * h + self.mlp_matrices * h * f + bias
 
     def replicated_params_per_layer(self) -> float:
-        """Parameters of one layer every TP rank holds whole: two norms and the row-parallel biases
-        (projection and fc2, h each)."""
-        return 2 * self.norm_params + (2 * self.hidden if self.linear_bias else 0)
+        """Parameters of one layer every TP rank holds whole: two norms, the row-parallel biases
+        (projection and fc2, h each) and the q/k norms."""
+        biases = (self.hidden if self.has_out_proj_bias else 0) + (self.hidden if self.linear_bias else 0)
+        return 2 * self.norm_params + biases + self.qk_norm_params
 
     def params_per_layer(self) -> float:
         """Sharded + replicated (= 12h^2 + 13h for the GPT shape: QKV 3h^2+3h, projection h^2+h,
@@ -108,12 +130,13 @@ class ModelSpec:
         return metrics.training_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab,
                                                     ffn_hidden=self.ffn, num_heads=self.heads,
                                                     num_kv_heads=self.kv_heads, gated_mlp=self.gated_mlp,
-                                                    recompute=recompute)
+                                                    head_dim=self.head_dim, recompute=recompute)
 
     def __str__(self) -> str:
         tag = f"{self.name} " if self.name else ""
         extra = "".join([f" kv={self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else "",
-                         " swiglu" if self.gated_mlp else ""])
+                         " swiglu" if self.gated_mlp else "", f" d={self.head_dim}" if self.head_dim else "",
+                         " qk-norm" if self.qk_norm else ""])
         return (f"{tag}l={self.layers} h={self.hidden} a={self.heads} V={self.vocab} s={self.seq}{extra} "
                 f"({self.params / 1e9:.1f}B params)")
 

@@ -103,11 +103,12 @@ def shared_gradient_collectives(model: ModelSpec, layout: Candidate, grad_bytes:
                                 microbatches: int) -> list[Collective]:
     """Per step, SP only: the TP sum of the replicated parameters' gradients (h values per tensor:
     per layer 2 norms' weights (+ biases for LayerNorm) and, with biases, the attention-projection and
-    fc2 biases; + the final norm)."""
+    fc2 biases; + the final norm). The q/k norms' head_dim-wide sums (any t > 1, SP or not) are left out:
+    2 head_dim values per layer, next to these h-wide ones."""
     if not layout.sequence_parallel or layout.tp == 1:
         return []
     norm_tensors = 1 if model.rmsnorm else 2
-    per_layer = 2 * norm_tensors + (2 if model.linear_bias else 0)
+    per_layer = 2 * norm_tensors + int(model.has_out_proj_bias) + int(model.linear_bias)
     tensors = per_layer * model.layers / layout.pp + norm_tensors
     if layout.zero_stage <= 1:
         return [Collective("all_reduce", tensors * model.hidden * grad_bytes, 1)]
