@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtds.hf import (UnsupportedHFConfig, hf_config_from_model_config, load_hf_into_model, model_config_from_hf,
+from mtds.hf import (UnsupportedHFConfig, hf_config_dict, hf_config_from_model_config, load_hf_into_model, model_config_from_hf,
                      model_to_hf_state, save_hf_checkpoint)
 from mtds.model import GPTModel
 from tests.dist import spawn
@@ -82,6 +82,12 @@ def test_export_round_trip(tmp_path, name):
     assert sorted(state) == sorted(want)                     # transformers' key names, no more, no fewer
     assert all(torch.equal(state[k], want[k]) for k in want)  # bit-exact
     assert model_config_from_hf(hf_config_from_model_config(cfg)) == cfg
+    # each RoPE spelling alone says the same: transformers 5's rope_parameters, 4.x's rope_scaling + flat keys
+    exported = hf_config_dict(cfg)
+    for drop in ("rope_scaling", "rope_parameters"):
+        alone = {k: v for k, v in exported.items() if k != drop}
+        assert model_config_from_hf(alone) == cfg, drop
+        assert _model_keys(T.AutoConfig.for_model(**alone)) == _model_keys(hf.config), drop
     save_hf_checkpoint(cfg, state, str(tmp_path))
     back = T.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").float().eval()
     before, after = _model_keys(hf.config), _model_keys(back.config)
