@@ -69,7 +69,8 @@ def ours(name: str, reset_position_ids: bool, reset_attention_mask: bool):
     return hf, model
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+# mistral_window: a window of 8 inside documents of up to 9 tokens, the two masks combined
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral_window"])
 @torch.no_grad()
 def test_each_packed_document_matches_hf_alone(name):
     hf, model = ours(name, True, True)
