@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtds.hf import (UnsupportedHFConfig, hf_config_dict, hf_config_from_model_config, load_hf_into_model, model_config_from_hf,
-                     model_to_hf_state, save_hf_checkpoint)
+from mtds.hf import (UnsupportedHFConfig, hf_config_dict, hf_config_from_model_config, load_hf_into_model,
+                     model_config_from_hf, model_to_hf_state, save_hf_checkpoint)
 from mtds.model import GPTModel
 from tests.dist import spawn
 from tests.test_hf_cases import FAMILIES, FAMILY_SEQ, VOCAB, hf_model, input_ids

@@ -22,7 +22,9 @@ def config_from_hf(d: dict[str, Any], arch: str, defaults: dict[str, Any], **fam
     """ModelConfig of a Llama-shaped HF config; ``defaults``: the HF class's defaults for absent keys
     (vocab_size, hidden_size, ...); ``family``: the ModelConfig fields the adapter decided (biases,
     qk_norm, sliding_window, kv_channels)."""
-    get = lambda key: d[key] if d.get(key) is not None else defaults.get(key)   # noqa: E731
+    def get(key: str) -> Any:
+        return d[key] if d.get(key) is not None else defaults.get(key)
+
     act = get("hidden_act") or "silu"
     require(act == "silu", f"{arch}: hidden_act {act!r} is not supported; supported: silu (SwiGLU)")
     rope = read_rope(d, arch, default_theta=10000.0, default_percent=1.0, scalings=ROPE_SCALINGS)

@@ -26,7 +26,7 @@ DEFAULT_WINDOW = 4096   # MistralConfig's when the key is absent
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     hidden = d.get("hidden_size") or DEFAULTS["hidden_size"]
     heads = d.get("num_attention_heads") or DEFAULTS["num_attention_heads"]
-    window = d["sliding_window"] if "sliding_window" in d else DEFAULT_WINDOW
+    window = d.get("sliding_window", DEFAULT_WINDOW)   # an explicit null: no window
     return llama_like.config_from_hf(d, MODEL_TYPE, DEFAULTS, kv_channels=d.get("head_dim") or hidden // heads,
                                      qkv_bias=False, out_proj_bias=False, linear_bias=False, sliding_window=window)
 

@@ -1,7 +1,7 @@
 """Registry of per-architecture adapters and the architecture-agnostic entry points that dispatch to them.
 
-Each adapter module (gpt2, neox, llama, qwen2, qwen3, mistral) provides MODEL_TYPE, HF_ARCHITECTURE, BASE_PREFIX, IGNORED_KEYS,
-KEY_ALIASES, config_from_hf(dict), config_to_hf(cfg) and weight_table(cfg).
+Each adapter module (gpt2, neox, llama, qwen2, qwen3, mistral) provides MODEL_TYPE, HF_ARCHITECTURE,
+BASE_PREFIX, IGNORED_KEYS, KEY_ALIASES, config_from_hf(dict), config_to_hf(cfg) and weight_table(cfg).
 """
 from __future__ import annotations
 

@@ -22,9 +22,10 @@ ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral")
 # RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
-ROPE_SCALING_REQUIRED = {"linear": ("factor",),
-                         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                         "yarn": ("original_max_position_embeddings",)}
+ROPE_SCALING_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",)}
 
 
 @dataclass(frozen=True)
