@@ -43,6 +43,15 @@ def make_inputs(tmp: str) -> dict:
     p["zero2"] = _ds(tmp, "zero2.json", _base_ds(zero_optimization={"stage": 2}))
     p["zero3"] = _ds(tmp, "zero3.json", _base_ds(zero_optimization={"stage": 3}))
     p["notjson"] = _ds(tmp, "notjson.json", "{ not json")
+    cpu = json.load(open(os.path.join(ROOT, CPU)))
+    p["zerotypo"] = _ds(tmp, "zerotypo.json", {**{k: v for k, v in cpu.items() if k != "zero_optimization"},
+                                               "zero_optimisation": cpu["zero_optimization"]})
+    p["nestedtypo"] = _ds(tmp, "nestedtypo.json", {**cpu, "zero_optimization": {
+        **cpu["zero_optimization"], "stage3_prefetch_bucket_sise": 1000}})
+    p["bf16typo"] = _ds(tmp, "bf16typo.json", {**cpu, "bf16": {"enabeld": True}})
+    p["bf16false"] = _ds(tmp, "bf16false.json", {**cpu, "bf16": {"enabled": "false"}})
+    p["stageauto"] = _ds(tmp, "stageauto.json", {**cpu, "zero_optimization": {"stage": "auto"}})
+    p["batchauto"] = _ds(tmp, "batchauto.json", {**cpu, "train_batch_size": "auto"})
     p["bert"] = _ds(tmp, "bert.json", {"model_type": "bert", "hidden_size": 64})
     p["notype"] = _ds(tmp, "notype.json", {"n_embd": 64, "n_layer": 2})
     p["badcfg"] = _ds(tmp, "badcfg.json", "{ nope")
@@ -119,6 +128,17 @@ RUN_CASES = [
     ("ds-zero-stage-4", ["--deepspeed_config", "{stage}"], "zero_optimization.stage must be 0-3"),
     ("ds-no-micro-batch", ["--deepspeed_config", "{nomicro}"], "needs train_micro_batch_size_per_gpu"),
     ("ds-not-json", ["--deepspeed_config", "{notjson}"], "is not valid JSON"),
+    ("ds-unknown-top-level-key", ["--deepspeed_config", "{zerotypo}"],
+     "zerotypo.json (at the top level): did you mean `zero_optimization`? (DeepSpeed {ds} would ignore it silently)"),
+    ("ds-unknown-nested-key", ["--deepspeed_config", "{nestedtypo}"],
+     "unknown key `zero_optimization.stage3_prefetch_bucket_sise` in the DeepSpeed config"),
+    ("ds-unknown-bf16-key", ["--deepspeed_config", "{bf16typo}"], "unknown key `bf16.enabeld`"),
+    ("ds-string-for-boolean", ["--deepspeed_config", "{bf16false}"],
+     'is the string "false", which DeepSpeed {ds} reads as false: write false, without quotes'),
+    ("ds-auto-value", ["--deepspeed_config", "{stageauto}"],
+     'is "auto", a placeholder HF\'s Trainer fills in before DeepSpeed sees the config'),
+    ("ds-batch-auto", ["--deepspeed_config", "{batchauto}"],
+     'train_batch_size in the DeepSpeed config must be a positive whole number, got "auto"'),
     ("flag-dropout-above-1", ["--deepspeed_config", CPU, "--dropout", "1.5"], "must be in [0, 1)"),
     # layouts (world 1 here; t must divide the heads etc. is checked on 2 ranks below)
     ("layout-tp-pp-world", ["--deepspeed_config", CPU, "--tp", "2", "--pp", "2"], "not divisible by tp*pp"),
@@ -153,8 +173,13 @@ RUN_CASES = [
     ("tokenizer-missing-dir", ["--deepspeed_config", CPU, "--tokenizer", "/no/such/tokenizer"], "tokenizer"),
     ("tokenizer-dir-without-files", ["--deepspeed_config", CPU, "--tokenizer", "{notok}"], "tokenizer"),
     # checkpoints (complete/corrupt/unsafe ones: test_reliability.py)
-    ("ckpt-missing-dir", ["--deepspeed_config", CPU, "--load", "/no/such/ckpt"], "does not exist"),
-    ("ckpt-not-a-checkpoint", ["--deepspeed_config", CPU, "--load", "{notackpt}"], "not an mtds checkpoint"),
+    # (a missing or empty --load directory starts from scratch: tests/test_first_hour.py)
+    ("ckpt-missing-tag-folder", ["--deepspeed_config", CPU, "--load", "/no/such/ckpt/global_step5"],
+     "checkpoint '/no/such/ckpt/global_step5' does not exist"),
+    ("ckpt-load-is-a-file", ["--deepspeed_config", CPU, "--load", "{few}"], "is a file, not a checkpoint directory"),
+    ("ckpt-not-a-checkpoint", ["--deepspeed_config", CPU, "--load", "{notackpt}"],
+     "is not an mtds checkpoint: it holds 1 entry (sub) but no global_stepN/ folder, so it is probably not the "
+     "directory given to --save"),
     ("ckpt-other-mtds-version", ["--deepspeed_config", CPU, "--load", "{oldckpt}"], "saved by an older mtds"),
     ("ckpt-newer-format", ["--deepspeed_config", CPU, "--load", "{newckpt}"], "checkpoint format 99"),
     ("ckpt-missing-rank-file", ["--deepspeed_config", CPU, "--load", "{norank}"], "missing rank file mtds_rank_00000"),
@@ -266,7 +291,9 @@ def _outcomes(cases, paths):
 
 
 def _check(case, outcome):
+    import deepspeed
     name, _, expected = case
+    expected = expected.replace("{ds}", deepspeed.__version__)
     kind, text = outcome
     assert kind == "error", f"{name}: {kind}\n{text}"
     assert "\n" not in text.strip(), f"{name}: more than one line: {text!r}"

@@ -183,6 +183,48 @@ def newest_listed(root: str, rejected: dict[str, str] | None = None) -> tuple[st
     raise IncompleteCheckpoint(f"no complete checkpoint in {root!r}: " + "; ".join(skipped))
 
 
+# What a save writes into the --save directory before its checkpoint is complete: the staging folder, and
+# DeepSpeed's recovery scripts (copied there by ZeRO saves).
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def start_or_resume(path: str) -> str | None:
+    """What ``--load PATH`` means, decided before anything is set up: None to resume (the newest
+    checkpoint passes the cheap checks), or one line saying why the run starts from scratch instead:
+    PATH does not exist, is empty, or holds only what an unfinished first save left. So the same
+    ``--save D --load D`` starts a job and restarts it (Megatron's behaviour). Raises
+    :class:`CheckpointFormatError` where PATH is a file, holds other things but no checkpoint (probably
+    not the --save directory), names a missing global_stepN folder, or holds no complete checkpoint."""
+    root = os.path.expanduser(os.fspath(path))
+    if not os.path.exists(root):
+        if _TAG.match(os.path.basename(os.path.normpath(root))):
+            raise CheckpointFormatError(f"checkpoint {root!r} does not exist: check --load (pass the directory "
+                                        f"given to --save, or a global_stepN folder that is in it)")
+        return f"--load {path}: the directory does not exist yet, no checkpoint to resume: starting from scratch"
+    if not os.path.isdir(root):
+        raise CheckpointFormatError(f"--load {path!r} is a file, not a checkpoint directory: pass the directory "
+                                    f"given to --save")
+    entries = os.listdir(root)
+    names = sorted(n for n in entries if not n.startswith("."))
+    if not names:
+        what = "is empty" if not entries else "holds only hidden files"
+        return f"--load {path}: the directory {what}, no checkpoint to resume: starting from scratch"
+    is_tag = _TAG.match(os.path.basename(os.path.normpath(root))) or os.path.isfile(os.path.join(root, MARKER))
+    if not is_tag and not tags_newest_first(root):
+        staging = [n for n in names if n.endswith(STAGING_SUFFIX) and _TAG.match(n[:-len(STAGING_SUFFIX)])]
+        if staging and all(n in staging or n in RECOVERY_SCRIPTS for n in names):
+            return (f"--load {path}: holds only an unfinished save ({', '.join(staging)}), no complete checkpoint: "
+                    f"starting from scratch")
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise CheckpointFormatError(
+            f"{root!r} is not an mtds checkpoint: it holds {len(names)} entr{'y' if len(names) == 1 else 'ies'} "
+            f"({shown}) but no global_stepN/ folder, so it is probably not the directory given to --save: pass "
+            f"that one (or a global_stepN folder in it); only a missing or empty --load directory starts from "
+            f"scratch")
+    newest_listed(root)     # the cheap checks (marker, manifests, sizes); the contents are verified on load
+    return None
+
+
 def find_complete(root: str) -> tuple[str, list[str]]:
     """(tag folder of the newest complete checkpoint under ``root``, one line per newer one skipped), every
     file verified by this process. ``root`` may also be a tag folder itself: then exactly that

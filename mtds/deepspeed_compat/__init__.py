@@ -4,7 +4,8 @@ Every use of a DeepSpeed name that starts with ``_`` or is not part of its docum
 package, one function per capability mtds needs (``pipeline.py``: mtds's schedules on DeepSpeed's
 pipeline engine; ``patches.py``: methods replaced on a built engine; ``checkpointing.py``: checkpoint
 internals; ``chunked_module.py``: the interleaved ``PipelineModule``; ``explicit_parts.py``: stages cut at a
-pipeline layout's boundaries). ``tests/test_deepspeed_boundary.py``
+pipeline layout's boundaries; ``config_schema.py``: the keys DeepSpeed's config parser reads, for checking
+a user's JSON). ``tests/test_deepspeed_boundary.py``
 holds the rest of mtds to it.
 
 ``capabilities.py`` lists what each capability rests on; the training run checks the installed

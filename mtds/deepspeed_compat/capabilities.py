@@ -146,6 +146,11 @@ CAPABILITIES = (
         Target("deepspeed.utils.zero_to_fp32", "parse_optim_states", ("files", "ds_checkpoint_dir")),
         Target("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint",
                ("world_size", "fp32_flat_groups", "zero_model_states", "exclude_frozen_parameters")))),
+    # config_schema.py: DeepSpeedConfig parses a dict wrapped to record its lookups; the section models
+    # (DeepSpeedConfigModel, extra="forbid") name themselves when they refuse a probe key.
+    Capability("check a DeepSpeed JSON's keys against DeepSpeed's own config parser", (
+        Target("deepspeed.runtime.config:DeepSpeedConfig", "__init__", ("config", "mpu")),
+        Target("deepspeed.runtime.config_utils:DeepSpeedConfigModel", "__init__", A))),
     Capability("name the pipeline's p2p groups for the collective tracer", (
         Target("deepspeed.runtime.pipe.p2p", "_groups", A),)),
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,17 +28,61 @@ class BatchPlan:
 
 
 def load_ds_config(source: str | os.PathLike | dict) -> dict[str, Any]:
+    """The user's DeepSpeed config (a JSON file or the dict itself), its keys checked against DeepSpeed's
+    own parser (:func:`check_keys`) before anything is set up."""
     if isinstance(source, dict):
-        return copy.deepcopy(source)
+        config = copy.deepcopy(source)
+        check_keys(config, "the DeepSpeed config")
+        return config
     path = os.fspath(source)
     if not os.path.isfile(path):
         raise ConfigError(f"DeepSpeed config {path!r} not found: pass --deepspeed_config with a JSON file "
                           f"(see ds_configs/)")
     try:
         with open(path) as f:
-            return json.load(f)
+            config = json.load(f)
     except json.JSONDecodeError as err:
         raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config {path!r} holds a JSON {type(config).__name__}, not an object of "
+                          f"settings (see ds_configs/)")
+    check_keys(config, f"the DeepSpeed config {path}")
+    return config
+
+
+def check_keys(config: dict, where: str = "the DeepSpeed config") -> None:
+    """Refuse, in one line, the first key DeepSpeed does not read (it would ignore it silently, or refuse it
+    only once the engine is built), naming where it sits and the nearest valid key; and a string value
+    DeepSpeed reads otherwise than written ("auto", "false", "1"). The schema is DeepSpeed's own:
+    mtds.deepspeed_compat.config_schema."""
+    import deepspeed
+
+    from mtds.deepspeed_compat.config_schema import find_problems
+    problems = find_problems(config)
+    if problems:
+        raise ConfigError(describe_problem(problems[0], where, deepspeed.__version__))
+
+
+def describe_problem(problem, where: str, version: str) -> str:
+    """One line for a :class:`mtds.deepspeed_compat.config_schema.ConfigProblem`."""
+    dotted = ".".join(problem.path)
+    if problem.kind == "auto":
+        return (f"`{dotted}` in {where} is \"auto\", a placeholder HF's Trainer fills in before DeepSpeed sees "
+                f"the config: DeepSpeed {version} alone drops it and uses {json.dumps(problem.converted)}; "
+                f"write the value you want")
+    if problem.kind == "string":
+        value = json.dumps(problem.converted)
+        return (f"`{dotted}` in {where} is the string {json.dumps(problem.value)}, which DeepSpeed {version} "
+                f"reads as {value}: write {value}, without quotes")
+    at = "" if len(problem.path) > 1 else " (at the top level)"
+    if problem.suggestion is not None:
+        hint = f"did you mean `{'.'.join(problem.suggestion)}`?"
+    elif len(problem.valid) <= 12:
+        hint = f"the keys DeepSpeed reads there are {', '.join(problem.valid)}"
+    else:
+        hint = "see https://www.deepspeed.ai/docs/config-json/ for the keys DeepSpeed reads"
+    fate = "ignore it silently" if problem.silent else "refuse it only once the data and model are set up"
+    return f"unknown key `{dotted}` in {where}{at}: {hint} (DeepSpeed {version} would {fate})"
 
 
 def override_batch(config: dict, global_batch: int | None = None, micro_batch: int | None = None) -> dict:
@@ -74,6 +119,12 @@ def plan_batch(config: dict, dp: int) -> BatchPlan:
     B = config.get("train_batch_size")
     b = config.get("train_micro_batch_size_per_gpu")
     m = config.get("gradient_accumulation_steps")
+    for key, value in (("train_batch_size", B), ("train_micro_batch_size_per_gpu", b), ("gradient_accumulation_steps", m)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            hint = (" (\"auto\" is a placeholder HF's Trainer fills in: set a number, or pass --global-batch-size "
+                    "/ --micro-batch-size, which replace the config's)" if value == "auto" else "")
+            raise ConfigError(f"{key} in the DeepSpeed config must be a positive whole number, got "
+                              f"{json.dumps(value)}{hint}")
     if b is None and B is not None and m is not None:
         b = B // (m * dp) if B % (m * dp) == 0 else None
     if b is None:

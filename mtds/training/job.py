@@ -8,7 +8,8 @@
      logger, data (rank 0 tokenizes into the cache first), model, DeepSpeed engine and the gradient
      patches mtds installs on it (checked by ``deepspeed_compat.check_engine``), then the caller's
      probes; precision and ZeRO stage are decided here
-  3. resume (``resume`` below): weights, optimizer, RNG and data position from ``--load``
+  3. resume (``resume`` below): weights, optimizer, RNG and data position from ``--load`` (which
+     ``load_or_start`` checked between phases 1 and 2: a missing or empty directory starts from scratch)
   4. train (``train_loop.train``): the step loop; logging, NaN/inf checks, replica checks, evaluation,
      checkpoints, signals, timeline and tracer are step hooks (``hooks.step_hooks``)
 
@@ -16,7 +17,10 @@ docs/training_loop.md walks the phases and hooks.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
+
+import torch.distributed as dist
 
 from mtds.deepspeed_compat import check_installed
 from mtds.safety.heartbeat import Heartbeat
@@ -24,13 +28,14 @@ from mtds.safety.signals import StopRequest
 from mtds.safety.startup import BuildLockWatchdog
 
 from mtds.checkpoint import lifecycle as ckpt
+from mtds.checkpoint.complete import start_or_resume
 from mtds.training.build import BuiltRun, build_run
 from mtds.training.config import TrainConfig
 from mtds.training.result import RunResult
 from mtds.training.train_loop import train
 from mtds.training.world import setup_world
 
-__all__ = ["RunResult", "run", "resume"]
+__all__ = ["RunResult", "run", "resume", "load_or_start"]
 
 
 def run(cfg: TrainConfig, *, on_engine_ready: Sequence[Callable] = ()) -> RunResult:
@@ -45,6 +50,7 @@ def run(cfg: TrainConfig, *, on_engine_ready: Sequence[Callable] = ()) -> RunRes
         with BuildLockWatchdog(cfg.build_lock_timeout_s) as watchdog:
             check_installed()   # the DeepSpeed internals mtds relies on, before anything starts
             world = setup_world(cfg, heartbeat)
+            cfg = load_or_start(cfg)    # --load: before data and model, a missing/empty directory starts afresh
             built = build_run(cfg, world, watchdog, on_engine_ready)
             start_step = resume(built)
             return train(built, start_step, stop)
@@ -54,6 +60,31 @@ def run(cfg: TrainConfig, *, on_engine_ready: Sequence[Callable] = ()) -> RunRes
     finally:
         heartbeat.stop(error)
         stop.uninstall()
+
+
+def load_or_start(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` as the run will go: with ``--load D`` where D does not exist or is empty (or holds only an
+    unfinished first save) the run starts from scratch, saying so in one line, so that ``--save D --load D``
+    is the command for the first launch and for every restart. Rank 0 looks (every rank gets its answer);
+    a D that is not a checkpoint directory, or holds none complete, ends the run here, before the data and
+    the model are set up."""
+    if not cfg.load:
+        return cfg
+    answer = [None, None]      # (line: start from scratch, error)
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = start_or_resume(cfg.load)
+        except ValueError as err:      # CheckpointFormatError, IncompleteCheckpoint
+            answer[1] = str(err).strip().splitlines()[0]
+    dist.broadcast_object_list(answer, src=0)
+    line, error = answer
+    if error:
+        raise ckpt.CheckpointError(error)
+    if line is None:
+        return cfg
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+    return dataclasses.replace(cfg, load=None)
 
 
 def resume(built: BuiltRun) -> int:

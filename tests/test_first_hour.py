@@ -1,0 +1,296 @@
+"""A Megatron-LM user's first hour: a typo in the DeepSpeed JSON is one line before anything starts (not a
+run at ZeRO-0, not a pydantic traceback after the data and model), and ``--save D --load D`` is the same
+command for the first launch and every restart.
+
+The DeepSpeed-JSON cases run in the test process (no process group); the ``--load`` ones on one spawned
+rank, through ``run`` up to the build phase (replaced by a probe: nothing is set up), then one real tiny
+run launched twice with the same ``--save D --load D``. The one-line cases are also rows of
+``tests/test_bad_input.py`` (docs/bad_input.md)."""
+from __future__ import annotations
+
+import glob
+import inspect
+import json
+import os
+
+import pytest
+
+from lab.testing import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
+
+
+def _shipped(name: str) -> dict:
+    with open(os.path.join(ROOT, "ds_configs", name)) as f:
+        return json.load(f)
+
+
+def _refusal(config: dict, tmp_path) -> str:
+    """The one line load_ds_config gives for ``config`` written as a JSON file."""
+    from mtds.training.ds_config import ConfigError, load_ds_config
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as caught:
+        load_ds_config(str(path))
+    text = str(caught.value)
+    assert "\n" not in text, text
+    return text.replace(str(path), "ds.json")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_every_shipped_config_passes_the_key_check(path):
+    from mtds.deepspeed_compat.config_schema import find_problems
+    from mtds.training.ds_config import load_ds_config
+    assert find_problems(load_ds_config(path)) == []
+
+
+def test_the_configs_mtds_builds_pass_the_key_check():
+    from mtds.deepspeed_compat.config_schema import find_problems
+    from mtds.gpucheck.ds_configs import ds_config as gpucheck_config
+    from tests.training_helpers import ds_config
+    configs = [ds_config(zero=z, precision=p, optimizer=o) for z in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")
+               for o in ("adamw", "sgd")]
+    configs += [gpucheck_config(p, global_batch=8, micro_batch=2, device="cpu") for p in ("fp32", "bf16")]
+    for config in configs:
+        assert find_problems(config) == [], config
+
+
+def test_a_misspelt_top_level_key_is_refused(tmp_path):
+    config = _shipped("cpu_fp32.json")
+    config["zero_optimisation"] = config.pop("zero_optimization")      # trained at ZeRO-0, silently
+    assert _refusal(config, tmp_path) == (
+        "unknown key `zero_optimisation` in the DeepSpeed config ds.json (at the top level): did you mean "
+        "`zero_optimization`? (DeepSpeed 0.19.8 would ignore it silently)".replace("0.19.8", _ds_version()))
+    config = _shipped("cpu_fp32.json")
+    config["gradient_cliping"] = config.pop("gradient_clipping")       # trained without clipping, silently
+    assert "unknown key `gradient_cliping`" in _refusal(config, tmp_path)
+    assert "did you mean `gradient_clipping`?" in _refusal(config, tmp_path)
+
+
+@pytest.mark.parametrize("section, key, nearest", [
+    ("zero_optimization", "stage3_prefetch_bucket_sise", "stage3_prefetch_bucket_size"),
+    ("bf16", "enabeld", "enabled"),
+])
+def test_a_misspelt_nested_key_is_refused(tmp_path, section, key, nearest):
+    config = _shipped("cpu_bf16.json")
+    config[section][key] = 1
+    text = _refusal(config, tmp_path)
+    assert text.startswith(f"unknown key `{section}.{key}` in the DeepSpeed config ds.json: did you mean "
+                           f"`{section}.{nearest}`?"), text
+    assert "would refuse it only once the data and model are set up" in text, text
+
+
+def test_nested_sections_deepspeed_reads_key_by_key_are_checked(tmp_path):
+    base = _shipped("cpu_fp32.json")
+    for section, nested, nearest in (("activation_checkpointing", {"partition_activation": True}, "partition_activations"),
+                                     ("zero_optimization", {"stage": 1, "offload_optimizer": {"devise": "cpu"}},
+                                      "offload_optimizer.device"),
+                                     ("optimizer", {**base["optimizer"], "parms": {}}, "params")):
+        text = _refusal({**base, section: nested}, tmp_path)
+        assert f"did you mean `{section}.{nearest}`?" in text, text
+
+
+def test_sections_deepspeed_passes_on_are_not_checked():
+    """optimizer.params goes to the optimizer's constructor and pipeline is copied whole: any key."""
+    from mtds.deepspeed_compat.config_schema import find_problems
+    config = _shipped("cpu_fp32.json")
+    config["optimizer"]["params"]["my_own_knob"] = 1
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "anything": 1}}
+    config["pipeline"] = {"pipe_partitioned": False, "whatever": 1}
+    assert find_problems(config) == []
+
+
+def test_a_config_using_many_of_deepspeeds_sections_passes():
+    """No false positive where DeepSpeed reads nested dicts, aliases (stage3_*), offload devices and paths
+    (a path string is not a coerced value), monitors, timers and checkpoint options."""
+    from mtds.deepspeed_compat.config_schema import find_problems
+    config = {
+        **_shipped("cpu_fp32.json"), "communication_data_type": "fp32", "prescale_gradients": False,
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e8,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.3},
+                              "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5},
+                              "stage3_prefetch_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e6,
+                              "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 1e12},
+        "fp16": {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2},
+        "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False},
+        "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1},
+        "flops_profiler": {"enabled": False, "profile_step": 1, "output_file": None},
+        "tensorboard": {"enabled": True, "output_path": "out/", "job_name": "x"},
+        "wandb": {"enabled": False, "project": "p"}, "comms_logger": {"enabled": True, "verbose": False},
+        "checkpoint": {"tag_validation": "Warn", "load_universal": False, "parallel_write": {"pipeline_stage": False}},
+        "data_types": {"grad_accum_dtype": "fp32"}, "timers": {"throughput": {"enabled": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    }
+    assert find_problems(config) == []
+
+
+@pytest.mark.parametrize("section, value, expected", [
+    ("bf16", {"enabled": "false"}, '`bf16.enabled` in the DeepSpeed config ds.json is the string "false", which '
+                                   'DeepSpeed {v} reads as false: write false, without quotes'),
+    ("zero_optimization", {"stage": "auto"}, '`zero_optimization.stage` in the DeepSpeed config ds.json is "auto", a '
+                                             "placeholder HF's Trainer fills in before DeepSpeed sees the config: "
+                                             'DeepSpeed {v} alone drops it and uses 0; write the value you want'),
+    ("zero_optimization", {"stage": "1"}, 'reads as 1: write 1, without quotes'),
+])
+def test_strings_deepspeed_reads_otherwise_are_refused(tmp_path, section, value, expected):
+    """Verified against DeepSpeed: it reads "false" as False (mtds took it for bf16 on), drops "auto" for
+    its default, turns "1" into 1."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    config = {**_shipped("cpu_fp32.json"), section: value}
+    parsed = DeepSpeedConfig({**config, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4})
+    assert (parsed.bfloat16_config.enabled, parsed.zero_optimization_stage) == \
+        ((False, 1) if section == "bf16" else (False, 0 if value["stage"] == "auto" else 1))
+    assert expected.format(v=_ds_version()) in _refusal(config, tmp_path)
+
+
+def test_the_top_level_keys_are_deepspeeds_own():
+    """The schema follows the installed DeepSpeed: every config constant its parser reads is in it, and
+    the keys deepspeed.initialize reads itself are still read there."""
+    import deepspeed
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.precision_config import BFLOAT16
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+
+    from mtds.deepspeed_compat.config_schema import INITIALIZE_KEYS, top_level_keys
+    keys = top_level_keys()
+    for name in ("TRAIN_BATCH_SIZE", "TRAIN_MICRO_BATCH_SIZE_PER_GPU", "GRADIENT_ACCUMULATION_STEPS", "OPTIMIZER",
+                 "SCHEDULER", "GRADIENT_CLIPPING", "STEPS_PER_PRINT", "WALL_CLOCK_BREAKDOWN", "FP16"):
+        assert getattr(constants, name) in keys, name
+    assert ZERO_OPTIMIZATION in keys and BFLOAT16 in keys
+    source = inspect.getsource(deepspeed.initialize)
+    for key in INITIALIZE_KEYS:
+        assert f'"{key}"' in source, key
+    assert "zero_optimisation" not in keys and "gradient_cliping" not in keys
+
+
+def test_a_deepspeed_parser_mtds_cannot_read_is_one_error_line(monkeypatch):
+    """A DeepSpeed whose config parser no longer looks keys up through the dict: the capability's line,
+    not every key refused."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from mtds.deepspeed_compat import DeepSpeedMismatch
+    from mtds.deepspeed_compat import config_schema
+    parse = DeepSpeedConfig._initialize_params
+    monkeypatch.setattr(DeepSpeedConfig, "_initialize_params", lambda self, params: parse(self, dict(params)))
+    config_schema.top_level_keys.cache_clear()
+    try:
+        with pytest.raises(DeepSpeedMismatch, match="no longer reads its config through lookups mtds can record "
+                                                    "-- mtds needs it to check a DeepSpeed JSON's keys"):
+            config_schema.top_level_keys()
+    finally:
+        config_schema.top_level_keys.cache_clear()
+
+
+def _ds_version() -> str:
+    import deepspeed
+    return deepspeed.__version__
+
+
+# --load
+
+
+def _load_dirs(root: str) -> dict:
+    dirs = {name: os.path.join(root, name) for name in ("missing", "empty", "other", "unfinished")}
+    for name in ("empty", "other", "unfinished"):
+        os.makedirs(dirs[name])
+    with open(os.path.join(dirs["other"], "notes.txt"), "w") as f:
+        f.write("not a checkpoint")
+    os.makedirs(os.path.join(dirs["unfinished"], "global_step10.partial"))       # a first save killed half-way
+    open(os.path.join(dirs["unfinished"], "zero_to_fp32.py"), "w").close()
+    return dirs
+
+
+def test_where_load_starts_from_scratch(tmp_path):
+    from mtds.checkpoint.complete import start_or_resume
+    from mtds.checkpoint.errors import CheckpointFormatError
+    dirs = _load_dirs(str(tmp_path))
+    assert start_or_resume(dirs["missing"]) == (f"--load {dirs['missing']}: the directory does not exist yet, no "
+                                                f"checkpoint to resume: starting from scratch")
+    assert start_or_resume(dirs["empty"]) == (f"--load {dirs['empty']}: the directory is empty, no checkpoint to "
+                                              f"resume: starting from scratch")
+    assert "holds only an unfinished save (global_step10.partial)" in start_or_resume(dirs["unfinished"])
+    with pytest.raises(CheckpointFormatError, match="is not an mtds checkpoint: it holds 1 entry \\(notes.txt\\) "
+                                                    "but no global_stepN/ folder, so it is probably not the directory "
+                                                    "given to --save"):
+        start_or_resume(dirs["other"])
+    with pytest.raises(CheckpointFormatError, match="does not exist"):
+        start_or_resume(os.path.join(dirs["missing"], "global_step5"))     # one checkpoint named: must be there
+
+
+class _BuildReached(Exception):
+    pass
+
+
+def _first_launches(dirs: dict, save: str):
+    """On one rank: ``run`` with --load of each directory up to the build phase (replaced: records the
+    --load the build got), then the same ``--save D --load D`` launched twice for real."""
+    import contextlib
+    import io
+
+    from mtds.training import job
+    from mtds.training.cli import user_errors
+    from tests.training_helpers import train_config
+    reached = []
+
+    def build_probe(cfg, *args, **kwargs):
+        reached.append(cfg.load)
+        raise _BuildReached
+
+    out = {}
+    original = job.build_run
+    job.build_run = build_probe
+    try:
+        for name, path in dirs.items():
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                try:
+                    job.run(train_config(load=path))
+                    outcome = ("ran", None)
+                except _BuildReached:
+                    outcome = ("built", reached[-1])
+                except user_errors() as err:
+                    outcome = ("error", str(err))
+            out[name] = (*outcome, printed.getvalue())
+    finally:
+        job.build_run = original
+    runs = []
+    for steps in (2, 3):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            result = job.run(train_config(steps=steps, save=save, load=save))
+        runs.append((result.losses, result.final_step, printed.getvalue()))
+    return out, runs
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("firsthour"))
+    save = os.path.join(root, "ckpt")
+    (out, runs), = spawn(_first_launches, 1, _load_dirs(root), save, timeout=300)
+    return out, runs, save
+
+
+@pytest.mark.parametrize("name, why", [("missing", "the directory does not exist yet"),
+                                       ("empty", "the directory is empty"),
+                                       ("unfinished", "holds only an unfinished save (global_step10.partial)")])
+def test_load_of_a_missing_or_empty_dir_starts_from_scratch(launches, name, why):
+    out, _, _ = launches
+    kind, load_seen, printed = out[name]
+    assert (kind, load_seen) == ("built", None), out[name]       # the build phase ran, without --load
+    assert f"{why}, no " in printed and "starting from scratch" in printed, printed
+
+
+def test_load_of_a_dir_holding_other_files_fails_before_the_build(launches):
+    out, _, _ = launches
+    kind, text, printed = out["other"]
+    assert kind == "error" and "is not an mtds checkpoint: it holds 1 entry (notes.txt)" in text, out["other"]
+    assert "starting from scratch" not in printed
+
+
+def test_the_same_save_load_command_starts_and_restarts(launches):
+    _, runs, save = launches
+    (first, first_step, first_out), (second, second_step, second_out) = runs
+    assert len(first) == 2 and first_step == 2 and "starting from scratch" in first_out, first_out
+    assert len(second) == 1 and second_step == 3 and f"resumed from {save} at step 2" in second_out, second_out
+    assert sorted(n for n in os.listdir(save) if n.startswith("global_step")) == ["global_step2", "global_step3"]
