@@ -159,7 +159,8 @@ class TrainConfig:
     load: str | None = opt(
         None, "--load", section=LOGS, metavar="DIR",
         help="resume from the newest complete checkpoint in DIR (or the global_stepN folder given), naming any "
-             "incomplete one skipped")
+             "incomplete one skipped; a DIR that does not exist or is empty starts from scratch, so --save DIR "
+             "--load DIR both starts and restarts a job")
     log_jsonl: str | None = opt(
         None, "--log-jsonl", section=LOGS, metavar="FILE", help="one JSON object per step (and per evaluation)")
     tensorboard: str | None = opt(
