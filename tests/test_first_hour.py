@@ -260,37 +260,96 @@ def _first_launches(dirs: dict, save: str):
         with contextlib.redirect_stdout(printed):
             result = job.run(train_config(steps=steps, save=save, load=save))
         runs.append((result.losses, result.final_step, printed.getvalue()))
-    return out, runs
+    # Megatron's --bf16 / --clip-grad / --weight-decay over an fp32 JSON, against the JSON that says the same
+    from tests.training_helpers import ds_config
+    flagged = []
+    for cfg in (train_config(steps=2, bf16=True, clip_grad=0.3, weight_decay=0.05),
+                train_config(steps=2, deepspeed_config=_json_saying_it(ds_config()))):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            result = job.run(cfg)
+        flagged.append((result.losses, result.grad_norms, printed.getvalue()))
+    return out, runs, flagged
+
+
+def _json_saying_it(config: dict) -> dict:
+    """What --bf16 --clip-grad 0.3 --weight-decay 0.05 mean, written in the DeepSpeed JSON itself."""
+    config = {**config, "bf16": {"enabled": True}, "gradient_clipping": 0.3}
+    config["optimizer"] = {**config["optimizer"], "params": {**config["optimizer"]["params"], "weight_decay": 0.05}}
+    return config
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("firsthour"))
     save = os.path.join(root, "ckpt")
-    (out, runs), = spawn(_first_launches, 1, _load_dirs(root), save, timeout=300)
-    return out, runs, save
+    (out, runs, flagged), = spawn(_first_launches, 1, _load_dirs(root), save, timeout=300)
+    return out, runs, save, flagged
 
 
 @pytest.mark.parametrize("name, why", [("missing", "the directory does not exist yet"),
                                        ("empty", "the directory is empty"),
                                        ("unfinished", "holds only an unfinished save (global_step10.partial)")])
 def test_load_of_a_missing_or_empty_dir_starts_from_scratch(launches, name, why):
-    out, _, _ = launches
+    out, _, _, _ = launches
     kind, load_seen, printed = out[name]
     assert (kind, load_seen) == ("built", None), out[name]       # the build phase ran, without --load
     assert f"{why}, no " in printed and "starting from scratch" in printed, printed
 
 
 def test_load_of_a_dir_holding_other_files_fails_before_the_build(launches):
-    out, _, _ = launches
+    out, _, _, _ = launches
     kind, text, printed = out["other"]
     assert kind == "error" and "is not an mtds checkpoint: it holds 1 entry (notes.txt)" in text, out["other"]
     assert "starting from scratch" not in printed
 
 
 def test_the_same_save_load_command_starts_and_restarts(launches):
-    _, runs, save = launches
+    _, runs, save, _ = launches
     (first, first_step, first_out), (second, second_step, second_out) = runs
     assert len(first) == 2 and first_step == 2 and "starting from scratch" in first_out, first_out
     assert len(second) == 1 and second_step == 3 and f"resumed from {save} at step 2" in second_out, second_out
     assert sorted(n for n in os.listdir(save) if n.startswith("global_step")) == ["global_step2", "global_step3"]
+
+
+def test_megatrons_json_flags_override_the_json_and_are_named(launches):
+    """--bf16 --clip-grad 0.3 --weight-decay 0.05 over an fp32 JSON train exactly as the JSON saying the same,
+    and the header names each override."""
+    *_, ((losses, norms, printed), (json_losses, json_norms, json_printed)) = launches
+    assert (losses, norms) == (json_losses, json_norms)
+    assert "bf16" in printed.split("mtds: layout", 1)[1].split("\n", 1)[0], printed
+    assert ("flags over the DeepSpeed config: --bf16 (bf16.enabled), --clip-grad 0.3 (gradient_clipping), "
+            "--weight-decay 0.05 (optimizer.params.weight_decay)") in printed, printed
+    assert "flags over the DeepSpeed config" not in json_printed
+
+
+def test_megatrons_flags_are_aliases_or_named_with_their_equivalent(capsys):
+    from mtds.training.cli import build_parser, config_from_args
+    common = ["--deepspeed_config", "ds_configs/cpu_fp32.json"]
+    megatron = config_from_args(build_parser().parse_args(common + [
+        "--train-iters", "7", "--lr-warmup-iters", "2", "--lr-decay-style", "linear", "--tensorboard-dir", "tb"]))
+    ours = config_from_args(build_parser().parse_args(common + [
+        "--steps", "7", "--warmup-steps", "2", "--lr-decay", "linear", "--tensorboard", "tb"]))
+    assert megatron == ours
+    for flag, words in (("--num-layers", "--model"), ("--lr-decay-iters", "--steps"), ("--adam-beta2", "optimizer.params")):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(common + [flag, "3"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1, err
+        assert f"error: {flag} is Megatron-LM's and not a train.py flag" in err and words in err, err
+    with pytest.raises(ValueError, match="--bf16 and --fp16 both given"):
+        config_from_args(build_parser().parse_args(common + ["--bf16", "--fp16"]))
+
+
+def test_schedule_errors_speak_flags():
+    from mtds.pipe.select import check_schedule
+    with pytest.raises(ValueError, match=r"use --global-batch-size 16 \(4 micro-batches per step\)"):
+        check_schedule("dualpipev", pp=2, virtual_stages=1, micro_batches=3, samples_per_micro_batch=4)
+    with pytest.raises(ValueError, match=r"use --global-batch-size 8 \(4 micro-batches per step\)"):
+        check_schedule("interleaved", pp=4, virtual_stages=2, micro_batches=2, samples_per_micro_batch=2)
+
+
+def test_weight_decay_needs_an_optimizer_section():
+    from mtds.training.ds_config import ConfigError, override_from_flags
+    with pytest.raises(ConfigError, match='--weight-decay sets .* no "optimizer" section'):
+        override_from_flags({"train_batch_size": 8}, weight_decay=0.1)

@@ -38,6 +38,8 @@ OUT_OF_RANGE = {
     "heartbeat_timeout_s": (["--heartbeat-timeout", "-1"],
                             "--heartbeat-timeout must be >= 0 seconds (0: off), got -1.0"),
     "build_lock_timeout_s": (["--build-lock-timeout", "-5"], "--build-lock-timeout must be > 0 seconds, got -5.0"),
+    "clip_grad": (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
+    "weight_decay": (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),
 }
 
 

@@ -71,8 +71,11 @@ def has_weight_pass(name: str) -> bool:
     return name == "zb-h1"
 
 
-def check_microbatches(name: str, p: int, v: int, m: int) -> None:
-    """Raise ``ValueError`` (one line, with the fix) if ``name`` cannot run ``m`` micro-batches at (p, v)."""
+def check_microbatches(name: str, p: int, v: int, m: int, samples_per_micro_batch: int | None = None) -> None:
+    """Raise ``ValueError`` (one line, with the fix) if ``name`` cannot run ``m`` micro-batches at (p, v).
+
+    ``samples_per_micro_batch`` (micro batch x data-parallel size): when given, the fix names the
+    ``--global-batch-size`` that gives a runnable count."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if p < 1 or v < 1 or m < 1:
@@ -89,8 +92,14 @@ def check_microbatches(name: str, p: int, v: int, m: int) -> None:
         if not interleaved_supports(p, m):
             nxt = next(k for k in range(max(m, p), 2 * max(m, p) + 1) if interleaved_supports(p, k))
             raise ValueError(f"interleaved schedule cannot split {m} micro-batches into equal groups of at least "
-                             f"the pipeline size ({p}); set gradient accumulation (train_batch_size / "
-                             f"(micro batch x data parallel)) to {nxt}")
+                             f"the pipeline size ({p}); {micro_batches_fix(nxt, samples_per_micro_batch)}")
+
+
+def micro_batches_fix(m: int, samples_per_micro_batch: int | None) -> str:
+    """How a user gets ``m`` micro-batches per step, in flags: m = --global-batch-size / (--micro-batch-size x d)."""
+    if samples_per_micro_batch:
+        return f"use --global-batch-size {m * samples_per_micro_batch} ({m} micro-batches per step)"
+    return f"use {m} micro-batches per step: --global-batch-size = {m} x --micro-batch-size x data-parallel size"
 
 
 def interleaved_supports(p: int, m: int) -> bool:

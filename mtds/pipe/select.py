@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from mtds.deepspeed_compat.capabilities import TESTED_SPEC, in_tested_range
 
-from mtds.pipe.schedules import check_microbatches
+from mtds.pipe.schedules import check_microbatches, micro_batches_fix
 
 from mtds.parallel.choices import OWN_ENGINE, PIPELINE_SCHEDULES
 
 __all__ = ["PIPELINE_SCHEDULES", "OWN_ENGINE", "check_schedule", "check_schedule_config", "check_weight_pass_support"]
 
 
-def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: int | None = None) -> None:
-    """``ValueError`` (one line, with the fix) for a schedule/layout/micro-batch count that cannot run."""
+def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: int | None = None,
+                   samples_per_micro_batch: int | None = None) -> None:
+    """``ValueError`` (one line, with the fix) for a schedule/layout/micro-batch count that cannot run;
+    ``samples_per_micro_batch`` (micro batch x data-parallel size) lets the fix name a --global-batch-size."""
     if name not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown --pipeline-schedule {name!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
     if name == "1f1b":
@@ -34,13 +36,13 @@ def check_schedule(name: str, *, pp: int, virtual_stages: int, micro_batches: in
                              "--virtual-stages at 1")
         if micro_batches is not None and micro_batches < 2 * pp:
             raise ValueError(f"dualpipev needs at least 2 x pp = {2 * pp} micro-batches per step, got "
-                             f"{micro_batches}: raise train_batch_size / (micro batch x data parallel)")
+                             f"{micro_batches}: {micro_batches_fix(2 * pp, samples_per_micro_batch)}")
         return
     if name == "zb-h1" and virtual_stages != 1:
         raise ValueError(f"--pipeline-schedule zb-h1 runs one chunk per rank: leave --virtual-stages at 1 "
                          f"(or use --pipeline-schedule interleaved for V={virtual_stages})")
     if micro_batches is not None:
-        check_microbatches(name, pp, virtual_stages, micro_batches)
+        check_microbatches(name, pp, virtual_stages, micro_batches, samples_per_micro_batch)
 
 
 def check_weight_pass_support(*, bf16_immediate: bool, overlap_comm: bool) -> None:

@@ -19,7 +19,8 @@ from mtds.safety.startup import BuildLockWatchdog
 
 from mtds.training.config import TrainConfig
 from mtds.training.distributed import configure_matmul_precision
-from mtds.training.ds_config import BatchPlan, load_ds_config, override_batch, precision, prepare_ds_config, zero_stage
+from mtds.training.ds_config import (BatchPlan, load_ds_config, override_batch, override_from_flags, precision,
+                                     prepare_ds_config, zero_stage)
 from mtds.training.engine_setup import create_engine, install_engine_patches
 from mtds.observe.logger import StepLogger
 from mtds.training.stage_plan import describe, resolve_stage_layout
@@ -45,12 +46,14 @@ class BuiltRun:
     nonfinite: LocalNonFinite | None   # this rank's own non-finite gradients (None under fp16: the scaler)
 
 
-def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
+def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan, list[str]]:
     """The DeepSpeed dict for this layout (batch sizes derived), the pipeline edits the model's
-    activations need, and the schedule's checks against it."""
+    activations need, and the schedule's checks against it; the flags that overrode the user's JSON."""
     layout = world.layout
     dualpipev = cfg.pipeline_schedule == "dualpipev"
     user = override_batch(load_ds_config(cfg.deepspeed_config), cfg.global_batch_size, cfg.micro_batch_size)
+    user, overrides = override_from_flags(user, bf16=cfg.bf16, fp16=cfg.fp16, clip_grad=cfg.clip_grad,
+                                          weight_decay=cfg.weight_decay)
     ds_config, batch = prepare_ds_config(user, layout,
                                          device_type=world.device.type, lr=cfg.lr)
     if cfg.sequence_parallel and layout.pp > 1:
@@ -67,12 +70,12 @@ def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan]:
     if cfg.pipeline_schedule in OWN_ENGINE or dualpipev:
         from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
         check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
-                       micro_batches=batch.accumulation)
+                       micro_batches=batch.accumulation, samples_per_micro_batch=batch.micro_batch * layout.dp)
         check_schedule_config(cfg.pipeline_schedule, ds_config)
         import deepspeed
         if problem := deepspeed_version_problem(deepspeed.__version__):
             raise ValueError(problem)
-    return ds_config, batch
+    return ds_config, batch, overrides
 
 
 def build_data(cfg: TrainConfig, world: World, batch: BatchPlan, logger: StepLogger):
@@ -118,7 +121,7 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
 def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
               on_engine_ready: Sequence[Callable] = ()) -> BuiltRun:
     """Config, logger, data, model, engine and its patches, then the probes; in this order on every rank."""
-    ds_config, batch = run_ds_config(cfg, world)
+    ds_config, batch, overrides = run_ds_config(cfg, world)
     prec, zero = precision(ds_config), zero_stage(ds_config)
     tf32 = configure_matmul_precision(world.device, prec)
     layout, groups = world.layout, world.groups
@@ -133,6 +136,8 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
                 f"{' (TF32 matmuls)' if tf32 else ''}, "
                 f"ZeRO-{zero}; global batch {batch.global_batch} = micro {batch.micro_batch} x "
                 f"accumulation {batch.accumulation} x dp {layout.dp}")
+    if overrides:
+        logger.info(f"flags over the DeepSpeed config: {', '.join(overrides)}")
     if world.allocator:
         logger.info(f"cpu: {world.allocator}")
 

@@ -29,7 +29,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one ``error:`` line (exit 2) like every other bad input."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (python train.py --help lists the options)\n")
+        from mtds.training.megatron_flags import hint
+        self.exit(2, f"error: {hint(message) or message} (python train.py --help lists the options)\n")
 
 
 def _cli_only(group: argparse._ArgumentGroup, after: str) -> None:

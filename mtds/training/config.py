@@ -125,7 +125,7 @@ class TrainConfig:
         4, "--eval-iters", section=DATA, at_least=1, help="global batches per evaluation [4]")
     # optimisation
     steps: int = opt(
-        100, "--steps", section=OPTIM, at_least=0, help="optimizer steps [100]")
+        100, "--steps", "--train-iters", section=OPTIM, at_least=0, help="optimizer steps [100]")
     global_batch_size: int | None = opt(        # overrides train_batch_size (Megatron's --global-batch-size)
         None, "--global-batch-size", section=OPTIM, metavar="B",
         help="sequences per optimizer step over all data-parallel ranks (overrides the DeepSpeed "
@@ -138,10 +138,22 @@ class TrainConfig:
     min_lr: float = opt(
         0.0, "--min-lr", section=OPTIM, at_least=0, help="learning rate at the end of decay [0]")
     warmup_steps: int = opt(
-        0, "--warmup-steps", section=OPTIM, at_least=0, help="linear warm-up steps [0]")
+        0, "--warmup-steps", "--lr-warmup-iters", section=OPTIM, at_least=0, help="linear warm-up steps [0]")
     lr_decay: str = opt(
-        "cosine", "--lr-decay", section=OPTIM, choices=LR_DECAYS,
+        "cosine", "--lr-decay", "--lr-decay-style", section=OPTIM, choices=LR_DECAYS,
         help="decay after warm-up (unless the DeepSpeed config has a scheduler) [cosine]")
+    # Megatron's flags for settings the DeepSpeed JSON owns: given, they override it (the header names them)
+    bf16: bool = opt(
+        False, "--bf16", section=OPTIM, help="train in bf16: sets the DeepSpeed config's bf16.enabled (fp16 off)")
+    fp16: bool = opt(
+        False, "--fp16", section=OPTIM,
+        help="train in fp16 with dynamic loss scaling: sets fp16.enabled (bf16 off)")
+    clip_grad: float | None = opt(
+        None, "--clip-grad", section=OPTIM, at_least=0, metavar="NORM",
+        help="clip gradients to this global norm, 0 off (sets the DeepSpeed config's gradient_clipping)")
+    weight_decay: float | None = opt(
+        None, "--weight-decay", section=OPTIM, at_least=0, metavar="WD",
+        help="the optimizer's weight decay (sets optimizer.params.weight_decay)")
     zero1_grad_reduce: str = opt(               # ZeRO-1 gradients: reduce-scatter (mtds) | all-reduce (DeepSpeed's)
         "reduce-scatter", "--zero1-grad-reduce", section=OPTIM, choices=ZERO1_GRAD_REDUCE,
         help="ZeRO-1's data-parallel gradient reduction: reduce-scatter, each rank summing only the "
@@ -164,7 +176,7 @@ class TrainConfig:
     log_jsonl: str | None = opt(
         None, "--log-jsonl", section=LOGS, metavar="FILE", help="one JSON object per step (and per evaluation)")
     tensorboard: str | None = opt(
-        None, "--tensorboard", section=LOGS, metavar="DIR", help="TensorBoard scalars")
+        None, "--tensorboard", "--tensorboard-dir", section=LOGS, metavar="DIR", help="TensorBoard scalars")
     plot: str | None = opt(
         None, "--plot", section=LOGS, metavar="PNG",
         help="write loss / learning-rate / throughput curves here at the end")
@@ -212,6 +224,8 @@ class TrainConfig:
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
         if self.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
             raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 both given: choose one precision")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
         if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":

@@ -102,6 +102,31 @@ def override_batch(config: dict, global_batch: int | None = None, micro_batch: i
     return config
 
 
+def override_from_flags(config: dict, *, bf16: bool = False, fp16: bool = False, clip_grad: float | None = None,
+                        weight_decay: float | None = None) -> tuple[dict, list[str]]:
+    """``config`` with Megatron's --bf16 / --fp16 / --clip-grad / --weight-decay in place of its keys, and the
+    overrides as the header names them (``--bf16 (bf16.enabled)``)."""
+    config, named = copy.deepcopy(config), []
+    for flag, on, off in (("--bf16", "bf16", "fp16"), ("--fp16", "fp16", "bf16")):
+        if (bf16 if on == "bf16" else fp16):
+            config[on] = {**(config.get(on) or {}), "enabled": True}
+            config.pop("bfloat16", None)       # DeepSpeed's older spelling of bf16 would shadow the flag
+            if off in config:
+                config[off] = {**config[off], "enabled": False}
+            named.append(f"{flag} ({on}.enabled)")
+    if clip_grad is not None:
+        config["gradient_clipping"] = clip_grad
+        named.append(f"--clip-grad {clip_grad:g} (gradient_clipping)")
+    if weight_decay is not None:
+        optimizer = config.get("optimizer")
+        if not isinstance(optimizer, dict):
+            raise ConfigError("--weight-decay sets the DeepSpeed config's optimizer.params.weight_decay, but the "
+                              "config has no \"optimizer\" section: add one (see ds_configs/) or drop the flag")
+        config["optimizer"] = {**optimizer, "params": {**(optimizer.get("params") or {}), "weight_decay": weight_decay}}
+        named.append(f"--weight-decay {weight_decay:g} (optimizer.params.weight_decay)")
+    return config, named
+
+
 def precision(config: dict) -> str:
     if config.get("bf16", {}).get("enabled"):
         return "bf16"

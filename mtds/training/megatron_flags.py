@@ -1,0 +1,49 @@
+"""Megatron-LM's training flags that train.py does not take, each with what does the same in mtds.
+
+Megatron's flags that mean what an mtds flag means are aliases of it (mtds.training.config: --train-iters,
+--lr-warmup-iters, --lr-decay-style, --tensorboard-dir, --tensor-model-parallel-size, ...) and those for
+settings the DeepSpeed JSON owns override it (--bf16, --fp16, --clip-grad, --weight-decay). The rest land here,
+so a Megatron user's command line fails with the way forward instead of "unrecognized arguments".
+"""
+from __future__ import annotations
+
+_MODEL = "mtds takes the architecture from --model (a preset such as gpt2-medium, or a HF config.json)"
+_JSON = "set it in the DeepSpeed JSON's optimizer.params (see ds_configs/)"
+
+EQUIVALENTS = {
+    **{flag: _MODEL for flag in (
+        "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--max-position-embeddings",
+        "--kv-channels", "--num-query-groups", "--group-query-attention", "--swiglu", "--normalization",
+        "--position-embedding-type", "--untie-embeddings-and-output-weights", "--init-method-std",
+        "--rotary-base", "--vocab-size", "--make-vocab-size-divisible-by", "--disable-bias-linear",
+        "--add-qkv-bias", "--norm-epsilon", "--layernorm-epsilon", "--apply-layernorm-1p")},
+    "--hidden-dropout": "--dropout P sets hidden and attention dropout together",
+    "--attention-dropout": "--dropout P sets hidden and attention dropout together",
+    "--lr-decay-iters": "mtds decays the learning rate over the whole run: --steps (alias --train-iters)",
+    "--lr-warmup-fraction": "give the warm-up in steps: --warmup-steps (alias --lr-warmup-iters)",
+    "--train-samples": "give the run in steps: --steps N, with --global-batch-size B sequences each",
+    "--adam-beta1": _JSON, "--adam-beta2": _JSON, "--adam-eps": _JSON, "--optimizer": _JSON,
+    "--loss-scale": "set fp16.loss_scale in the DeepSpeed JSON (0 = dynamic)",
+    "--initial-loss-scale": "set fp16.initial_scale_power in the DeepSpeed JSON",
+    "--log-interval": "mtds logs every step (console line, --log-jsonl, --tensorboard)",
+    "--split": "hold out a fraction with --eval-split F, or give --eval-data-path",
+    "--distributed-backend": "mtds picks NCCL on GPUs and gloo on CPUs by itself",
+    "--use-distributed-optimizer": "that is ZeRO-1: zero_optimization.stage 1 in the DeepSpeed JSON (the shipped ptdp_*.json)",
+    "--recompute-activations": "--recompute selective",
+    "--use-flash-attn": "mtds calls torch's scaled_dot_product_attention, which picks flash attention itself",
+    "--num-layers-per-virtual-pipeline-stage": "--pipeline-schedule interleaved --virtual-stages V",
+    "--context-parallel-size": "context parallelism is not in mtds yet; use --sequence-parallel with --tp",
+    "--expert-model-parallel-size": "mixture-of-experts is not in mtds yet",
+    "--ckpt-format": "mtds writes DeepSpeed's checkpoint format (mtds-convert turns it into HF's)",
+}
+
+
+def hint(message: str) -> str | None:
+    """The way forward for argparse's "unrecognized arguments: ..." when it names a Megatron flag, else None."""
+    if not message.startswith("unrecognized arguments:"):
+        return None
+    for token in message.split(":", 1)[1].split():
+        flag = token.split("=", 1)[0]
+        if flag in EQUIVALENTS:
+            return f"{flag} is Megatron-LM's and not a train.py flag: {EQUIVALENTS[flag]}"
+    return None
