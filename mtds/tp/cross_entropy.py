@@ -6,6 +6,13 @@ sum of exponentials) instead of gathering [b, s, V] logits. The shift, the expon
 saved for backward share one float32 buffer of the logits' size: the logits' own where the caller gives
 them up (``reuse_logits``), else a new one. Padded vocabulary columns (ids >=
 ``vocab_size``) are set to -inf so they never take probability mass.
+
+16-bit logits (bf16/fp16) take another path, :class:`_ChunkedCrossEntropy16`: no float32 copy of the
+logits at all. The max and the target logit are read off the 16-bit logits exactly; the exponentials are
+summed a block of rows at a time in float32 (``_CHUNK_ELEMENTS`` per block) and recomputed the same way in
+backward, which writes the 16-bit gradient once. Per element it is the float32 path's arithmetic in the
+same order, so the values equal it; at b = 8, s = 1024, V = 50304 it spares a 1.6 GB float32 buffer and
+its passes (the H100 profile of 2026-11-24).
 """
 from __future__ import annotations
 
@@ -75,6 +82,66 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
+_CHUNK_ELEMENTS = 1 << 24      # float32 elements of one block of rows: 64 MiB of scratch whatever b*s*V is
+
+
+def _row_blocks(rows: int, width: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, width))
+    return ((i, min(i + step, rows)) for i in range(0, rows, step))
+
+
+class _ChunkedCrossEntropy16(torch.autograd.Function):
+    """The cross entropy of 16-bit vocab-sharded logits with float32 arithmetic and no float32 copy of them.
+    Padded vocabulary columns are -inf in every block, as in the float32 path (so each row's sum runs over
+    the same elements in the same order: equal values)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size, ignore_index):
+        start, end = _vocab_range(logits, group)
+        width = logits.shape[-1] if vocab_size is None else max(0, min(logits.shape[-1], vocab_size - start))
+        rows, tgt = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        # the max of 16-bit values is one of them: exact without an upcast
+        logits_max = _all_reduce(rows[:, :width].amax(dim=-1).float() if width else
+                                 torch.full((rows.shape[0],), float("-inf"), device=rows.device), group,
+                                 dist.ReduceOp.MAX)
+        ignored = tgt == ignore_index
+        outside = (tgt < start) | (tgt >= end) | ignored
+        local_target = (tgt - start).masked_fill(outside, 0)
+        picked = rows.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) if width else logits_max
+        target_logit = _all_reduce((picked.float() - logits_max).masked_fill(outside, 0.0), group)
+        sum_exp = torch.zeros_like(logits_max)
+        for i, j in _row_blocks(rows.shape[0], rows.shape[1]):
+            sum_exp[i:j] = _shifted_exp(rows[i:j], width, logits_max[i:j]).sum(dim=-1)
+        sum_exp = _all_reduce(sum_exp, group)
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside, ignored)
+        ctx.width = width
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, logits_max, sum_exp, local_target, outside, ignored = ctx.saved_tensors
+        rows = logits.reshape(-1, logits.shape[-1])
+        grad = torch.empty_like(logits)
+        grad_rows = grad.view(-1, logits.shape[-1])
+        scale = grad_loss.reshape(-1) * (~ignored).float()
+        hit = (~outside).float().unsqueeze(-1)
+        for i, j in _row_blocks(rows.shape[0], rows.shape[1]):
+            # d loss / d z = softmax - one_hot(target), as the float32 path computes it
+            block = _shifted_exp(rows[i:j], ctx.width, logits_max[i:j]).div_(sum_exp[i:j].unsqueeze(-1))
+            block.scatter_add_(-1, local_target[i:j].unsqueeze(-1), -hit[i:j])
+            grad_rows[i:j] = block.mul_(scale[i:j].unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def _shifted_exp(rows: torch.Tensor, width: int, row_max: torch.Tensor) -> torch.Tensor:
+    """exp(z - max) of a block of 16-bit rows in float32, padded columns (from ``width`` on) exp(-inf) = 0."""
+    block = rows.float()
+    if width < block.shape[-1]:
+        block[:, width:] = float("-inf")
+    return block.sub_(row_max.unsqueeze(-1)).exp_()
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *,
                                  vocab_size: int | None = None, ignore_index: int = -100,
                                  reduction: str = "mean", reuse_logits: bool = False) -> torch.Tensor:
@@ -86,7 +153,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     ``reduction``: "none" (per token, 0 where ignored), "sum", or "mean" over non-ignored tokens.
     The result dtype is float32 whatever the logits dtype (bf16 logits lose too much in log-sum-exp).
     """
-    losses = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, ignore_index, reuse_logits)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        losses = _ChunkedCrossEntropy16.apply(logits, target, group, vocab_size, ignore_index)
+    else:
+        losses = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, ignore_index, reuse_logits)
     if reduction == "none":
         return losses
     if reduction == "sum":
