@@ -14,17 +14,20 @@ import sys
 
 def _link_counter(train_loop) -> list[dict]:
     """On an emulated cluster node (MTDS_LINK_DEVICE names the node's link): bytes the link sent and
-    received during each step, read from the kernel counters around ``train_step``. [] elsewhere."""
+    received during each step, read from the kernel counters around ``train_step`` at boundaries all
+    ranks share (mtds.cluster.netns.boundary_link_stats). [] elsewhere."""
     device, per_step = os.environ.get("MTDS_LINK_DEVICE"), []
     if not device:
         return per_step
-    from mtds.cluster.netns import own_link_stats
+    import torch.distributed as dist
+
+    from mtds.cluster.netns import boundary_link_stats
     train_step = train_loop.train_step
 
     def counted_train_step(*args, **kwargs):
-        before = own_link_stats(device)
+        before = boundary_link_stats(device, dist.barrier)
         out = train_step(*args, **kwargs)
-        after = own_link_stats(device)
+        after = boundary_link_stats(device, dist.barrier)
         per_step.append({**{k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")},
                          "tx_at_start": before["tx_bytes"], "tx_at_end": after["tx_bytes"]})
         return out

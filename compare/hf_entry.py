@@ -97,7 +97,7 @@ def main(argv=None) -> None:
                               seed=args.seed)
     link_device = os.environ.get("MTDS_LINK_DEVICE")
     if link_device:
-        from mtds.cluster.netns import own_link_stats
+        from mtds.cluster.netns import boundary_link_stats
     flops_model = model_flops_per_iteration(B, args.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
     flops_hw = hardware_flops_per_iteration(B, args.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
     losses, step_times, comm, link = [], [], [], []
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     model.train()
     for step in range(1, args.steps + 1):
         tracer.reset()
-        before = own_link_stats(link_device) if link_device else None
+        before = boundary_link_stats(link_device, dist.barrier) if link_device else None
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for _ in range(accumulation):
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         elapsed = time.perf_counter() - start
         comm.append(tracer.summary())
         if link_device:
-            after = own_link_stats(link_device)
+            after = boundary_link_stats(link_device, dist.barrier)
             link.append({**{k: after[k] - before[k] for k in ("tx_bytes", "rx_bytes")},
                          "tx_at_start": before["tx_bytes"], "tx_at_end": after["tx_bytes"]})
         dist.all_reduce(total)                     # logging only (after the step's counters)

@@ -103,3 +103,17 @@ def own_link_stats(device: str) -> dict[str, int]:
         with open(os.path.join(base, key)) as f:
             out[key] = int(f.read())
     return out
+
+
+def boundary_link_stats(device: str, barrier) -> dict[str, int]:
+    """``own_link_stats`` at a point every rank has reached, between two calls of ``barrier`` (e.g.
+    ``torch.distributed.barrier``). One rank's own step edges are no such point: a node's link also
+    carries what the node's other ranks send (on a ring, the node's last rank sends across), and a rank
+    that starts the next step while the reader is still between steps has its first sends counted in
+    no step at all. After the first barrier every earlier collective has finished on every rank (its
+    bytes were received, so they passed the counter); the second keeps every rank from sending what
+    comes next until every node's reader has read."""
+    barrier()
+    stats = own_link_stats(device)
+    barrier()
+    return stats

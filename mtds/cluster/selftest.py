@@ -38,14 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from mtds.cluster.cluster import DEVICE
-    from mtds.cluster.netns import own_link_stats
+    from mtds.cluster.netns import boundary_link_stats
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     tensor = torch.full((numel,), float(rank + 1))
     shard = torch.empty(numel // world)
-    dist.barrier()
-    before, start = own_link_stats(DEVICE), time.perf_counter()
+    before, start = boundary_link_stats(DEVICE, dist.barrier), time.perf_counter()
     if op == "all_reduce":
         dist.all_reduce(tensor)
         result, expected = tensor, torch.full((numel,), world * (world + 1) / 2)
