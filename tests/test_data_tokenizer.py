@@ -43,6 +43,7 @@ def no_hub(monkeypatch):
 
 
 def test_unreachable_hub_tokenizer_fails_fast(no_hub):
+    from transformers import AutoTokenizer  # noqa: F401  -- before the clock: it bounds the hub check, not an import
     start = time.monotonic()
     with pytest.raises(DataError) as e:
         load_tokenizer("surely-not-cached/tokenizer-xyz")
@@ -52,6 +53,7 @@ def test_unreachable_hub_tokenizer_fails_fast(no_hub):
 
 def test_unreachable_hub_dataset_fails_fast(no_hub, tmp_path):
     tok = load_tokenizer(None)
+    import datasets  # noqa: F401  -- before the clock: it bounds the hub check, not a cold import
     start = time.monotonic()
     with pytest.raises(DataError) as e:
         build_packed_dataset("someone/some-dataset:cfg@train", tok, 8, cache_dir=tmp_path,
