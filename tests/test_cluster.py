@@ -44,7 +44,10 @@ def test_up_down_nothing_left_after_a_killed_process():
         assert "rate 100Mbit" in describe(spec.node_ns(0), "eth0")
         victim = c.popen(1, ["sleep", "300"])
         survivor = c.popen(0, ["sleep", "300"])
-        time.sleep(0.2)
+        # `ip netns exec` joins the namespace once it gets a CPU: wait for that, not for a fixed time
+        deadline = time.monotonic() + 30
+        while victim.pid not in netns.pids_in(spec.node_ns(1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert victim.pid in netns.pids_in(spec.node_ns(1))
         os.kill(victim.pid, signal.SIGKILL)          # a rank dies inside a node
         victim.wait()
