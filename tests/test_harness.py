@@ -42,6 +42,7 @@ def test_failing_rank_reports_its_traceback():
 
 
 def test_hanging_rank_times_out():
+    spawn(_rank_and_world, 2)      # live ranks first: the clock times the timeout, not the start of a new pool
     start = time.monotonic()
     with pytest.raises(RankFailure, match="did not finish within 5 s"):
         spawn(_hang_on_rank_zero, 2, timeout=5)
@@ -49,6 +50,7 @@ def test_hanging_rank_times_out():
 
 
 def test_killed_rank_is_noticed_quickly():
+    spawn(_rank_and_world, 2)      # live ranks first (the previous test's failure took its pool down)
     start = time.monotonic()
     with pytest.raises(RankFailure, match="rank 1 failed"):
         spawn(_die_hard, 2, timeout=50)
