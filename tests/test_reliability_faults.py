@@ -162,23 +162,31 @@ class _OnRankAtStep:
             engine.module.register_forward_pre_hook(at_step)
 
 
-def _stop_self():
+def _mark(path):
+    """The fault's moment on the host's clock: the test times the others' reaction from it, not from
+    spawn (fresh ranks start and train two steps first, which takes what the machine's load makes it)."""
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
+def _stop_self(mark):
+    _mark(mark)
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _freeze_worker():
+def _freeze_worker(mark):
     from mtds.training import run
     run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=5),
-        on_engine_ready=(_OnRankAtStep(3, 1, _stop_self),))
+        on_engine_ready=(_OnRankAtStep(3, 1, lambda: _stop_self(mark)),))
 
 
-def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout(capfd):
+def test_a_frozen_rank_is_named_and_the_others_stop_within_the_heartbeat_timeout(capfd, tmp_path):
     from lab.testing import RankFailure
-    start = time.monotonic()
+    mark = tmp_path / "fault_at"
     with pytest.raises(RankFailure) as failure:
         # its own processes (one is stopped); gloo alone would wait for the 300 s collective timeout
-        spawn(_freeze_worker, 2, timeout=120, fresh=True)
-    elapsed = time.monotonic() - start
+        spawn(_freeze_worker, 2, str(mark), timeout=120, fresh=True)
+    elapsed = time.time() - float(mark.read_text())
     err = capfd.readouterr().err
     assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
     assert "error: rank 1 has not been heard from for" in err, err[-3000:]
@@ -189,27 +197,29 @@ class _Injected(RuntimeError):
     pass
 
 
-def _raise_injected():
+def _raise_injected(mark):
+    _mark(mark)
     raise _Injected("injected")
 
 
-def _failing_rank_worker():
+def _failing_rank_worker(mark):
     from mtds.training import run
     try:
         run(train_config(tp=2, steps=6, dist_timeout_s=300, heartbeat_timeout_s=30),
-            on_engine_ready=(_OnRankAtStep(3, 1, _raise_injected),))
+            on_engine_ready=(_OnRankAtStep(3, 1, lambda: _raise_injected(mark)),))
     except _Injected:
         time.sleep(60)     # a caller that catches the error: the process, and its sockets, live on
 
 
-def test_a_rank_that_fails_is_reported_as_failed_not_done(capfd):
+def test_a_rank_that_fails_is_reported_as_failed_not_done(capfd, tmp_path):
     """Rank 1 leaves run() with an error but its process stays: rank 0, waiting in a TP all-reduce that rank 1
-    will never join, must stop within the heartbeat's grace (5 s), not after gloo's 300 s or when rank 1 exits."""
+    will never join, must stop within the heartbeat's grace (5 s), not after gloo's 300 s or when rank 1 exits
+    (60 s after its error)."""
     from lab.testing import RankFailure
-    start = time.monotonic()
+    mark = tmp_path / "fault_at"
     with pytest.raises(RankFailure) as failure:
-        spawn(_failing_rank_worker, 2, timeout=120, fresh=True)     # its own processes: one exits, one lingers
-    elapsed = time.monotonic() - start
+        spawn(_failing_rank_worker, 2, str(mark), timeout=120, fresh=True)   # its own processes: one exits, one lingers
+    elapsed = time.time() - float(mark.read_text())
     err = capfd.readouterr().err
     assert "rank 0 failed" in str(failure.value) and "exited with code 1" in str(failure.value), failure.value
     assert "error: rank 1 left training with an error (_Injected" in err, err[-3000:]
