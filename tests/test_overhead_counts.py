@@ -89,19 +89,3 @@ def test_host_reads_per_step_and_cpu_mfu():
     assert reads == [5, 5], reads
     # MFU on CPU: model FLOP/s over the GEMM peak this rank measured at start-up
     assert all(isinstance(m, float) and 0.0 < m < 1.5 for m in mfu), mfu
-
-
-def test_row_parallel_bias_rides_in_the_gemm_at_t_1():
-    """At t = 1 there is no partial sum to reduce, so the bias goes into the GEMM (addmm): one kernel, not a
-    GEMM and an add (at t > 1 it must wait for the all-reduce: counted in the per-layer test above)."""
-    import torch
-
-    from lab.testing.op_counts import OpCounts
-    from mtds.tp.layers import RowParallelLinear
-    layer = RowParallelLinear(16, 8)
-    x = torch.randn(2, 3, 16, requires_grad=True)
-    with OpCounts() as forward:
-        y = layer(x)
-    assert forward.counts["aten.addmm.default"] == 1 and forward.counts["aten.add.Tensor"] == 0, forward.counts
-    want = x.detach() @ layer.weight.detach().t() + layer.bias.detach()
-    assert torch.allclose(y, want, rtol=1e-6, atol=1e-6)

@@ -131,7 +131,6 @@ class RowParallelLinear(nn.Module):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.group = group
-        self.tp_world = tp_world_and_rank(group)[0]
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
@@ -151,8 +150,6 @@ class RowParallelLinear(nn.Module):
             y = linear_with_deferred_weight_grad(x, self.weight, None, self.weight_grad_store)
             y = reduce_scatter_to_sequence_parallel_region(y, self.group, SEQUENCE_DIM)
             return y if self.bias is None else y + shared_by_sequence_shards(self.bias, self.group)
-        if self.tp_world == 1:     # nothing to reduce: the bias rides in the GEMM (addmm), one kernel fewer
-            return linear_with_deferred_weight_grad(x, self.weight, self.bias, self.weight_grad_store)
         y = linear_with_deferred_weight_grad(x, self.weight, None, self.weight_grad_store)
         y = reduce_from_tensor_parallel_region(y, self.group)
         return y if self.bias is None else y + self.bias
