@@ -57,3 +57,16 @@ def test_no_float32_tensor_of_the_logits_size(monkeypatch, dtype):
         loss = ce.vocab_parallel_cross_entropy(logits, target, None, vocab_size=250)
         loss.backward()
     assert logits.numel() == 256 * 256 and watch.largest <= 16 * 256, watch.largest
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bench_switch_off_takes_the_float32_path_on_an_upcast(monkeypatch, dtype):
+    """``CHUNKED_16BIT = False`` (benchmarks/gpu_bench.py's A/B, nothing else sets it): the path before the
+    chunked one, a float32 tensor of the logits' size, with the same values."""
+    logits, target, _ = _case(dtype, 250, 256, rows=256)
+    want = ce.vocab_parallel_cross_entropy(logits, target, None, vocab_size=250)
+    monkeypatch.setattr(ce, "CHUNKED_16BIT", False)
+    with _LargestFloat32() as watch:
+        got = ce.vocab_parallel_cross_entropy(logits, target, None, vocab_size=250)
+    assert watch.largest >= logits.numel(), watch.largest
+    assert torch.equal(got, want)

@@ -84,6 +84,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 _CHUNK_ELEMENTS = 1 << 24      # float32 elements of one block of rows: 64 MiB of scratch whatever b*s*V is
 
+# Bench-only switch, not a user option: benchmarks/gpu_bench.py sets it False for the A/B of this path against
+# the one before it (16-bit logits through the float32 path on a float32 copy of them). Leave it True.
+CHUNKED_16BIT = True
+
 
 def _row_blocks(rows: int, width: int):
     step = max(1, _CHUNK_ELEMENTS // max(1, width))
@@ -153,7 +157,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     ``reduction``: "none" (per token, 0 where ignored), "sum", or "mean" over non-ignored tokens.
     The result dtype is float32 whatever the logits dtype (bf16 logits lose too much in log-sum-exp).
     """
-    if logits.dtype in (torch.bfloat16, torch.float16):
+    if CHUNKED_16BIT and logits.dtype in (torch.bfloat16, torch.float16):
         losses = _ChunkedCrossEntropy16.apply(logits, target, group, vocab_size, ignore_index)
     else:
         losses = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, ignore_index, reuse_logits)
