@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test train test gpu-check clean
+.PHONY: setup setup-test train test gpu-check gpu-bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,15 @@ test: setup-test
 # report in gpucheck.md. GPUCHECK_ARGS="--quick --gpus 2" for less; --device cpu runs the CPU mode.
 gpu-check: setup
 	$(BIN)/python -m mtds.gpucheck $(GPUCHECK_ARGS)
+
+# One prepared speed run for a lent GPU (benchmarks/gpu_bench.py; at most 8 minutes on an H100): host launch
+# cost, baseline vs HF, b = 8/16/32, one profiled step, --compile on/off, A/B of each speed change, the
+# baseline again. results.json and summary.md in GPU_BENCH_OUT ($OUT when set, else gpu_bench/) after every
+# stage. No set-up step: it runs with $(PYTHON) as it is (the GPU image's, with the carried wheels:
+# docs/gpucheck.md#prepared-gpu-run). GPU_BENCH_ARGS="--dry-run --device cpu": every stage at tiny shapes.
+GPU_BENCH_OUT ?= $(or $(OUT),gpu_bench)
+gpu-bench:
+	$(PYTHON) benchmarks/gpu_bench.py --out $(GPU_BENCH_OUT) $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
