@@ -646,7 +646,7 @@ def _pct(x):
 
 
 def _speed_table(rows: list[tuple[str, dict]]) -> list[str]:
-    lines = ["| run | tokens/s | step s | model TFLOP/s | MFU | peak alloc GiB | peak reserved GiB |",
+    lines = ["| run | tokens/s | step s | model TFLOP/s | MFU | peak alloc GiB (CPU: RSS) | peak reserved GiB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows:
         if "tokens_per_s" not in r or "step_s" not in r:
