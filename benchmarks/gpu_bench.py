@@ -77,11 +77,9 @@ PRECISION = "bf16"
 # measures each off against all on.
 SWITCHES = {
     "16-bit cross entropy without a float32 copy": ("mtds.tp.cross_entropy", "CHUNKED_16BIT"),
-    "row-parallel bias in the GEMM at t = 1": ("mtds.tp.layers", "BIAS_IN_GEMM_AT_T1"),
 }
 # What the off side does more of in the warm-up steps (_PathCounts): proof that the switch switched.
-EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce",
-            "row-parallel bias in the GEMM at t = 1": "tp_reduce_calls"}
+EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce"}
 # Changes with no switch (one would need more than a module attribute): the baseline measures them, with
 # the 2026-11-24 H100 numbers (docs/benchmarks.md) as the before.
 BASELINE_ONLY = [
@@ -216,16 +214,13 @@ def _set_switches(values: dict) -> None:
 
 class _PathCounts:
     """Which code path each configuration took, counted in the warm-up steps only (the timed steps run the
-    product's functions unwrapped): the chunked 16-bit and the float32 cross entropy (calls), and the
-    tensor-parallel reduce at t = 1 (a no-op the row-parallel layers call, two per block, only when the bias
-    is not in the GEMM). Evidence that a switch switched."""
+    product's functions unwrapped): the chunked 16-bit and the float32 cross entropy (calls). Evidence that a
+    switch switched."""
 
     def __init__(self, configs):
         import mtds.tp.cross_entropy as ce
-        import mtds.tp.layers as layers
         self.targets = [(ce, "_ChunkedCrossEntropy16", "chunked_16bit_ce"),
-                        (ce, "_VocabParallelCrossEntropy", "float32_ce"),
-                        (layers, "reduce_from_tensor_parallel_region", "tp_reduce_calls")]
+                        (ce, "_VocabParallelCrossEntropy", "float32_ce")]
         self.originals = {(m, name): getattr(m, name) for m, name, _ in self.targets}
         self.counts = {config: {key: 0 for _, _, key in self.targets} for config in configs}
         self.config, self.installed = None, False

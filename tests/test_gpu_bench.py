@@ -82,8 +82,7 @@ def test_dry_run_writes_every_stage_with_numbers(tmp_path, monkeypatch):
     assert changes["measured_by_the_baseline_only"]
     # the switches are back on in this process and the step loop unwrapped (the rank's are checked by its pool)
     import mtds.tp.cross_entropy as ce
-    import mtds.tp.layers as layers
-    assert ce.CHUNKED_16BIT is True and layers.BIAS_IN_GEMM_AT_T1 is True
+    assert ce.CHUNKED_16BIT is True
 
 
 def test_a_failing_stage_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -156,8 +155,7 @@ def test_the_gpu_plan_cases_and_numbers(tmp_path, monkeypatch):
             if c["kind"] == "alternating":       # "all on" 0.090 s a step, each change off 0.100 s
                 r["steps"] = [{"step": i + 1, "config": name, "step_s": 0.09 if name == "all on" else 0.1}
                               for i, name in enumerate(c["schedule"])]
-                r["paths_in_warmup"] = {name: {"float32_ce": int("cross" in name),
-                                               "tp_reduce_calls": 48 * ("bias" in name)} for name in c["configs"]}
+                r["paths_in_warmup"] = {name: {"float32_ce": int("cross" in name)} for name in c["configs"]}
         return out, None
 
     monkeypatch.setattr(gpu_bench, "_spawn_stage", fake)
@@ -185,7 +183,8 @@ def test_the_gpu_plan_cases_and_numbers(tmp_path, monkeypatch):
         [(False, None), (True, "inductor")]
     changes = gpu_bench.stage_changes(ctx, 55)
     (case,), _ = seen["changes"]
-    assert case["warmup"] == 2 * 3 and len(case["schedule"]) == (2 + 8) * 3 == case["workload"].steps
+    configs = 1 + len(gpu_bench.SWITCHES)         # all on, then each change off
+    assert case["warmup"] == 2 * configs and len(case["schedule"]) == (2 + 8) * configs == case["workload"].steps
     assert changes["error"] is None and all(changes["switch_took_effect"].values())
     for effect in changes["effects"].values():
         assert effect["speedup_of_change"] == pytest.approx(0.1 / 0.09)
