@@ -30,6 +30,9 @@ ON_THE_HOST = {
     ("mtds/tp/init_shard.py", "torch.zeros(local_shape, dtype=torch.float32)"): "a parameter's shard (as above)",
     ("mtds/tp/init_shard.py", "torch.empty((r1 - r0, *shape[1:]), dtype=torch.float32)"): "a fill chunk (as above)",
     ("mtds/tp/init_shard.py", "torch.empty(n + tail, dtype=torch.float32)"): "draws that advance the CPU generator",
+    # yarn's frequency ramp: transformers' own formula builds these on the host, then moves them (same bits)
+    ("mtds/model/rotary.py", "torch.arange(dim // 2, dtype=torch.float32)"): "yarn's ramp, moved to the device",
+    ("mtds/model/rotary.py", "torch.arange(0, dim, 2)"): "yarn's frequencies, moved to the device",
 }
 
 
