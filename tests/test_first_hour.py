@@ -260,6 +260,28 @@ def _first_launches(dirs: dict, save: str):
         with contextlib.redirect_stdout(printed):
             result = job.run(train_config(steps=steps, save=save, load=save))
         runs.append((result.losses, result.final_step, printed.getvalue()))
+    # --load of that checkpoint with no --model: its recorded model; a conflicting --model: one line, before the build
+    models = []
+
+    def model_probe(cfg, world, *args, **kwargs):
+        models.append(world.model_cfg)
+        raise _BuildReached
+
+    job.build_run = model_probe
+    try:
+        for model in (None, "gpt2-small"):
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                try:
+                    job.run(train_config(load=save, model=model))
+                    outcome = ("ran", None)
+                except _BuildReached:
+                    outcome = ("built", models[-1])
+                except user_errors() as err:
+                    outcome = ("error", str(err))
+            out[f"model={model}"] = (*outcome, printed.getvalue())
+    finally:
+        job.build_run = original
     # Megatron's --bf16 / --clip-grad / --weight-decay over an fp32 JSON, against the JSON that says the same
     from tests.training_helpers import ds_config
     flagged = []
@@ -310,6 +332,39 @@ def test_the_same_save_load_command_starts_and_restarts(launches):
     assert len(first) == 2 and first_step == 2 and "starting from scratch" in first_out, first_out
     assert len(second) == 1 and second_step == 3 and f"resumed from {save} at step 2" in second_out, second_out
     assert sorted(n for n in os.listdir(save) if n.startswith("global_step")) == ["global_step2", "global_step3"]
+
+
+def test_load_without_model_takes_the_checkpoints_model(launches):
+    """No --model with --load: the model mtds_meta.json records (not gpt2-tiny, which made the load fail), said in
+    one line; the CLI leaves the model unset so that the checkpoint can decide."""
+    from mtds.training.cli import build_parser, config_from_args
+    from tests.training_helpers import TINY
+    out, _, save, _ = launches
+    kind, model_cfg, printed = out["model=None"]
+    assert kind == "built" and model_cfg == TINY, out["model=None"]
+    lines = [line for line in printed.splitlines() if "mtds_meta.json" in line]
+    assert lines == [f"model: the one {save}/global_step3 records (mtds_meta.json), as no --model was given"], printed
+    common = ["--deepspeed_config", "ds_configs/cpu_fp32.json"]
+    assert config_from_args(build_parser().parse_args(common + ["--load", "ck"])).model is None
+    assert config_from_args(build_parser().parse_args(common + ["--init-from-hf", "hf"])).model is None
+
+
+def test_a_model_that_conflicts_with_the_checkpoint_is_one_line_naming_both(launches):
+    out, _, save, _ = launches
+    kind, text, printed = out["model=gpt2-small"]
+    assert kind == "error", out["model=gpt2-small"]     # before the build: no data, no model set up
+    assert "\n" not in text, text
+    assert text.startswith(f"--model gpt2-small is a different model from the one checkpoint {save}/global_step3 records: "
+                           f"vocab_size 50257 vs 8192, hidden_size 768 vs 64, num_layers 12 vs 4"), text
+    assert text.endswith("leave out --model to train the checkpoint's model"), text
+
+
+def test_without_model_or_load_the_model_is_gpt2_tiny():
+    from mtds.model.config import PRESETS
+    from mtds.training.world import run_model_config
+    from tests.training_helpers import train_config
+    assert run_model_config(train_config(model=None)) == PRESETS["gpt2-tiny"]
+    assert run_model_config(train_config(model=None, model_overrides={"hidden_dropout": 0.1})).hidden_dropout == 0.1
 
 
 def test_megatrons_json_flags_override_the_json_and_are_named(launches):

@@ -225,6 +225,19 @@ def start_or_resume(path: str) -> str | None:
     return None
 
 
+def recorded_model(path: str) -> tuple[str, dict] | None:
+    """(tag folder, model config) of the checkpoint ``--load PATH`` would resume, as its mtds_meta.json records
+    it (cheap checks only); None where PATH starts from scratch or holds no checkpoint (the load says why)."""
+    from mtds.checkpoint.meta import CheckpointMeta
+    try:
+        if start_or_resume(path) is not None:
+            return None
+        tag_dir = newest_listed(path)[0]
+        return tag_dir, CheckpointMeta.load(tag_dir).model
+    except ValueError:      # CheckpointFormatError, IncompleteCheckpoint: load_or_start reports it
+        return None
+
+
 def find_complete(root: str) -> tuple[str, list[str]]:
     """(tag folder of the newest complete checkpoint under ``root``, one line per newer one skipped), every
     file verified by this process. ``root`` may also be a tag folder itself: then exactly that

@@ -89,7 +89,6 @@ def recompute_from_args(args: argparse.Namespace) -> tuple[str, int]:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = given_values(args, TrainConfig)        # the flags given; TrainConfig's defaults for the rest
     values["recompute"], values["recompute_interval"] = recompute_from_args(args)
-    values["model"] = args.model or args.init_from_hf or TrainConfig.model   # --init-from-hf's config by default
     if args.dropout is not None:
         values["model_overrides"] = dict(hidden_dropout=args.dropout, attention_dropout=args.dropout)
     from mtds.data.megatron_tokenizer import tokenizer_from_flags

@@ -59,10 +59,11 @@ class TrainConfig:
              "on 1/t of the sequence, saving activation memory; all-gathers and reduce-scatters replace "
              "the all-reduces, plus one all-gather per column-parallel linear in backward (only the "
              "input slice is kept); same losses. Needs t > 1 dividing --seq-length")
-    model: Any = opt(                           # preset name, HF config.json/dir, or ModelConfig
-        "gpt2-tiny", "--model", section=LAYOUT,
+    model: Any = opt(                           # preset name, HF config.json/dir, ModelConfig; None: see world.py
+        None, "--model", section=LAYOUT,
         help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
-             "file/directory [the --init-from-hf directory, else gpt2-tiny]")
+             "file/directory [the model the --load checkpoint records, else the --init-from-hf directory, "
+             "else gpt2-tiny]")
     init_from_hf: str | None = opt(
         None, "--init-from-hf", section=LAYOUT, metavar="DIR",
         help="start from HuggingFace weights in DIR (each rank reads only its layers and shards)")

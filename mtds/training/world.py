@@ -6,13 +6,14 @@ the world size and the model before any group exists; the dropout streams need t
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mtds.observe.comm_trace import CommTracer
-from mtds.model.config import ModelConfig
+from mtds.model.config import NOT_WEIGHTS, ModelConfig
 from mtds.hf.resolve import resolve_model_config
 from mtds.training.cpu_allocator import tune_cpu_allocator
 from mtds.parallel.layout import ParallelGroups, ParallelLayout
@@ -23,6 +24,8 @@ from mtds.tp import RNGTracker, seed_parallel_streams
 
 from mtds.training.config import TrainConfig
 from mtds.training.distributed import init_distributed
+
+DEFAULT_MODEL = "gpt2-tiny"     # no --model, no --load checkpoint, no --init-from-hf
 
 
 @dataclass
@@ -55,7 +58,7 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
 
     dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
     layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages)
-    model_cfg = resolve_model_config(cfg.model, **cfg.model_overrides)
+    model_cfg = run_model_config(cfg)
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
                        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
                        num_layers=model_cfg.num_layers)
@@ -71,3 +74,40 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
     rng = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
     return World(device=device, backend=backend, size=size, layout=layout, model_cfg=model_cfg, groups=groups,
                  rng=rng, tracer=tracer, allocator=allocator)
+
+
+def run_model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model this run builds: ``--model``; without it the model the ``--load`` checkpoint records (one line
+    says so), else ``--init-from-hf``'s config, else gpt2-tiny; then ``model_overrides``. A ``--model`` that is
+    not the checkpoint's model ends the run here, in one line naming both."""
+    recorded = _recorded_model(cfg.load) if cfg.load else None
+    if cfg.model is None and recorded is not None:
+        tag_dir, model = recorded
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"model: the one {tag_dir} records (mtds_meta.json), as no --model was given", flush=True)
+        return resolve_model_config(ModelConfig(**model), **cfg.model_overrides)
+    model_cfg = resolve_model_config(cfg.model or cfg.init_from_hf or DEFAULT_MODEL, **cfg.model_overrides)
+    if recorded is not None:
+        _check_recorded(cfg.model, model_cfg, *recorded)
+    return model_cfg
+
+
+def _recorded_model(load: str) -> tuple[str, dict] | None:
+    """(tag folder, model dict) the --load checkpoint records; rank 0 reads it, every rank gets its answer."""
+    from mtds.checkpoint.complete import recorded_model
+    if not dist.is_initialized():
+        return recorded_model(load)
+    answer = [recorded_model(load) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
+def _check_recorded(given, model_cfg: ModelConfig, tag_dir: str, model: dict) -> None:
+    from mtds.checkpoint.lifecycle import CheckpointError
+    mine, theirs = model_cfg.to_dict(), ModelConfig(**model).to_dict()
+    diff = [f"{k} {mine[k]!r} vs {theirs[k]!r}" for k in mine if k not in NOT_WEIGHTS and mine[k] != theirs[k]]
+    if diff:
+        who = f"--model {os.fspath(given)}" if isinstance(given, (str, os.PathLike)) else "the ModelConfig given"
+        more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+        raise CheckpointError(f"{who} is a different model from the one checkpoint {tag_dir} records: "
+                              f"{', '.join(diff[:3])}{more}: leave out --model to train the checkpoint's model")
