@@ -222,7 +222,7 @@ class _BuildReached(Exception):
     pass
 
 
-def _first_launches(dirs: dict, save: str):
+def _first_launches(dirs: dict, save: str, hf_dir: str):
     """On one rank: ``run`` with --load of each directory up to the build phase (replaced: records the
     --load the build got), then the same ``--save D --load D`` launched twice for real."""
     import contextlib
@@ -282,6 +282,11 @@ def _first_launches(dirs: dict, save: str):
             out[f"model={model}"] = (*outcome, printed.getvalue())
     finally:
         job.build_run = original
+    # --init-from-hf: the line naming the directory and what was loaded
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        job.run(train_config(steps=1, model=None, init_from_hf=hf_dir))
+    out["init_from_hf"] = printed.getvalue()
     # Megatron's --bf16 / --clip-grad / --weight-decay over an fp32 JSON, against the JSON that says the same
     from tests.training_helpers import ds_config
     flagged = []
@@ -305,8 +310,18 @@ def _json_saying_it(config: dict) -> dict:
 def launches(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("firsthour"))
     save = os.path.join(root, "ckpt")
-    (out, runs, flagged), = spawn(_first_launches, 1, _load_dirs(root), save, timeout=300)
+    hf_dir = os.path.join(root, "gpt2-hf")
+    _tiny_hf_gpt2(hf_dir)
+    (out, runs, flagged), = spawn(_first_launches, 1, _load_dirs(root), save, hf_dir, timeout=300)
     return out, runs, save, flagged
+
+
+def _tiny_hf_gpt2(path: str) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(path)
 
 
 @pytest.mark.parametrize("name, why", [("missing", "the directory does not exist yet"),
@@ -365,6 +380,17 @@ def test_without_model_or_load_the_model_is_gpt2_tiny():
     from tests.training_helpers import train_config
     assert run_model_config(train_config(model=None)) == PRESETS["gpt2-tiny"]
     assert run_model_config(train_config(model=None, model_overrides={"hidden_dropout": 0.1})).hidden_dropout == 0.1
+
+
+def test_init_from_hf_says_what_it_loaded(launches):
+    """One line naming the directory, the tensors and the parameters read (all ranks together, each once)."""
+    from safetensors.torch import load_file
+    out, _, save, _ = launches
+    hf_dir = os.path.join(os.path.dirname(save), "gpt2-hf")
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    lines = [line for line in out["init_from_hf"].splitlines() if hf_dir in line]
+    assert lines == [f"init: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()):,} parameters loaded "
+                     f"from HF {hf_dir}"], out["init_from_hf"]
 
 
 def test_megatrons_json_flags_override_the_json_and_are_named(launches):

@@ -32,8 +32,18 @@ def hf_model_config(hf_dir: str) -> ModelConfig:
         return model_config_from_hf(json.load(f))
 
 
-def load_hf_into_stages(model: nn.Module, hf_dir: str, model_cfg: ModelConfig, groups) -> None:
-    """--init-from-hf: copy HF weights into this rank's layers and TP shards (reads only those tensors)."""
+def load_hf_into_stages(model: nn.Module, hf_dir: str, model_cfg: ModelConfig, groups) -> tuple[int, int]:
+    """--init-from-hf: copy HF weights into this rank's layers and TP shards (reads only those tensors).
+    Returns (HF tensors, their parameters) loaded by all ranks together, each tensor counted once (the same on
+    every rank: one all-gather of the names)."""
+    import torch.distributed as dist
+
     from mtds.hf.load import load_hf_into_modules
     check_same_model(model_cfg, hf_model_config(hf_dir), hf_dir)
-    load_hf_into_modules(model_cfg, stage_modules(model, model_cfg), hf_dir, groups.tp_group)
+    read: dict[str, int] = {}
+    load_hf_into_modules(model_cfg, stage_modules(model, model_cfg), hf_dir, groups.tp_group, read=read)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, read)
+        read = {name: numel for part in everyone for name, numel in part.items()}
+    return len(read), sum(read.values())

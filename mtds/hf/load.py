@@ -43,10 +43,18 @@ def open_hf_checkpoint(cfg: ModelConfig, source: Any, *, strict: bool = True) ->
 
 
 def load_hf_into_modules(cfg: ModelConfig, modules: Mapping[int, torch.nn.Module], source: Any, tp_group=None,
-                         *, strict: bool = True) -> None:
+                         *, strict: bool = True, read: dict[str, int] | None = None) -> None:
     """Load HF weights into the given global layers only (e.g. one pipeline stage's), sliced to this
-    rank's tensor-parallel shards. Tensors of layers not in ``modules`` are never read."""
+    rank's tensor-parallel shards. Tensors of layers not in ``modules`` are never read. ``read``: filled with
+    {HF tensor name: its number of elements} of every tensor read (whole, before slicing)."""
     get_tensor = open_hf_checkpoint(cfg, source, strict=strict)
+    if read is not None:
+        get_any = get_tensor
+
+        def get_tensor(key: str) -> torch.Tensor:
+            tensor = get_any(key)
+            read[key] = tensor.numel()
+            return tensor
     for index, tensors in hf_state_to_layers(cfg, get_tensor, layers=modules.keys()):
         load_full_state(modules[index], tensors, tp_group, strict=strict)
 

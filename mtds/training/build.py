@@ -100,9 +100,9 @@ def _documents_note(cfg: TrainConfig) -> str:
     return f"; per packed document: {' and '.join(resets)}" if resets else ""
 
 
-def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
+def build_run_model(cfg: TrainConfig, world: World, stage_layout=None, log=print):
     """This rank's stages (a PipelineModule for p > 1; ``stage_layout``: blocks per virtual stage), with
-    recomputation, then HF weights if asked."""
+    recomputation, then HF weights if asked (``log``: the line saying what was loaded)."""
     model = build_model(world.model_cfg, world.groups, seed=cfg.seed, rng_tracker=world.rng,
                         sequence_parallel=cfg.sequence_parallel, documents=document_masking(cfg),
                         recompute_interval=cfg.recompute_interval if cfg.recompute == "full" else 0,
@@ -111,7 +111,8 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None):
                         dualpipev=cfg.pipeline_schedule == "dualpipev", stage_layout=stage_layout)
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
-        load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups)
+        tensors, params = load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups)
+        log(f"init: {tensors} tensors, {params:,} parameters loaded from HF {cfg.init_from_hf}")
     if cfg.compile:
         from mtds.model.compile import compile_layers
         compile_layers(model)
@@ -145,7 +146,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     stage_layout = resolve_stage_layout(cfg, world.model_cfg, layout, batch, prec, zero, world.device)
     if stage_layout is not None:
         logger.info(describe(cfg, world.model_cfg, layout, batch, prec, zero, stage_layout))
-    model = build_run_model(cfg, world, stage_layout)
+    model = build_run_model(cfg, world, stage_layout, log=logger.info)
     engine = create_engine(cfg, world, model, ds_config, batch)
     watchdog.stop()     # JIT builds happen while DeepSpeed starts, not later
     install_engine_patches(engine, cfg, world, prec, zero)
