@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", required=True, metavar="FILE", help="jsonl with input_ids rows, or a text file")
     ap.add_argument("--tokenizer", help="tokenizer for text data (default: from the checkpoint / HF dir)")
     ap.add_argument("--seq-length", type=int, help="window length for text data [max positions, at most 1024]")
+    ap.add_argument("--debug", action="store_true", help="show the third-party warnings mtds hides "
+                                                          "(mtds/observe/quiet.py)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap
 
@@ -172,6 +174,8 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from mtds.observe import quiet
+    quiet.install(debug=args.debug)     # before anything imports DeepSpeed
     from mtds.training.cli import user_errors
     from mtds.training.distributed import run_and_exit
 

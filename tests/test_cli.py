@@ -63,6 +63,9 @@ def test_readme_main_job_runs_under_the_deepspeed_launcher(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "step 3/3 | loss" in out.stdout
     assert "cpu: glibc malloc: blocks up to 256 MiB from the heap" in out.stdout   # mtds.training.cpu_allocator, on by default
+    # the ranks' own output: mtds's lines, not DeepSpeed's accelerator warning (mtds.observe.quiet)
+    ranks = out.stdout.split("spawned with command", 2)[2]
+    assert "Setting accelerator to CPU" not in ranks and "Warning" not in out.stderr, out.stdout[-3000:]
 
 
 def test_torchrun_pipeline_saves_and_resumes(tmp_path):
@@ -78,15 +81,19 @@ def test_torchrun_pipeline_saves_and_resumes(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
-def _assert_one_line_error(out, expected, launcher=False):
-    # Our ranks exit 2; torchrun reports any failed child as its own exit 1 plus a summary of its own.
-    assert out.returncode == (1 if launcher else 2), (out.returncode, out.stderr[-3000:])
+def _assert_one_line_error(out, expected, launcher=None):
+    """One ``error:`` line from all the ranks together. Our ranks exit 2; torchrun reports any failed child as its
+    own exit 1 plus a report of its own, whose root cause is our line (the error file mtds writes for it); the
+    deepspeed launcher exits with the child's code."""
+    assert out.returncode == (1 if launcher == "torchrun" else 2), (out.returncode, out.stderr[-3000:])
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], out.stderr[-3000:]
-    if not launcher:
-        assert "Traceback" not in out.stderr
+    if launcher != "torchrun":
+        assert "Traceback" not in out.stdout + out.stderr
     else:
         assert "exitcode  : 2" in out.stderr, out.stderr[-2000:]
+        root_cause = out.stderr.split("Root Cause (first observed failure):", 1)[1]
+        assert f"traceback : {errors[0]}" in root_cause, out.stderr[-2000:]
 
 
 # One case per exit path end to end (the table itself runs in-process: tests/test_bad_input.py): a
@@ -111,4 +118,21 @@ def test_bad_input_on_two_ranks():
     needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     zero3_with_pipeline = _torchrun(2, "--deepspeed_config", "ds_configs/cpu_zero3_fp32.json", "--pp", "2")
     _assert_one_line_error(zero3_with_pipeline, "ZeRO stage 3 cannot be combined with pipeline parallelism",
-                           launcher=True)
+                           launcher="torchrun")
+
+
+def test_a_command_line_error_on_two_ranks_is_one_line():
+    """An error of the command line alone, before any process group exists: every rank printed its own copy."""
+    needs_ranks(2)
+    _assert_one_line_error(_torchrun(2, "--deepspeed_config", CPU, "--bf16", "--fp16"),
+                           "--bf16 and --fp16 both given", launcher="torchrun")
+
+
+def test_only_the_first_rank_says_what_is_wrong_with_the_command_line():
+    """What the launchers set (RANK) decides it before the process group exists (the parser's errors too);
+    every rank still exits 2."""
+    for argv in (["--tp", "two"], ["--bf16", "--fp16"]):
+        for rank, lines in (("0", 1), ("1", 0)):
+            out = subprocess.run([sys.executable, "train.py", "--deepspeed_config", CPU, *argv], cwd=ROOT,
+                                 env={**_env(), "RANK": rank}, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2 and len(out.stderr.splitlines()) == lines and not out.stdout, out

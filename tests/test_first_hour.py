@@ -369,8 +369,8 @@ def test_a_model_that_conflicts_with_the_checkpoint_is_one_line_naming_both(laun
     kind, text, printed = out["model=gpt2-small"]
     assert kind == "error", out["model=gpt2-small"]     # before the build: no data, no model set up
     assert "\n" not in text, text
-    assert text.startswith(f"--model gpt2-small is a different model from the one checkpoint {save}/global_step3 records: "
-                           f"vocab_size 50257 vs 8192, hidden_size 768 vs 64, num_layers 12 vs 4"), text
+    assert text.startswith(f"--model gpt2-small is a different model from the one checkpoint {save}/global_step3 "
+                           f"records: vocab_size 50257 vs 8192, hidden_size 768 vs 64, num_layers 12 vs 4"), text
     assert text.endswith("leave out --model to train the checkpoint's model"), text
 
 
@@ -434,3 +434,106 @@ def test_weight_decay_needs_an_optimizer_section():
     from mtds.training.ds_config import ConfigError, override_from_flags
     with pytest.raises(ConfigError, match='--weight-decay sets .* no "optimizer" section'):
         override_from_flags({"train_batch_size": 8}, weight_decay=0.1)
+
+
+# Silence by default (mtds.observe.quiet): each rule against the real text it silences; --debug shows it all
+
+
+_DEEPSPEED_CPU = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+_DEPRECATED = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+               "`torch.distributed.all_gather_single` instead.")
+
+
+def _third_party_output(debug: bool) -> tuple[list[str], list[str], str, bool]:
+    """(DeepSpeed log messages, warnings, stdout) that reach the user with quiet.install(debug), and whether
+    datasets may show its bars for local files."""
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    from mtds.observe import quiet
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger, handler = logging.getLogger("DeepSpeed"), Keep()
+    logger.addHandler(handler)
+    printed = io.StringIO()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet.install(debug=debug)
+            logger.warning(_DEEPSPEED_CPU)
+            logger.warning("a DeepSpeed warning mtds does not know")
+            # where torch's @deprecated attributes it (stacklevel): torch.distributed.c10d_logger
+            warnings.warn_explicit(_DEPRECATED, FutureWarning, "c10d_logger.py", 83,
+                                   module="torch.distributed.c10d_logger")
+            warnings.warn_explicit("another FutureWarning", FutureWarning, "c10d_logger.py", 83,
+                                   module="torch.distributed.c10d_logger")
+            with contextlib.redirect_stdout(printed), quiet.quiet_prints():
+                print("SEED_LAYERS=False BASE_SEED=1234 SEED_FN=None")
+                print("Using topology: {ProcessCoord(pipe=0, data=0, model=0): 0}")
+                print("pipeline layout Et*4|L (--pipeline-balance cost)")
+            bars = quiet.local_load_bars()
+    finally:
+        quiet.uninstall()
+        logger.removeHandler(handler)
+    return seen, [str(w.message) for w in caught], printed.getvalue(), bars
+
+
+def test_quiet_hides_what_says_nothing_and_keeps_the_rest():
+    logged, warned, printed, bars = _third_party_output(debug=False)
+    assert logged == ["a DeepSpeed warning mtds does not know"]
+    assert warned == ["another FutureWarning"]
+    assert printed == "pipeline layout Et*4|L (--pipeline-balance cost)\n"
+    assert not bars
+
+
+def test_debug_shows_all_of_it():
+    logged, warned, printed, bars = _third_party_output(debug=True)
+    assert logged == [_DEEPSPEED_CPU, "a DeepSpeed warning mtds does not know"]
+    assert warned == [_DEPRECATED, "another FutureWarning"]
+    assert printed.count("\n") == 3 and bars
+
+
+def test_every_quiet_rule_says_why():
+    from mtds.observe import quiet
+    rules = quiet.LOG_RULES + quiet.WARNING_RULES + quiet.PRINT_RULES
+    assert len(rules) == 4 and all(len(rule[-1]) > 30 for rule in rules)
+
+
+def test_mtds_calls_no_deprecated_collective():
+    """torch 2.13's names (mtds.tp.mappings); the old ones warn on every rank."""
+    import pathlib
+    import re
+    root = pathlib.Path(ROOT) / "mtds"
+    calls = [f"{path.relative_to(ROOT)}: {line.strip()}" for path in root.rglob("*.py")
+             for line in path.read_text().splitlines()
+             if re.search(r"\bdist\.(all_gather_into_tensor|reduce_scatter_tensor|_all_gather_base)\(", line)]
+    assert calls == [], calls
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_reading_a_local_corpus_shows_only_mtds_tokenizing_bar(tmp_path, debug):
+    import contextlib
+    import io
+
+    from mtds.data import SHIPPED_TOKENIZER
+    from mtds.data.packed import build_packed_dataset
+    from mtds.data.tokenizer import load_tokenizer
+    from mtds.observe import quiet
+    for i in range(18):     # as many files as the shipped corpus: datasets shows "Downloading data" from 16 on
+        (tmp_path / f"doc{i}.txt").write_text("To be, or not to be, that is the question. " * 20)
+    shown = io.StringIO()
+    quiet.install(debug=debug)
+    try:
+        with contextlib.redirect_stderr(shown):
+            build_packed_dataset(str(tmp_path), load_tokenizer(str(SHIPPED_TOKENIZER)), 16,
+                                 cache_dir=str(tmp_path / "cache"), show_progress=True)
+    finally:
+        quiet.uninstall()
+    assert "Tokenizing" in shown.getvalue()
+    assert ("Downloading data" in shown.getvalue()) == debug and ("Generating train split" in shown.getvalue()) == debug

@@ -100,6 +100,8 @@ def run_to_universal(args) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from mtds.observe import quiet
+    quiet.install()     # before anything imports DeepSpeed
     start = time.perf_counter()
     try:
         if args.command == "hf-to-mtds":

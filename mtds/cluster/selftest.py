@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mtds.cluster.cluster import DEVICE
     from mtds.cluster.netns import boundary_link_stats
+    from mtds.tp.mappings import all_gather_single, reduce_scatter_single
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -49,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(tensor)
         result, expected = tensor, torch.full((numel,), world * (world + 1) / 2)
     elif op == "all_gather":
-        dist.all_gather_into_tensor(tensor, torch.full((numel // world,), float(rank + 1)))
+        all_gather_single(tensor, torch.full((numel // world,), float(rank + 1)))
         result, expected = tensor, torch.arange(1, world + 1, dtype=torch.float).repeat_interleave(numel // world)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(shard, tensor)
+        reduce_scatter_single(shard, tensor)
         result, expected = shard, torch.full((numel // world,), world * (world + 1) / 2)
     else:
         raise SystemExit(f"error: unknown op {op!r}: use all_reduce, all_gather or reduce_scatter")

@@ -77,7 +77,9 @@ def build_packed_dataset(data_spec, tok, seq_length: int, *, text_column: str = 
     if source.identity is not None:  # local data: a hit skips `datasets` entirely
         tokens, info = load_tokens(work_dir, cache_key(key_parts))
     if tokens is None:
-        with progress_bars(show_progress):
+        from mtds.observe.quiet import local_load_bars
+        # datasets' bars for reading local files say nothing (mtds.observe.quiet); a hub download's stay
+        with progress_bars(show_progress and (source.identity is None or local_load_bars())):
             ds = source.load(_hf_dir(work_dir))
         if source.identity is None:  # hub data: key on the loaded dataset's fingerprint
             key_parts["source"] = {"hub": source.description, "fingerprint": ds._fingerprint}

@@ -130,7 +130,9 @@ def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *,
         if native:
             for c in range(d):      # a backend's own reduce-scatter takes equal pieces: zeros add nothing
                 bucket[c, counts[c]:].zero_()
-            dist.reduce_scatter_tensor(spare, bucket.view(-1), group=group)
+            # torch >= 2.13's name (the old one warns that it is deprecated), looked up per call for the tracer
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            reduce_scatter(spare, bucket.view(-1), group=group)
             mine = spare[:counts[r]]
         elif d > 1:
             ring.reduce_scatter(pieces, spare)

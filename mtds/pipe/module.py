@@ -56,10 +56,12 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
         elif cls is DualPipeVModule:
             cls = ExplicitPartsDualPipeV
         extra["parts"] = stage_layout.spec_parts()
-    return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
-               partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
-               activation_checkpoint_func=partial(_recompute, rng_tracker),
-               checkpointable_layers=CHECKPOINTABLE_LAYERS)
+    from mtds.observe.quiet import quiet_prints
+    with quiet_prints():        # DeepSpeed's SEED_LAYERS=… and Using topology: … lines
+        return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
+                   partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
+                   activation_checkpoint_func=partial(_recompute, rng_tracker),
+                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
 
 
 class SequentialGPT(nn.Module):

@@ -23,13 +23,15 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_gather_single(out, x, group, async_op: bool = False):
-    # torch >= 2.13 renamed all_gather_into_tensor; look up at call time so tracing sees it.
+def all_gather_single(out, x, group=None, async_op: bool = False):
+    """``all_gather_into_tensor`` under its torch >= 2.13 name (the old one warns that it is deprecated);
+    looked up at call time so that the collective tracer sees it."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, x, group=group, async_op=async_op)
 
 
-def _reduce_scatter_single(out, x, group, async_op: bool = False):
+def reduce_scatter_single(out, x, group=None, async_op: bool = False):
+    """``reduce_scatter_tensor`` under its torch >= 2.13 name, as :func:`all_gather_single`."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, x, group=group, async_op=async_op)
 
@@ -79,7 +81,7 @@ def _start_gather(x: torch.Tensor, group, dim: int) -> _Pending:
     x = x.contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     # Gather along dim 0 (one contiguous collective), then move the blocks to ``dim``.
-    work = _all_gather_single(out, x, group, async_op=True)
+    work = all_gather_single(out, x, group, async_op=True)
     if dim == 0 or dim == -x.dim():
         return _Pending(out, work)
     return _Pending(out, work, lambda full: torch.cat(full.chunk(world, dim=0), dim=dim).contiguous())
@@ -94,7 +96,7 @@ def _start_reduce_scatter(x: torch.Tensor, group, dim: int) -> _Pending:
     # Put ``dim`` blocks one after another along dim 0 so one reduce_scatter_tensor does the work.
     stacked = torch.cat(x.chunk(world, dim=dim), dim=0).contiguous()
     out = torch.empty((stacked.shape[0] // world,) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
-    return _Pending(out, _reduce_scatter_single(out, stacked, group, async_op=True))
+    return _Pending(out, reduce_scatter_single(out, stacked, group, async_op=True))
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -29,8 +29,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one ``error:`` line (exit 2) like every other bad input."""
 
     def error(self, message):
+        from mtds.training.distributed import report_error
         from mtds.training.megatron_flags import hint
-        self.exit(2, f"error: {hint(message) or message} (python train.py --help lists the options)\n")
+        report_error(f"{hint(message) or message} (python train.py --help lists the options)")  # first rank only
+        self.exit(2)
 
 
 def _cli_only(group: argparse._ArgumentGroup, after: str) -> None:
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a GPT with 3D parallelism (tensor x pipeline x data) on DeepSpeed.")
     add_flags(p, TrainConfig, after=_cli_only)      # every TrainConfig field's flags (mtds.training.options)
     # how train.py reports an error, not a setting of the run
-    p.add_argument("--debug", action="store_true", help="print the traceback of a bad-input error too")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of a bad-input error too, and the third-party warnings and progress "
+                        "bars mtds hides (mtds/observe/quiet.py lists them)")
     # Set by the deepspeed launcher; the rank comes from the environment anyway.
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     return p
@@ -112,10 +116,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from mtds.training.distributed import run_and_exit
+    from mtds.observe import quiet
+    quiet.install(debug=args.debug)     # before anything imports DeepSpeed
+    from mtds.training.distributed import CommandLineError, run_and_exit
 
     def work():
-        from mtds.training.job import run
-        run(config_from_args(args))
+        try:
+            cfg = config_from_args(args)
+        except user_errors() as err:    # the same on every rank: only the first says it
+            raise CommandLineError(str(err)) from err
+        from mtds.training.job import run   # imports DeepSpeed: after the command line is known to be good
+        run(cfg)
 
     run_and_exit(work, user_errors(), debug=args.debug)

@@ -56,9 +56,45 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[torch.device, str]:
     return device, backend
 
 
+class CommandLineError(ValueError):
+    """Bad input found in the command line alone, before any process group exists: every rank finds it, so
+    only the first rank reports it (:func:`report_error`)."""
+
+
+def _first_rank(same_on_every_rank: bool) -> bool:
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    # before the process group: the launcher's RANK (torchrun, deepspeed); an error of one rank's own, though,
+    # (its GPU, its rendezvous) is said by that rank
+    return not same_on_every_rank or os.environ.get("RANK", "0") == "0"
+
+
+def report_error(message: str, *, same_on_every_rank: bool = True) -> None:
+    """The one ``error: message`` line, from the first rank only. Under torchrun it also goes into the
+    error file torchrun's failure report reads (``TORCHELASTIC_ERROR_FILE``): the report's root cause then
+    names it, instead of a link about how to record tracebacks."""
+    if not _first_rank(same_on_every_rank):
+        return
+    line = f"error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+        # torchrun's own format (torch.distributed.elastic ErrorHandler.record_exception): the report shows
+        # py_callstack as the failure's "traceback"
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+
+
 def run_and_exit(work, user_errors: tuple[type[BaseException], ...], debug: bool = False) -> None:
     """Console-script body shared by train.py and mtds-eval: run ``work()``; bad input is one
-    ``error:`` line on rank 0 and exit 2, a bug a traceback and exit 1; then :func:`shutdown`."""
+    ``error:`` line (:func:`report_error`) and exit 2 on every rank, a bug a traceback and exit 1; then
+    :func:`shutdown`."""
     code = 0
     try:
         work()
@@ -66,9 +102,9 @@ def run_and_exit(work, user_errors: tuple[type[BaseException], ...], debug: bool
         if debug:
             import traceback
             traceback.print_exc()
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            text = str(err).strip()
-            print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)
+        text = str(err).strip()
+        report_error(text.splitlines()[0] if text else type(err).__name__,
+                     same_on_every_rank=isinstance(err, CommandLineError))
         code = 2
     except Exception:
         import traceback
