@@ -5,6 +5,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 BIN := $(VENV)/bin
+# Set up once: a stamp per torch spec, older than pyproject.toml means stale (mtds itself is installed editable,
+# so source changes need nothing). Another TORCH_SPEC, or a changed pyproject.toml, installs again.
+SETUP_STAMP := $(VENV)/.setup-$(subst /,_,$(subst $() ,_,$(TORCH_SPEC)))
+TEST_STAMP := $(SETUP_STAMP)-test
 
 .PHONY: setup setup-test train test gpu-check gpu-bench clean
 
@@ -12,12 +16,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-setup: $(BIN)/python
+$(SETUP_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
+	touch "$@"
 
-setup-test: setup
+$(TEST_STAMP): $(SETUP_STAMP) pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
+	touch "$@"
+
+setup: $(SETUP_STAMP)
+
+setup-test: $(TEST_STAMP)
 
 # The main job: gpt2-tiny on the shipped Shakespeare corpus, 2 ranks (tp=2), fp32, DeepSpeed launcher.
 train: setup

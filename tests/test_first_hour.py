@@ -537,3 +537,38 @@ def test_reading_a_local_corpus_shows_only_mtds_tokenizing_bar(tmp_path, debug):
         quiet.uninstall()
     assert "Tokenizing" in shown.getvalue()
     assert ("Downloading data" in shown.getvalue()) == debug and ("Generating train split" in shown.getvalue()) == debug
+
+
+# make train / make test: set up once, then only when the environment is stale
+
+
+def _make_dry_run(target: str, venv, **env) -> str:
+    import subprocess
+    out = subprocess.run(["make", "-n", "-C", ROOT, target, f"VENV={venv}", *[f"{k}={v}" for k, v in env.items()]],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_make_installs_only_into_a_missing_or_stale_environment(tmp_path):
+    import shutil
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    venv = tmp_path / ".venv"
+    fresh = _make_dry_run("train", venv)
+    assert "-m venv" in fresh and "pip install -q -e ." in fresh and "train.py" in fresh
+    # what a completed set-up leaves (make itself, not run here: -n)
+    touched = {line.split("touch ", 1)[1].strip().strip('"') for line in
+               (fresh + _make_dry_run("test", venv)).splitlines() if "touch " in line}
+    assert len(touched) == 2, touched       # the set-up's stamp and the test extras'
+    for path in (f"{venv}/bin/python", *sorted(touched)):      # in the order make writes them
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+    again = _make_dry_run("train", venv)
+    assert "pip install" not in again and "train.py" in again, again
+    assert "pip install" not in _make_dry_run("test", venv)
+    stale = os.stat(os.path.join(ROOT, "pyproject.toml")).st_mtime + 10     # pyproject.toml changed since
+    for stamp in venv.glob(".setup*"):
+        os.utime(stamp, (stale - 20, stale - 20))
+    assert "pip install -q -e ." in _make_dry_run("train", venv)
+    assert 'pip install -q "torch"' in _make_dry_run("train", venv, TORCH_SPEC="torch")    # another torch asked for
