@@ -132,6 +132,7 @@ def main(argv=None) -> None:
         step_times.append(elapsed)
         if log:
             log.write(json.dumps({"kind": "train", "step": step, "loss": losses[-1], "step_time_s": elapsed,
+                                  "lr": scheduler.get_last_lr()[0],
                                   "tokens_per_s": B * args.seq_length / elapsed,
                                   "tflops_model": flops_model / elapsed / world / 1e12,
                                   "tflops_hw": flops_hw / elapsed / world / 1e12}) + "\n")

@@ -14,17 +14,26 @@ def _pyplot():
 def loss_curves(rows: list[dict], path: str) -> str:
     """Loss vs step per scheme: identical init and data, so the curves should lie on top of each other."""
     plt = _pyplot()
+    fig = loss_figure(rows)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def loss_figure(rows: list[dict]):
+    """The figure :func:`loss_curves` saves."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = ["-", "--", ":", "-."]
     for i, r in enumerate(rows):
         ax.plot(r["steps"], r["losses"], styles[i % len(styles)], marker="o", markersize=3, label=r["scheme"])
     ax.set(xlabel="step", ylabel="training loss", title="loss vs step")
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))     # steps are whole: no 1.25 on a 3-step run
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def throughput_bars(rows: list[dict], path: str) -> str:

@@ -7,7 +7,7 @@ import csv
 import json
 import os
 
-from .table import fmt_bytes
+from .table import fmt_bytes, learning_rate
 
 CSV_FIELDS = ["link", "link_bits_per_s", "scheme", "model", "tp", "pp", "dp", "status", "error", "step_s_median",
               "step_s_p25", "step_s_p75", "step_s_min", "step_s_max", "timed_steps", "tokens_per_s",
@@ -146,7 +146,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "## tokens/s measured (predicted)", "", *summary_table(rows, meta["links"])]
     for link in meta["links"]:
         out += ["", f"## inter-node link {link}", "", *_cell_table([r for r in rows if r["link"] == link])]
-    out += ["", meta.get("loss_agreement", ""), "",
+    out += ["", meta.get("loss_agreement", ""), "", learning_rate([r for r in rows if r.get("status") == "ok"]), "",
             "Communication columns are payload bytes per rank per step (max over ranks), one per collective family "
             "(an all-gather's payload is the rank's shard, a reduce-scatter's and an all-reduce's the full tensor, "
             "so they are never added). Link bytes are what each node's interface sent per timed step (kernel "

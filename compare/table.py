@@ -79,7 +79,7 @@ def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None
         **_model_state(ranks, scheme, launched.get("config")),
         "bubble": median(bubbles) if bubbles else None,
         "bubble_per_stage": timed[-1].get("bubble_per_stage") if bubbles else None,
-        "steps": [s["step"] for s in steps], "losses": [s["loss"] for s in steps],
+        "steps": [s["step"] for s in steps], "losses": [s["loss"] for s in steps], "lrs": [s.get("lr") for s in steps],
         "final_loss": steps[-1]["loss"] if steps else None, "wall_s": launched["wall_s"],
     }
 
@@ -172,12 +172,28 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{fmt_bytes(fam['reduce_scatter'])} | {fmt_bytes(fam['p2p_send'])} | {r['final_loss']:.4f} |")
     if meta.get("loss_agreement"):
         lines += ["", meta["loss_agreement"]]
+    if learning_rate(rows):
+        lines += ["", learning_rate(rows)]
     lines += ["", "Peak memory is peak RSS per process on CPU (includes the Python/torch/DeepSpeed runtime). "
               "Communication columns are payload bytes per rank in the last step (max over ranks), counted from "
               "before DeepSpeed starts (so ZeRO's cached all-gather / reduce-scatter calls are included); one "
               "column per collective family, because an all-gather's payload is a shard and an all-reduce's "
               "the full tensor."]
     return "\n".join(lines) + "\n"
+
+
+def learning_rate(rows: list[dict]) -> str:
+    """The learning rate the schemes trained with, read from their step logs. compare run gives every scheme
+    the same constant one (``--lr-decay constant``, no warm-up; the HF baselines a constant LambdaLR), so that
+    their losses compare step for step and no schedule hides a difference."""
+    values = [lr for r in rows for lr in r.get("lrs") or () if lr is not None]
+    if not values:
+        return ""
+    if min(values) == max(values):
+        return (f"Learning rate: constant {values[0]:.2e} at every step of every scheme (`--lr-decay constant`, no "
+                f"warm-up: the DeepSpeed config's `optimizer.params.lr`), so that the losses compare step for step; "
+                f"train.py's own default warms up and decays (cosine).")
+    return f"Learning rate: from {min(values):.2e} to {max(values):.2e} over the steps and schemes."
 
 
 def loss_agreement(rows: list[dict]) -> tuple[float, str]:

@@ -56,6 +56,7 @@ def test_compare_run_tiny(tmp_path):
     # because the probe installs its tracer before DeepSpeed starts.
     assert any(k.startswith("all_gather") for k in rows[1]["comm_by_kind_rank0"]), rows[1]["comm_by_kind_rank0"]
     assert "ptdp-t2p1" in (out / "compare.md").read_text()
+    assert "Learning rate: constant 1.00e-03 at every step of every scheme" in (out / "compare.md").read_text()
 
 
 def test_new_scheme_specs():

@@ -572,3 +572,71 @@ def test_make_installs_only_into_a_missing_or_stale_environment(tmp_path):
         os.utime(stamp, (stale - 20, stale - 20))
     assert "pip install -q -e ." in _make_dry_run("train", venv)
     assert 'pip install -q "torch"' in _make_dry_run("train", venv, TORCH_SPEC="torch")    # another torch asked for
+
+
+# Plots: whole steps on step axes, the Gantt chart's bar labels explained, compare run's learning rate stated
+
+
+def _tick_values(fig, axis: str = "x") -> list[tuple[float, str]]:
+    """(value, label) of every tick inside each step axis's limits, read back from the drawn figure."""
+    fig.canvas.draw()
+    out = []
+    for ax in fig.axes:
+        if ax.get_xlabel() != "step":
+            continue
+        lo, hi = ax.get_xlim()
+        out += [(t.get_loc(), t.label1.get_text()) for t in ax.xaxis.get_major_ticks() if lo <= t.get_loc() <= hi]
+    return out
+
+
+def _assert_whole_steps(fig, axes: int) -> None:
+    import matplotlib.pyplot as plt
+    ticks = _tick_values(fig)
+    plt.close(fig)
+    assert len({round(v, 6) for v, _ in ticks}) >= 2 and sum(1 for _ in ticks) >= axes, ticks
+    assert all(float(v).is_integer() for v, _ in ticks), ticks
+    assert all(label.replace("\u2212", "-").lstrip("-").isdigit() for _, label in ticks), ticks
+
+
+def test_training_curves_have_whole_step_ticks():
+    from mtds.observe.plot import run_figure
+    for steps in (2, 3, 7):
+        records = [{"kind": "train", "step": s, "loss": 9.0 - s / 10, "lr": 1e-3, "tokens_per_s": 5000.0}
+                   for s in range(1, steps + 1)] + [{"kind": "eval", "step": steps, "eval_loss": 8.5}]
+        _assert_whole_steps(run_figure(records), axes=3)
+
+
+def test_compare_loss_plot_has_whole_step_ticks():
+    from compare.plots import loss_figure
+    rows = [{"scheme": name, "steps": [1, 2, 3], "losses": [9.0, 8.8, 8.7]} for name in ("ptdp-t2p1", "zero3")]
+    _assert_whole_steps(loss_figure(rows), axes=1)
+
+
+def test_the_gantt_chart_legend_explains_the_bar_labels():
+    import matplotlib.pyplot as plt
+
+    from mtds.observe.timeline import TimelineEvent, gantt_figure
+    events = [TimelineEvent(rank=r, kind=k, start=s, end=s + 1.0, chunk=c, micro=m)
+              for r in (0, 1) for k, s, c, m in (("F", 0.0, 0, 0), ("F", 1.0, 1, 0), ("B", 2.0, 1, 0), ("B", 3.0, 0, 0))]
+    fig = gantt_figure(events)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    bars = sorted({t.get_text() for t in fig.axes[0].texts})
+    plt.close(fig)
+    assert bars == ["0", "0'1"]       # micro-batch 0 of chunk 0, of chunk 1
+    assert "F" in labels and "B" in labels
+    assert "n'c: micro-batch n of model chunk c (n alone: chunk 0)" in labels, labels
+    fig = gantt_figure([e for e in events if e.chunk == 0])      # one chunk per rank: no chunk to explain
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    plt.close(fig)
+    assert "n: micro-batch n" in labels, labels
+
+
+def test_compare_run_states_its_learning_rate():
+    from compare.table import markdown
+    rows = [{"scheme": name, "tp": 1, "pp": 1, "dp": 2, "tokens_per_s": 1.0, "tflops_model_per_rank": 0.0,
+             "tflops_hw_per_rank": 0.0, "peak_mem_gib": 1.0, "final_loss": 8.7, "lrs": [1e-3, 1e-3, 1e-3],
+             "comm_by_family_max_rank": {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "p2p_send": 0}}
+            for name in ("ptdp-t1p1", "zero3")]
+    text = markdown(rows, {"nproc": 2, "model": "gpt2-tiny", "steps": 3, "seq_length": 32})
+    assert ("Learning rate: constant 1.00e-03 at every step of every scheme (`--lr-decay constant`, no warm-up: the "
+            "DeepSpeed config's `optimizer.params.lr`)") in text, text

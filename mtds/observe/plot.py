@@ -6,6 +6,16 @@ from typing import Any
 
 
 def plot_run(records: list[dict[str, Any]], path: str, title: str = "") -> str:
+    import matplotlib.pyplot as plt
+    fig = run_figure(records, title)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_figure(records: list[dict[str, Any]], title: str = ""):
+    """The figure :func:`plot_run` saves: loss (with eval points), learning rate and throughput against the step."""
     import matplotlib
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
@@ -22,10 +32,10 @@ def plot_run(records: list[dict[str, Any]], path: str, title: str = "") -> str:
     ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
     ax_tput.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
     ax_tput.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    from matplotlib.ticker import MaxNLocator
+    for ax in (ax_loss, ax_lr, ax_tput):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))     # steps are whole: no 1.25 on a 3-step run
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig

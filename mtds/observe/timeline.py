@@ -221,14 +221,30 @@ def write_chrome_trace(events: list[TimelineEvent], path: str, time_unit_us: flo
 
 def write_gantt_png(events: list[TimelineEvent], path: str, title: str = "", time_label: str = "seconds",
                     step_time: float | dict | None = None) -> str:
+    """All ranks of one step as a Gantt chart (:func:`gantt_figure`), saved as a PNG."""
+    import matplotlib.pyplot as plt
+    fig = gantt_figure(events, title, time_label, step_time)
+    _makedirs(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# What the label on a compute bar means: the micro-batch, then the model chunk after a prime (chunk 0 unmarked)
+BAR_LABELS = {False: "n: micro-batch n", True: "n'c: micro-batch n of model chunk c (n alone: chunk 0)"}
+
+
+def gantt_figure(events: list[TimelineEvent], title: str = "", time_label: str = "seconds",
+                 step_time: float | dict | None = None):
     """All ranks of one step as a Gantt chart: compute bars full height, comm/reduce/step thin below;
-    each rank's measured bubble fraction on its row label."""
+    each rank's measured bubble fraction on its row label; a legend of the kinds and of the bars' labels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     ranks = sorted({e.rank for e in events})
+    labelled = chunks = False
     bubbles = measured_bubble(events, step_time)
     span = max((e.end for e in events), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(min(24, 6 + 0.25 * len(events) / max(1, len(ranks))), 1 + 0.7 * len(ranks)))
@@ -242,6 +258,7 @@ def write_gantt_png(events: list[TimelineEvent], path: str, title: str = "", tim
                        facecolors=KIND_COLOURS.get(e.kind, KIND_COLOURS["other"]), edgecolor="white",
                        linewidth=0.5)
         if compute and e.micro is not None and (e.end - e.start) > span / 60:
+            labelled, chunks = True, chunks or bool(e.chunk)
             ax.text((e.start + e.end) / 2, y - 0.1, str(e.micro) + ("" if not e.chunk else f"'{e.chunk}"),
                     ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(ranks)))
@@ -249,15 +266,14 @@ def write_gantt_png(events: list[TimelineEvent], path: str, title: str = "", tim
     ax.set_xlim(0, span)
     ax.set_xlabel(time_label)
     kinds = [k for k in KIND_COLOURS if any(e.kind == k and e.name != STEP_EVENT for e in events)]
-    ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=k) for k in kinds], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    handles = [Patch(color=KIND_COLOURS[k], label=k) for k in kinds]
+    if labelled:
+        handles.append(Patch(color="none", label=BAR_LABELS[chunks]))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    _makedirs(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def gather_events(events: list[TimelineEvent], group=None, dst: int = 0) -> list[TimelineEvent] | None:
