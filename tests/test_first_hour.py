@@ -640,3 +640,48 @@ def test_compare_run_states_its_learning_rate():
     text = markdown(rows, {"nproc": 2, "model": "gpt2-tiny", "steps": 3, "seq_length": 32})
     assert ("Learning rate: constant 1.00e-03 at every step of every scheme (`--lr-decay constant`, no warm-up: the "
             "DeepSpeed config's `optimizer.params.lr`)") in text, text
+
+
+# The README's HF round trip, its lines as written
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of the first ```bash block under ``## heading`` in README.md (continuation lines joined)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_the_readme_hf_round_trip_runs_as_written(tmp_path):
+    """Convert a HF model, train it with --load of the conversion (no --model) and --save, export the trained
+    checkpoint, evaluate the export: the README's lines in order, in a directory that holds what the repository
+    root does (train.py, ds_configs/, mtds/), with the environment's console scripts on PATH."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from lab.testing import free_port
+    for name in ("train.py", "ds_configs", "mtds"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    commands = readme_block("From HuggingFace and back")
+    assert [c.split()[0] for c in commands] == ["python", "mtds-convert", "python", "mtds-convert", "mtds-eval"]
+    outputs = []
+    for command in commands:
+        out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=240)
+        assert out.returncode == 0, (command, out.stdout[-2000:], out.stderr[-2000:])
+        outputs.append(out.stdout + out.stderr)
+    _, converted, trained, exported, evaluated = outputs
+    assert "hf-to-mtds: wrote runs/hf/converted/global_step0" in converted, converted
+    assert ("model: the one runs/hf/converted/global_step0 records (mtds_meta.json), as no --model was given"
+            in trained), trained
+    assert "resumed from runs/hf/converted at step 0" in trained and "step 10/10" in trained, trained
+    assert os.path.isdir(tmp_path / "runs/hf/trained/global_step10")
+    assert (tmp_path / "runs/hf/gpt2-trained/model.safetensors").is_file(), exported
+    result = json.loads(evaluated.strip().splitlines()[-1])
+    assert result["loss"] < math.log(8192) - 0.2, result       # trained: below a uniform guess over the vocab
+    for text in (converted, trained, exported, evaluated):       # mtds's lines only (mtds.observe.quiet)
+        assert "Setting accelerator to CPU" not in text and "Downloading data" not in text, text
