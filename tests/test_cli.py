@@ -74,6 +74,9 @@ def test_torchrun_pipeline_saves_and_resumes(tmp_path):
               "--save", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "log.jsonl")]
     first = _torchrun(2, *common, "--steps", "2", timeout=400)
     assert first.returncode == 0, first.stderr[-3000:]
+    # DeepSpeed's pipeline-module prints and per-rank warnings stay hidden (mtds.observe.quiet)
+    for noise in ("SEED_LAYERS=", "Using topology:", "Setting accelerator to CPU"):
+        assert noise not in first.stdout + first.stderr, first.stdout[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step2"
     second = _torchrun(2, *common, "--steps", "4", "--load", str(tmp_path / "ckpt"), timeout=400)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -129,10 +132,9 @@ def test_a_command_line_error_on_two_ranks_is_one_line():
 
 
 def test_only_the_first_rank_says_what_is_wrong_with_the_command_line():
-    """What the launchers set (RANK) decides it before the process group exists (the parser's errors too);
-    every rank still exits 2."""
+    """What the launchers set (RANK) decides it before the process group exists (the parser's errors too):
+    another rank exits 2 without a word (rank 0's line: test_bad_input_single_process and the torchrun test)."""
     for argv in (["--tp", "two"], ["--bf16", "--fp16"]):
-        for rank, lines in (("0", 1), ("1", 0)):
-            out = subprocess.run([sys.executable, "train.py", "--deepspeed_config", CPU, *argv], cwd=ROOT,
-                                 env={**_env(), "RANK": rank}, capture_output=True, text=True, timeout=120)
-            assert out.returncode == 2 and len(out.stderr.splitlines()) == lines and not out.stdout, out
+        out = subprocess.run([sys.executable, "train.py", "--deepspeed_config", CPU, *argv], cwd=ROOT,
+                             env={**_env(), "RANK": "1"}, capture_output=True, text=True, timeout=120)
+        assert (out.returncode, out.stdout, out.stderr) == (2, "", ""), out

@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     def work():
         try:
             cfg = config_from_args(args)
-        except user_errors() as err:    # the same on every rank: only the first says it
+        except (ValueError, FileNotFoundError) as err:     # the same on every rank: only the first says it
             raise CommandLineError(str(err)) from err
         from mtds.training.job import run   # imports DeepSpeed: after the command line is known to be good
         run(cfg)
 
-    run_and_exit(work, user_errors(), debug=args.debug)
+    run_and_exit(work, user_errors, debug=args.debug)

@@ -91,26 +91,33 @@ def report_error(message: str, *, same_on_every_rank: bool = True) -> None:
             pass
 
 
-def run_and_exit(work, user_errors: tuple[type[BaseException], ...], debug: bool = False) -> None:
-    """Console-script body shared by train.py and mtds-eval: run ``work()``; bad input is one
-    ``error:`` line (:func:`report_error`) and exit 2 on every rank, a bug a traceback and exit 1; then
-    :func:`shutdown`."""
+def run_and_exit(work, user_errors, debug: bool = False) -> None:
+    """Console-script body shared by train.py and mtds-eval: run ``work()``; bad input (``user_errors``: a tuple
+    of exception types, or a function returning one, called only when something was raised) is one ``error:``
+    line (:func:`report_error`) and exit 2 on every rank, a bug a traceback and exit 1; then :func:`shutdown`."""
     code = 0
     try:
         work()
-    except user_errors as err:
-        if debug:
+    except CommandLineError as err:     # before anything imports the modules user_errors() names
+        code = _bad_input(err, debug)
+    except Exception as err:
+        if not isinstance(err, user_errors() if callable(user_errors) else user_errors):
             import traceback
             traceback.print_exc()
-        text = str(err).strip()
-        report_error(text.splitlines()[0] if text else type(err).__name__,
-                     same_on_every_rank=isinstance(err, CommandLineError))
-        code = 2
-    except Exception:
+            code = 1
+        else:
+            code = _bad_input(err, debug)
+    shutdown(code)
+
+
+def _bad_input(err: Exception, debug: bool) -> int:
+    if debug:
         import traceback
         traceback.print_exc()
-        code = 1
-    shutdown(code)
+    text = str(err).strip()
+    report_error(text.splitlines()[0] if text else type(err).__name__,
+                 same_on_every_rank=isinstance(err, CommandLineError))
+    return 2
 
 
 def shutdown(exit_code: int) -> None:
