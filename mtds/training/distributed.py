@@ -61,21 +61,31 @@ class CommandLineError(ValueError):
     only the first rank reports it (:func:`report_error`)."""
 
 
+ERROR_GRACE_S = 10.0        # how long another rank waits for the first rank's line (report_error)
+_REPORTED = "mtds/error-reported"
+
+
 def _first_rank(same_on_every_rank: bool) -> bool:
     if dist.is_initialized():
         return dist.get_rank() == 0
     # before the process group: the launcher's RANK (torchrun, deepspeed); an error of one rank's own, though,
     # (its GPU, its rendezvous) is said by that rank
-    return not same_on_every_rank or os.environ.get("RANK", "0") == "0"
+    return (not same_on_every_rank or os.environ.get("RANK", "0") == "0"
+            or int(os.environ.get("WORLD_SIZE", "1")) <= 1)
 
 
 def report_error(message: str, *, same_on_every_rank: bool = True) -> None:
-    """The one ``error: message`` line, from the first rank only. Under torchrun it also goes into the
-    error file torchrun's failure report reads (``TORCHELASTIC_ERROR_FILE``): the report's root cause then
-    names it, instead of a link about how to record tracebacks."""
-    if not _first_rank(same_on_every_rank):
-        return
+    """The one ``error: message`` line, from the first rank. Under torchrun it also goes into the error file
+    torchrun's failure report reads (``TORCHELASTIC_ERROR_FILE``): the report's root cause then names it,
+    instead of a link about how to record tracebacks.
+
+    A launcher ends every rank as soon as one exits, so another rank must not exit before the first has said
+    it: it waits up to ``ERROR_GRACE_S`` (with a process group: for the first rank's word in the rendezvous
+    store; before one: the time itself, which the launcher cuts short once the first rank is done), and says
+    it itself where no word came (an error only it found)."""
     line = f"error: {message}"
+    if not _first_rank(same_on_every_rank) and _first_rank_said_it():
+        return
     print(line, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
@@ -89,6 +99,30 @@ def report_error(message: str, *, same_on_every_rank: bool = True) -> None:
                 json.dump(data, f)
         except OSError:
             pass
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
+        try:
+            from mtds.safety.store import rendezvous_store
+            rendezvous_store(5.0).set(_REPORTED, "1")
+        except Exception:       # the store is gone: so are the others
+            pass
+
+
+def _first_rank_said_it() -> bool:
+    """Wait (up to ERROR_GRACE_S) for the first rank's line; True when it said it or is gone."""
+    if not dist.is_initialized():
+        import time
+        time.sleep(ERROR_GRACE_S)       # a launcher kills this rank first, once the first rank has exited
+        return False
+    from mtds.safety.store import rendezvous_store
+    try:
+        store = rendezvous_store(ERROR_GRACE_S)
+    except Exception:       # nobody serves the store any more: the first rank (its host) has exited
+        return True
+    try:
+        store.wait([_REPORTED])
+        return True
+    except Exception:       # timed out: an error only this rank found
+        return False
 
 
 def run_and_exit(work, user_errors, debug: bool = False) -> None:
