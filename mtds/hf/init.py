@@ -13,7 +13,7 @@ from mtds.model.config import ModelConfig, weight_differences
 
 from mtds.hf.common import UnsupportedHFConfig
 
-__all__ = ["stage_modules", "check_same_model", "hf_model_config", "load_hf_into_stages"]
+__all__ = ["stage_modules", "check_same_model", "hf_model_config", "load_hf_into_stages", "loaded_by_all"]
 
 
 def check_same_model(expected: ModelConfig, found: ModelConfig, source: str) -> None:
@@ -32,16 +32,20 @@ def hf_model_config(hf_dir: str) -> ModelConfig:
         return model_config_from_hf(json.load(f))
 
 
-def load_hf_into_stages(model: nn.Module, hf_dir: str, model_cfg: ModelConfig, groups) -> tuple[int, int]:
+def load_hf_into_stages(model: nn.Module, hf_dir: str, model_cfg: ModelConfig, groups) -> dict[str, int]:
     """--init-from-hf: copy HF weights into this rank's layers and TP shards (reads only those tensors).
-    Returns (HF tensors, their parameters) loaded by all ranks together, each tensor counted once (the same on
-    every rank: one all-gather of the names)."""
-    import torch.distributed as dist
-
+    Returns {HF tensor name: elements} of what this rank read (:func:`loaded_by_all` sums the ranks')."""
     from mtds.hf.load import load_hf_into_modules
     check_same_model(model_cfg, hf_model_config(hf_dir), hf_dir)
     read: dict[str, int] = {}
     load_hf_into_modules(model_cfg, stage_modules(model, model_cfg), hf_dir, groups.tp_group, read=read)
+    return read
+
+
+def loaded_by_all(read: dict[str, int]) -> tuple[int, int]:
+    """(HF tensors, their parameters) that all ranks together loaded, each tensor once: one all-gather of the
+    names over the default group (collective: every rank calls it)."""
+    import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, read)

@@ -110,8 +110,8 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None, log=print
                         virtual_stages=cfg.virtual_stages if cfg.pipeline_schedule in OWN_ENGINE else None,
                         dualpipev=cfg.pipeline_schedule == "dualpipev", stage_layout=stage_layout)
     if cfg.init_from_hf:
-        from mtds.hf.init import load_hf_into_stages   # HF interop; loads only this rank's shards
-        tensors, params = load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups)
+        from mtds.hf.init import load_hf_into_stages, loaded_by_all   # HF interop; loads only this rank's shards
+        tensors, params = loaded_by_all(load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups))
         log(f"init: {tensors} tensors, {params:,} parameters loaded from HF {cfg.init_from_hf}")
     if cfg.compile:
         from mtds.model.compile import compile_layers
