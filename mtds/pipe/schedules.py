@@ -98,8 +98,8 @@ def check_microbatches(name: str, p: int, v: int, m: int, samples_per_micro_batc
 def micro_batches_fix(m: int, samples_per_micro_batch: int | None) -> str:
     """How a user gets ``m`` micro-batches per step, in flags: m = --global-batch-size / (--micro-batch-size x d)."""
     if samples_per_micro_batch:
-        return f"use --global-batch-size {m * samples_per_micro_batch} ({m} micro-batches per step)"
-    return f"use {m} micro-batches per step: --global-batch-size = {m} x --micro-batch-size x data-parallel size"
+        return f"use --global-batch-size {m * samples_per_micro_batch}, which makes the micro-batches per step {m}"
+    return f"set the micro-batches per step (--global-batch-size / (--micro-batch-size x data parallel)) to {m}"
 
 
 def interleaved_supports(p: int, m: int) -> bool:
