@@ -1,5 +1,6 @@
 """Shared pieces of the training tests: a tiny model, DeepSpeed configs, runs on spawned ranks, and
-the single-process HuggingFace reference (GPT2LMHeadModel + torch.optim.AdamW on the same batches)."""
+the single-process HuggingFace reference (the transformers model of the config's family + torch.optim.AdamW on
+the same batches)."""
 from __future__ import annotations
 
 import contextlib
@@ -103,19 +104,21 @@ def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout:
     return spawn(_run_all, world, configs, force_fp16, watch_reduction, timeout=timeout)
 
 
-def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
-    """HF GPT2LMHeadModel with mtds's initial weights, trained by :func:`train_hf`; computed once per
-    test session for each set of arguments (several test modules compare against the same one)."""
-    return _hf_reference(cfg, steps, clip, optimizer)
+def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw",
+                 lr: float | None = None) -> Reference:
+    """The HF model of ``cfg.architecture`` (GPT2LMHeadModel, LlamaForCausalLM, ...) with mtds's initial
+    weights, trained by :func:`train_hf`; computed once per test session for each set of arguments
+    (several test modules compare against the same one). ``lr``: the peak AdamW rate [LR]."""
+    return _hf_reference(cfg, steps, clip, optimizer, lr)
 
 
 @functools.lru_cache(maxsize=None)
-def _hf_reference(cfg, steps: int, clip: float, optimizer: str) -> Reference:
+def _hf_reference(cfg, steps: int, clip: float, optimizer: str, lr: float | None) -> Reference:
     hf = hf_with_mtds_weights(cfg, SEED)
     threads = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))      # the ranks wait meanwhile: use every core
     try:
-        return train_hf(hf, steps, clip, optimizer)
+        return train_hf(hf, steps, clip, optimizer, lr)
     finally:
         torch.set_num_threads(threads)
 
@@ -124,14 +127,16 @@ def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> lis
     return hf_reference(cfg, steps, clip).losses
 
 
-def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw") -> Reference:
+def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw", lr: float | None = None
+             ) -> Reference:
     """The reference loop (mtds.gpucheck.hf_reference, shared with mtds.gpucheck): torch AdamW (or plain
-    SGD), mtds's batches, warm-up 2 then cosine to lr/10 at ``steps``, clipping; pre-clip norms."""
+    SGD), mtds's batches, warm-up 2 then cosine to lr/10 at ``steps``, clipping; pre-clip norms.
+    ``lr``: AdamW's peak rate [LR] (the mtds run passes the same as ``train_config(lr=..., min_lr=lr / 10)``)."""
     if optimizer == "sgd":
         base_lr = SGD_LR
         opt = torch.optim.SGD(hf.parameters(), lr=base_lr)
     else:
-        base_lr = LR
+        base_lr = lr or LR
         opt = torch.optim.AdamW(hf.parameters(), lr=base_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     floor = (base_lr / 10) / base_lr
     B, b = BATCH["train_batch_size"], BATCH["train_micro_batch_size_per_gpu"]

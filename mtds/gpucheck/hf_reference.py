@@ -31,13 +31,22 @@ def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
 
 
 def hf_with_mtds_weights(cfg, seed: int):
-    """GPT2LMHeadModel holding the weights ``GPTModel(cfg, seed=seed)`` starts from (CPU)."""
-    from transformers import GPT2LMHeadModel
+    """The transformers model of ``cfg.architecture`` (GPT2LMHeadModel, LlamaForCausalLM, Qwen2/Qwen3/
+    MistralForCausalLM, ...) built from ``cfg``'s exported config, holding the weights ``GPTModel(cfg,
+    seed=seed)`` starts from (CPU). Every weight is mtds's: only a tied head (transformers ties it to
+    the embedding) and non-weight buffers are not loaded."""
+    from transformers import AutoModelForCausalLM
 
     from mtds.hf import hf_config_from_model_config, model_to_hf_state
     from mtds.model import GPTModel
-    hf = GPT2LMHeadModel(hf_config_from_model_config(cfg))
-    hf.load_state_dict(model_to_hf_state(GPTModel(cfg, seed=seed)), strict=False)
+    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(cfg))
+    state = model_to_hf_state(GPTModel(cfg, seed=seed))
+    unexpected = hf.load_state_dict(state, strict=False).unexpected_keys
+    # a tied head is the embedding's parameter, listed once by named_parameters
+    missing = sorted(set(dict(hf.named_parameters())) - set(state))
+    if missing or unexpected:
+        raise ValueError(f"{type(hf).__name__} and mtds's export differ: not exported {missing[:3]}, "
+                         f"not in the HF model {unexpected[:3]}")
     return hf
 
 
