@@ -10,7 +10,7 @@
 
 Every error is a DataError with a one-line message.
 """
-import importlib
+from mtds import lazy_exports
 
 # Resolved on first use (PEP 562): mtds-preprocess's worker processes import mtds.data.indexed and
 # must not pay for torch and datasets, which the training-side modules pull in.
@@ -23,14 +23,4 @@ __all__ = ["DataError", "load_tokenizer", "check_vocab", "check_seq_length",
            "build_packed_dataset", "PackedDataset", "split_train_eval", "build_train_eval",
            "MicroBatchStream", "build_streams", "SHIPPED_CORPUS", "SHIPPED_TOKENIZER"]
 
-
-def __getattr__(name):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

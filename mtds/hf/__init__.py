@@ -5,7 +5,7 @@ weight-mapping rows; checkpoint.py reads safetensors/.bin; load.py and export.py
 stream_source.py / stream_export.py stream checkpoints larger than memory; resolve.py turns a preset name or a
 HF config into a ModelConfig.
 """
-import importlib
+from mtds import lazy_exports
 
 # Resolved on first use (PEP 562): resolving a preset name (mtds.hf.resolve) and the planner must not pay for
 # torch and transformers, which the adapters' loaders pull in.
@@ -32,14 +32,4 @@ _HOMES = {
 
 __all__ = list(_HOMES)
 
-
-def __getattr__(name):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"mtds.hf.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -3,7 +3,7 @@
 Global layer indices (seeding, checkpoint names, HF tables): 0 GPTEmbedding, 1..L TransformerLayer,
 L+1 FinalNorm, L+2 LMHead (untied only; tied models use GPTEmbedding.lm_logits).
 """
-import importlib
+from mtds import lazy_exports
 
 # Resolved on first use (PEP 562): the model's config (mtds.model.config) is read by the planner and the
 # checkpoint tools, which must not pay for torch.
@@ -30,14 +30,4 @@ _HOMES = {
 
 __all__ = list(_HOMES)
 
-
-def __getattr__(name):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"mtds.model.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
