@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import io
 
-import pytest
 
 from mtds.training import TrainConfig
 from mtds.training.cli import build_parser, config_from_args

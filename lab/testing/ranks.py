@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from mtds.local_ranks import spawn as fresh
-from mtds.local_ranks.rank_setup import (PORT_IN_USE, PRELOAD, RankFailure, free_port, join_group, leave,
-                                         rank_environment, start_context)
+from mtds.local_ranks import spawn as local_ranks
+from mtds.local_ranks.rank_setup import RankFailure, free_port
 from mtds.local_ranks.spawn import DEVICES
 
-__all__ = ["spawn", "use_pools", "close_pools", "pool_stats", "device", "RankFailure", "free_port", "PRELOAD",
-           "PORT_IN_USE", "rank_environment", "start_context", "join_group", "leave", "fresh_ranks_started"]
+__all__ = ["spawn", "use_pools", "close_pools", "pool_stats", "device", "RankFailure", "free_port",
+           "needs_ranks", "fresh_ranks_started"]
 
 _pools: dict[int, Any] = {}
 _pool_device: str | None = None       # None: pools off
@@ -39,7 +38,7 @@ def use_pools(device: str = "cpu") -> None:
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     _pool_device = device
-    fresh.set_pool_runner(_run_on_pool)
+    local_ranks.set_pool_runner(_run_on_pool)
 
 
 def close_pools() -> None:
@@ -50,7 +49,7 @@ def close_pools() -> None:
         pool.remove_logs()     # a failure already carried their tails
     _pools.clear()
     _pool_device = None
-    fresh.set_pool_runner(None)
+    local_ranks.set_pool_runner(None)
 
 
 def pool_stats() -> dict[int, tuple[int, int]]:
@@ -60,7 +59,7 @@ def pool_stats() -> dict[int, tuple[int, int]]:
 
 def fresh_ranks_started() -> int:
     """Ranks started by fresh spawns in this process."""
-    return fresh.fresh_ranks_started
+    return local_ranks.fresh_ranks_started
 
 
 def device() -> str:
@@ -79,10 +78,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     dev = on or device()
     if dev == "cuda" and on is None:
         _skip_without_gpus(world_size)
-    return _fresh_spawn(fn, world_size, *args, timeout=timeout, env=env, fresh=fresh, on=dev)
-
-
-_fresh_spawn = fresh.spawn
+    return local_ranks.spawn(fn, world_size, *args, timeout=timeout, env=env, fresh=fresh, on=dev)
 
 
 def needs_ranks(world: int) -> None:
