@@ -195,12 +195,17 @@ def start_or_resume(path: str) -> str | None:
     ``--save D --load D`` starts a job and restarts it (Megatron's behaviour). Raises
     :class:`CheckpointFormatError` where PATH is a file, holds other things but no checkpoint (probably
     not the --save directory), names a missing global_stepN folder, or holds no complete checkpoint."""
+    return _resume_target(path)[0]
+
+
+def _resume_target(path: str) -> tuple[str | None, str | None]:
+    """(:func:`start_or_resume`'s line, None) or (None, the tag folder the cheap checks pick)."""
     root = os.path.expanduser(os.fspath(path))
     if not os.path.exists(root):
         if _TAG.match(os.path.basename(os.path.normpath(root))):
             raise CheckpointFormatError(f"checkpoint {root!r} does not exist: check --load (pass the directory "
                                         f"given to --save, or a global_stepN folder that is in it)")
-        return f"--load {path}: the directory does not exist yet, no checkpoint to resume: starting from scratch"
+        return f"--load {path}: the directory does not exist yet, no checkpoint to resume: starting from scratch", None
     if not os.path.isdir(root):
         raise CheckpointFormatError(f"--load {path!r} is a file, not a checkpoint directory: pass the directory "
                                     f"given to --save")
@@ -208,34 +213,49 @@ def start_or_resume(path: str) -> str | None:
     names = sorted(n for n in entries if not n.startswith("."))
     if not names:
         what = "is empty" if not entries else "holds only hidden files"
-        return f"--load {path}: the directory {what}, no checkpoint to resume: starting from scratch"
+        return f"--load {path}: the directory {what}, no checkpoint to resume: starting from scratch", None
     is_tag = _TAG.match(os.path.basename(os.path.normpath(root))) or os.path.isfile(os.path.join(root, MARKER))
     if not is_tag and not tags_newest_first(root):
         staging = [n for n in names if n.endswith(STAGING_SUFFIX) and _TAG.match(n[:-len(STAGING_SUFFIX)])]
         if staging and all(n in staging or n in RECOVERY_SCRIPTS for n in names):
             return (f"--load {path}: holds only an unfinished save ({', '.join(staging)}), no complete checkpoint: "
-                    f"starting from scratch")
+                    f"starting from scratch"), None
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise CheckpointFormatError(
             f"{root!r} is not an mtds checkpoint: it holds {len(names)} entr{'y' if len(names) == 1 else 'ies'} "
             f"({shown}) but no global_stepN/ folder, so it is probably not the directory given to --save: pass "
             f"that one (or a global_stepN folder in it); only a missing or empty --load directory starts from "
             f"scratch")
-    newest_listed(root)     # the cheap checks (marker, manifests, sizes); the contents are verified on load
-    return None
+    # the cheap checks (marker, manifests, sizes); the contents are verified on load
+    return None, newest_listed(root)[0]
 
 
-def recorded_model(path: str) -> tuple[str, dict] | None:
-    """(tag folder, model config) of the checkpoint ``--load PATH`` would resume, as its mtds_meta.json records
-    it (cheap checks only); None where PATH starts from scratch or holds no checkpoint (the load says why)."""
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``--load PATH`` means for a run, read once by one rank before anything is set up (the run's
+    other ranks get it by broadcast): start from scratch (the line saying why), an error (one line), or the
+    checkpoint to resume and the model its mtds_meta.json records (None where that file cannot be read:
+    the load itself then says why)."""
+    fresh_start: str | None = None
+    error: str | None = None
+    tag_dir: str | None = None
+    model: dict | None = None
+
+
+def plan_load(path: str) -> LoadPlan:
+    """:class:`LoadPlan` of ``--load PATH``: :func:`start_or_resume`'s decision and its checkpoint's model, in
+    one pass over PATH."""
     from mtds.checkpoint.meta import CheckpointMeta
     try:
-        if start_or_resume(path) is not None:
-            return None
-        tag_dir = newest_listed(path)[0]
-        return tag_dir, CheckpointMeta.load(tag_dir).model
-    except ValueError:      # CheckpointFormatError, IncompleteCheckpoint: load_or_start reports it
-        return None
+        line, tag_dir = _resume_target(path)
+    except ValueError as err:      # CheckpointFormatError, IncompleteCheckpoint
+        return LoadPlan(error=str(err).strip().splitlines()[0])
+    if line is not None:
+        return LoadPlan(fresh_start=line)
+    try:
+        return LoadPlan(tag_dir=tag_dir, model=CheckpointMeta.load(tag_dir).model)
+    except ValueError:
+        return LoadPlan(tag_dir=tag_dir)
 
 
 def find_complete(root: str) -> tuple[str, list[str]]:

@@ -193,8 +193,13 @@ PRESETS: dict[str, ModelConfig] = {
 NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std")
 
 
+def differing_weight_fields(expected: ModelConfig, found: ModelConfig) -> list[str]:
+    """The fields, in order, in which the two differ and that change the weights."""
+    a, b = dataclasses.asdict(expected), dataclasses.asdict(found)
+    return [k for k in a if k not in NOT_WEIGHTS and a[k] != b[k]]
+
+
 def weight_differences(expected: ModelConfig, found: ModelConfig) -> list[str]:
     """``["field: found (model has expected)", ...]`` for every field that changes the weights."""
-    a = {k: v for k, v in dataclasses.asdict(expected).items() if k not in NOT_WEIGHTS}
-    b = {k: v for k, v in dataclasses.asdict(found).items() if k not in NOT_WEIGHTS}
-    return [f"{k}: {b[k]!r} (model has {a[k]!r})" for k in a if a[k] != b[k]]
+    a, b = dataclasses.asdict(expected), dataclasses.asdict(found)
+    return [f"{k}: {b[k]!r} (model has {a[k]!r})" for k in differing_weight_fields(expected, found)]

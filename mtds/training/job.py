@@ -28,12 +28,11 @@ from mtds.safety.signals import StopRequest
 from mtds.safety.startup import BuildLockWatchdog
 
 from mtds.checkpoint import lifecycle as ckpt
-from mtds.checkpoint.complete import start_or_resume
 from mtds.training.build import BuiltRun, build_run
 from mtds.training.config import TrainConfig
 from mtds.training.result import RunResult
 from mtds.training.train_loop import train
-from mtds.training.world import setup_world
+from mtds.training.world import World, setup_world
 
 __all__ = ["RunResult", "run", "resume", "load_or_start"]
 
@@ -50,7 +49,7 @@ def run(cfg: TrainConfig, *, on_engine_ready: Sequence[Callable] = ()) -> RunRes
         with BuildLockWatchdog(cfg.build_lock_timeout_s) as watchdog:
             check_installed()   # the DeepSpeed internals mtds relies on, before anything starts
             world = setup_world(cfg, heartbeat)
-            cfg = load_or_start(cfg)    # --load: before data and model, a missing/empty directory starts afresh
+            cfg = load_or_start(cfg, world)    # --load: before data and model; missing/empty starts afresh
             built = build_run(cfg, world, watchdog, on_engine_ready)
             start_step = resume(built)
             return train(built, start_step, stop)
@@ -62,28 +61,21 @@ def run(cfg: TrainConfig, *, on_engine_ready: Sequence[Callable] = ()) -> RunRes
         stop.uninstall()
 
 
-def load_or_start(cfg: TrainConfig) -> TrainConfig:
+def load_or_start(cfg: TrainConfig, world: World) -> TrainConfig:
     """``cfg`` as the run will go: with ``--load D`` where D does not exist or is empty (or holds only an
     unfinished first save) the run starts from scratch, saying so in one line, so that ``--save D --load D``
-    is the command for the first launch and for every restart. Rank 0 looks (every rank gets its answer);
-    a D that is not a checkpoint directory, or holds none complete, ends the run here, before the data and
-    the model are set up."""
-    if not cfg.load:
+    is the command for the first launch and for every restart. A D that is not a checkpoint directory, or
+    holds none complete, ends the run here, before the data and the model are set up. What D holds was read
+    once, in :func:`mtds.training.world.setup_world` (``world.load``)."""
+    plan = world.load
+    if plan is None:
         return cfg
-    answer = [None, None]      # (line: start from scratch, error)
-    if dist.get_rank() == 0:
-        try:
-            answer[0] = start_or_resume(cfg.load)
-        except ValueError as err:      # CheckpointFormatError, IncompleteCheckpoint
-            answer[1] = str(err).strip().splitlines()[0]
-    dist.broadcast_object_list(answer, src=0)
-    line, error = answer
-    if error:
-        raise ckpt.CheckpointError(error)
-    if line is None:
+    if plan.error:
+        raise ckpt.CheckpointError(plan.error)
+    if plan.fresh_start is None:
         return cfg
     if dist.get_rank() == 0:
-        print(line, flush=True)
+        print(plan.fresh_start, flush=True)
     return dataclasses.replace(cfg, load=None)
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from mtds.observe.comm_trace import CommTracer
-from mtds.model.config import NOT_WEIGHTS, ModelConfig
+from mtds.checkpoint.complete import LoadPlan, plan_load
+from mtds.model.config import ModelConfig, differing_weight_fields
 from mtds.hf.resolve import resolve_model_config
 from mtds.training.cpu_allocator import tune_cpu_allocator
 from mtds.parallel.layout import ParallelGroups, ParallelLayout
@@ -41,6 +42,7 @@ class World:
     rng: RNGTracker                # dropout streams, masks keyed by (step, micro-batch, layer)
     tracer: CommTracer | None      # bytes per collective (None: --trace-comm off)
     allocator: str | None = None   # what mtds.training.cpu_allocator set (CPU runs), for the start-up log
+    load: LoadPlan | None = None   # what --load means (None without it): read once, by rank 0
 
 
 def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
@@ -58,7 +60,8 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
 
     dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
     layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages)
-    model_cfg = run_model_config(cfg)
+    load = _plan_load(cfg.load) if cfg.load else None
+    model_cfg = run_model_config(cfg, load)
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
                        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
                        num_layers=model_cfg.num_layers)
@@ -73,39 +76,37 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
             tracer.name_group(getattr(groups, f"{name}_group"), name)
     rng = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
     return World(device=device, backend=backend, size=size, layout=layout, model_cfg=model_cfg, groups=groups,
-                 rng=rng, tracer=tracer, allocator=allocator)
+                 rng=rng, tracer=tracer, allocator=allocator, load=load)
 
 
-def run_model_config(cfg: TrainConfig) -> ModelConfig:
+def run_model_config(cfg: TrainConfig, load: LoadPlan | None = None) -> ModelConfig:
     """The model this run builds: ``--model``; without it the model the ``--load`` checkpoint records (one line
     says so), else ``--init-from-hf``'s config, else gpt2-tiny; then ``model_overrides``. A ``--model`` that is
     not the checkpoint's model ends the run here, in one line naming both."""
-    recorded = _recorded_model(cfg.load) if cfg.load else None
-    if cfg.model is None and recorded is not None:
-        tag_dir, model = recorded
+    recorded = load is not None and load.model is not None
+    if cfg.model is None and recorded:
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"model: the one {tag_dir} records (mtds_meta.json), as no --model was given", flush=True)
-        return resolve_model_config(ModelConfig(**model), **cfg.model_overrides)
+            print(f"model: the one {load.tag_dir} records (mtds_meta.json), as no --model was given", flush=True)
+        return resolve_model_config(ModelConfig(**load.model), **cfg.model_overrides)
     model_cfg = resolve_model_config(cfg.model or cfg.init_from_hf or DEFAULT_MODEL, **cfg.model_overrides)
-    if recorded is not None:
-        _check_recorded(cfg.model, model_cfg, *recorded)
+    if recorded:
+        _check_recorded(cfg.model, model_cfg, load.tag_dir, ModelConfig(**load.model))
     return model_cfg
 
 
-def _recorded_model(load: str) -> tuple[str, dict] | None:
-    """(tag folder, model dict) the --load checkpoint records; rank 0 reads it, every rank gets its answer."""
-    from mtds.checkpoint.complete import recorded_model
+def _plan_load(path: str) -> LoadPlan:
+    """What --load means (:func:`mtds.checkpoint.complete.plan_load`): rank 0 reads, every rank gets it."""
     if not dist.is_initialized():
-        return recorded_model(load)
-    answer = [recorded_model(load) if dist.get_rank() == 0 else None]
+        return plan_load(path)
+    answer = [plan_load(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(answer, src=0)
     return answer[0]
 
 
-def _check_recorded(given, model_cfg: ModelConfig, tag_dir: str, model: dict) -> None:
+def _check_recorded(given, model_cfg: ModelConfig, tag_dir: str, recorded: ModelConfig) -> None:
     from mtds.checkpoint.lifecycle import CheckpointError
-    mine, theirs = model_cfg.to_dict(), ModelConfig(**model).to_dict()
-    diff = [f"{k} {mine[k]!r} vs {theirs[k]!r}" for k in mine if k not in NOT_WEIGHTS and mine[k] != theirs[k]]
+    mine, theirs = model_cfg.to_dict(), recorded.to_dict()
+    diff = [f"{k} {mine[k]!r} vs {theirs[k]!r}" for k in differing_weight_fields(model_cfg, recorded)]
     if diff:
         who = f"--model {os.fspath(given)}" if isinstance(given, (str, os.PathLike)) else "the ModelConfig given"
         more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
