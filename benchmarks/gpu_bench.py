@@ -75,11 +75,13 @@ PRECISION = "bf16"
 
 # Speed changes behind a bench-only switch (a module attribute, True = the change on): the changes stage
 # measures each off against all on.
+FLAT = "BF16_Optimizer bookkeeping on flat buffers"
 SWITCHES = {
     "16-bit cross entropy without a float32 copy": ("mtds.tp.cross_entropy", "CHUNKED_16BIT"),
+    FLAT: ("mtds.deepspeed_compat.bf16_flat", "FLAT"),
 }
 # What the off side does more of in the warm-up steps (_PathCounts): proof that the switch switched.
-EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce"}
+EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce", FLAT: "bf16_loops"}
 # Changes with no switch (one would need more than a module attribute): the baseline measures them, with
 # the 2026-11-24 H100 numbers (docs/benchmarks.md) as the before.
 BASELINE_ONLY = [
@@ -214,13 +216,16 @@ def _set_switches(values: dict) -> None:
 
 class _PathCounts:
     """Which code path each configuration took, counted in the warm-up steps only (the timed steps run the
-    product's functions unwrapped): the chunked 16-bit and the float32 cross entropy (calls). Evidence that a
+    product's functions unwrapped): the chunked 16-bit and the float32 cross entropy, the flat and the per-parameter
+    BF16_Optimizer accumulation (calls). Evidence that a
     switch switched."""
 
     def __init__(self, configs):
+        import mtds.deepspeed_compat.bf16_flat as flat
         import mtds.tp.cross_entropy as ce
         self.targets = [(ce, "_ChunkedCrossEntropy16", "chunked_16bit_ce"),
-                        (ce, "_VocabParallelCrossEntropy", "float32_ce")]
+                        (ce, "_VocabParallelCrossEntropy", "float32_ce"),
+                        (flat, "accumulate_flat", "bf16_flat"), (flat, "deepspeed_loops", "bf16_loops")]
         self.originals = {(m, name): getattr(m, name) for m, name, _ in self.targets}
         self.counts = {config: {key: 0 for _, _, key in self.targets} for config in configs}
         self.config, self.installed = None, False

@@ -155,7 +155,8 @@ def test_the_gpu_plan_cases_and_numbers(tmp_path, monkeypatch):
             if c["kind"] == "alternating":       # "all on" 0.090 s a step, each change off 0.100 s
                 r["steps"] = [{"step": i + 1, "config": name, "step_s": 0.09 if name == "all on" else 0.1}
                               for i, name in enumerate(c["schedule"])]
-                r["paths_in_warmup"] = {name: {"float32_ce": int("cross" in name)} for name in c["configs"]}
+                r["paths_in_warmup"] = {name: {key: int(switch in name) for switch, key in gpu_bench.EVIDENCE.items()}
+                                        for name in c["configs"]}
         return out, None
 
     monkeypatch.setattr(gpu_bench, "_spawn_stage", fake)

@@ -91,7 +91,10 @@ def _nan_worker(root):
     from mtds.safety.numerics import NonFiniteError
     from mtds.training import run
     out = []
-    for name, kw in (("bf16", dict(deepspeed_config=ds_config(zero=1, precision="bf16"))),
+    # bf16 as the shipped configs run it (BF16_Optimizer, fp32 accumulation: the non-finite sums are taken
+    # on its flat 16-bit gradient buffers, mtds.deepspeed_compat.bf16_flat); fp32: one sum per gradient
+    bf16 = ds_config(zero=1, precision="bf16", data_types={"grad_accum_dtype": "fp32"})
+    for name, kw in (("bf16", dict(deepspeed_config=bf16)),
                      ("fp32", dict(deepspeed_config=ds_config(zero=0))),
                      ("skip", dict(deepspeed_config=ds_config(zero=1), on_nan="skip"))):
         try:

@@ -111,11 +111,21 @@ class Bf16ReduceScatter(EarlyReducer):
             return self.grads_for_norm(for_clipping=True)
         self.book.mark(NORM)
         tensors, expert = self.grads_for_norm(for_clipping=False)
-        norms = [piece.norm(2) for t in tensors for piece in self._in_partition(t)]
+        pieces = [piece for t in tensors for piece in self._pieces(t)]
         device = self.opt.fp32_groups_gradients_flat[0].device
-        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
+        # one _foreach_norm, not a norm per tensor (on CPU the same per-tensor kernels: bit-identical)
+        squares = (torch.stack(torch._foreach_norm(pieces, 2.0)).pow(2).sum() if pieces else
+                   torch.zeros((), dtype=torch.float32, device=device))
         dist.all_reduce(squares, group=self.group)
         return [squares.sqrt().reshape(1)], expert
+
+    def _pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`_in_partition`, kept per gradient view (the flat buffers never move)."""
+        cache = self.__dict__.setdefault("_piece_cache", {})
+        key = (id(t), t.data_ptr())
+        if key not in cache:
+            cache[key] = (t, self._in_partition(t))     # t kept alive: its id stays its own
+        return cache[key][1]
 
     def _in_partition(self, t: torch.Tensor) -> list[torch.Tensor]:
         """``t`` (a parameter's fp32 gradient, a view into a group's flat buffer) cut to this rank's

@@ -31,14 +31,28 @@ class LocalNonFinite:
     squares) has long overflowed too; ``isfinite().all()`` per gradient cost 17 ms per micro-batch at
     4.5 M parameters on one CPU core, the sums 0.5-1.4 ms."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, flat=None):
+        """``flat``: a :class:`mtds.deepspeed_compat.bf16_flat.FlatBf16Grads` whose 16-bit gradients all
+        accumulate in flat buffers: while its switch is on it sums each buffer once per micro-batch instead
+        (see :meth:`note`), and the per-gradient sums are skipped."""
         self._sums: list[torch.Tensor] = []
+        self._flat = None
+        if flat is not None:
+            import mtds.deepspeed_compat.bf16_flat as flat_module
+            self._flat = flat_module
+            flat.note_sum = self.note
         self._handles = [p.register_hook(self._check) for p in module.parameters() if p.requires_grad]
 
     def _check(self, grad: torch.Tensor | None) -> None:
         if grad is None:        # a gradient deferred elsewhere (ZB-H1's W pass)
             return
+        if self._flat is not None and self._flat.FLAT:
+            return
         self._sums.append(grad.detach().sum())
+
+    def note(self, total: torch.Tensor) -> None:
+        """A sum over many gradients at once (non-finite if any element is)."""
+        self._sums.append(total)
 
     def take_flag(self) -> torch.Tensor | None:
         """This step's answer as a 0-dim bool tensor on the gradients' device (no host sync); None if no

@@ -10,6 +10,7 @@ from typing import Callable
 
 from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
+from mtds.deepspeed_compat.bf16_flat import install_flat_bf16
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
@@ -73,6 +74,7 @@ def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
 def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: str, zero_stage: int) -> None:
     """The gradient fixes this run's precision / ZeRO stage / layout need, then the tracer's group names."""
     groups = world.groups
+    install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
     if precision == "fp32" and zero_stage == 0:
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:

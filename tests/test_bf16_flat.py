@@ -1,0 +1,100 @@
+"""BF16_Optimizer's bookkeeping on flat buffers (mtds.deepspeed_compat.bf16_flat): the same numbers as
+DeepSpeed's per-parameter loops, bit for bit on CPU, at the layouts whose gradients take different roads
+(tied weights across pipeline stages, data-parallel reduce-scatter, several micro-batches); and the
+operators it saves, held as counts."""
+import collections
+import dataclasses
+
+from lab.testing import spawn
+from tests.training_helpers import TINY, ds_config, train_config
+
+STEPS = 4
+FP32_ACC = {"data_types": {"grad_accum_dtype": "fp32"}}
+
+
+def _flat_and_loops(layouts):
+    import mtds.deepspeed_compat.bf16_flat as flat
+    from mtds.training import run
+    out = []
+    for tp, pp in layouts:
+        runs = {}
+        for on in (True, False):
+            flat.FLAT = on
+            try:
+                cfg = train_config(tp=tp, pp=pp, steps=STEPS, deepspeed_config=ds_config(precision="bf16", **FP32_ACC))
+                runs[on] = run(cfg)
+            finally:
+                flat.FLAT = True
+        out.append(runs)
+    return out
+
+
+def test_flat_bookkeeping_equals_deepspeeds_loops_bit_for_bit():
+    # (1,2,1): the tied embedding's gradient summed across stages through _hp_grad; (1,1,2): reduce-scattered
+    # at d = 2 with 2 micro-batches per rank accumulating. Clipped most steps (CLIP 0.5).
+    layouts = [(1, 2), (1, 1)]
+    per_rank = spawn(_flat_and_loops, 2, layouts)
+    for rank_runs in per_rank:
+        for (tp, pp), runs in zip(layouts, rank_runs):
+            flat, loops = runs[True], runs[False]
+            if not flat.losses:     # not the reporting rank of this layout
+                continue
+            assert flat.losses == loops.losses, ((tp, pp), flat.losses, loops.losses)
+            assert flat.grad_norms == loops.grad_norms, ((tp, pp), flat.grad_norms, loops.grad_norms)
+            assert len(flat.losses) == STEPS and flat.grad_norms[0] > 0.5, flat.grad_norms   # clipped
+
+
+def _ops_per_step(layers_list):
+    from lab.testing.op_counts import OpCounts
+    from mtds.training import run, train_loop
+    counts, active = {}, {}
+
+    class Edge:
+        def __init__(self, first):
+            self.first = first
+
+        def before_step(self, step):
+            if self.first and step == STEPS:
+                active["mode"] = OpCounts().__enter__()
+
+        def after_step(self, step, record):
+            if not self.first and "mode" in active:
+                mode = active.pop("mode")
+                mode.__exit__(None, None, None)
+                counts[active["layers"]] = mode.counts
+
+        def at_end(self, step, completed):
+            pass
+
+    hooks = train_loop.step_hooks
+    train_loop.step_hooks = lambda *a, **k: [Edge(True)] + hooks(*a, **k) + [Edge(False)]
+    try:
+        for layers in layers_list:
+            active["layers"] = layers
+            model = dataclasses.replace(TINY, num_layers=layers, hidden_dropout=0.0, attention_dropout=0.0)
+            ds = ds_config(precision="bf16", train_batch_size=1, train_micro_batch_size_per_gpu=1, **FP32_ACC)
+            ds["optimizer"]["params"]["fused"] = True
+            run(train_config(model=model, steps=STEPS, deepspeed_config=ds))
+    finally:
+        train_loop.step_hooks = hooks
+    return counts
+
+
+VIEWS = ("aten.view.default", "aten.t.default", "aten.transpose.int", "aten.detach.default",
+         "aten._unsafe_view.default", "aten.slice.Tensor", "aten.alias.default")
+
+
+def test_operators_per_layer_per_step():
+    # bf16, d = 1, t = 1, one micro-batch, fused AdamW, clipping: the operators one more GPT-2 layer adds to
+    # a training step (its 12 parameters). DeepSpeed's loops and the per-gradient non-finite sum cost
+    # 6 per parameter (sum, cast + add, norm, clip multiply, flag cast): 106 computing operators a layer
+    # on 2026-11-26; now 44: the layer's own forward and backward (32) and autograd's accumulation into
+    # the bound 16-bit buffer (12, one per parameter, issued by autograd's C++ engine).
+    counts = spawn(_ops_per_step, 1, (2, 4))[0]
+    per_layer = collections.Counter(counts[4])
+    per_layer.subtract(counts[2])
+    computing = {op: n // 2 for op, n in per_layer.items()
+                 if n and op not in VIEWS and not op.startswith("profiler.")}
+    assert sum(computing.values()) <= 44, computing
+    for op in ("aten.linalg_vector_norm.default", "aten._to_copy.default", "aten.sum.default", "aten.mul_.Tensor"):
+        assert computing.get(op, 0) == 0, (op, computing)      # nothing per parameter in the bookkeeping
