@@ -76,12 +76,14 @@ PRECISION = "bf16"
 # Speed changes behind a bench-only switch (a module attribute, True = the change on): the changes stage
 # measures each off against all on.
 FLAT = "BF16_Optimizer bookkeeping on flat buffers"
+D1 = "no gradient all-reduce and bf16 round trip at d = 1"
 SWITCHES = {
     "16-bit cross entropy without a float32 copy": ("mtds.tp.cross_entropy", "CHUNKED_16BIT"),
     FLAT: ("mtds.deepspeed_compat.bf16_flat", "FLAT"),
+    D1: ("mtds.deepspeed_compat.bf16_flat", "SKIP_SINGLE_RANK_REDUCE"),
 }
 # What the off side does more of in the warm-up steps (_PathCounts): proof that the switch switched.
-EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce", FLAT: "bf16_loops"}
+EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce", FLAT: "bf16_loops", D1: "d1_allreduce"}
 # Changes with no switch (one would need more than a module attribute): the baseline measures them, with
 # the 2026-11-24 H100 numbers (docs/benchmarks.md) as the before.
 BASELINE_ONLY = [
@@ -225,7 +227,8 @@ class _PathCounts:
         import mtds.tp.cross_entropy as ce
         self.targets = [(ce, "_ChunkedCrossEntropy16", "chunked_16bit_ce"),
                         (ce, "_VocabParallelCrossEntropy", "float32_ce"),
-                        (flat, "accumulate_flat", "bf16_flat"), (flat, "deepspeed_loops", "bf16_loops")]
+                        (flat, "accumulate_flat", "bf16_flat"), (flat, "deepspeed_loops", "bf16_loops"),
+                        (flat, "deepspeed_reduce", "d1_allreduce")]
         self.originals = {(m, name): getattr(m, name) for m, name, _ in self.targets}
         self.counts = {config: {key: 0 for _, _, key in self.targets} for config in configs}
         self.config, self.installed = None, False
