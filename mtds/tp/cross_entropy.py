@@ -9,7 +9,8 @@ them up (``reuse_logits``), else a new one. Padded vocabulary columns (ids >=
 
 16-bit logits (bf16/fp16) take another path, :class:`_ChunkedCrossEntropy16`: no float32 copy of the
 logits at all. The max and the target logit are read off the 16-bit logits exactly; the exponentials are
-summed a block of rows at a time in float32 (``_CHUNK_ELEMENTS`` per block) and recomputed the same way in
+summed a block of rows at a time in float32 (at least ``_CHUNK_ELEMENTS`` per block, at most ``_MAX_BLOCKS``
+blocks) and recomputed the same way in
 backward, which writes the 16-bit gradient once. Per element it is the float32 path's arithmetic in the
 same order, so the values equal it; at b = 8, s = 1024, V = 50304 it spares a 1.6 GB float32 buffer and
 its passes (the H100 profile of 2026-11-24).
@@ -82,7 +83,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
-_CHUNK_ELEMENTS = 1 << 24      # float32 elements of one block of rows: 64 MiB of scratch whatever b*s*V is
+_CHUNK_ELEMENTS = 1 << 24      # float32 elements of one block of rows: at least 64 MiB of scratch ...
+# ... and at most 4 blocks: each block is ~15 kernel launches forward and backward, and a launch costs the
+# step loop ~47 us of host time on an H200 (gpu-bench, 2026-11-26). With 64 MiB blocks gpt2-medium at b = 8
+# (8192 rows of 50304) ran 25 blocks, and the step was 10 % slower than the float32 copy's (paired A/B).
+# Four blocks keep the float32 scratch at a quarter of the copy's size.
+_MAX_BLOCKS = 4
 
 # Bench-only switch, not a user option: benchmarks/gpu_bench.py sets it False for the A/B of this path against
 # the one before it (16-bit logits through the float32 path on a float32 copy of them). Leave it True.
@@ -90,7 +96,7 @@ CHUNKED_16BIT = True
 
 
 def _row_blocks(rows: int, width: int):
-    step = max(1, _CHUNK_ELEMENTS // max(1, width))
+    step = max(1, _CHUNK_ELEMENTS // max(1, width), -(-rows // _MAX_BLOCKS))
     return ((i, min(i + step, rows)) for i in range(0, rows, step))
 
 
