@@ -1,4 +1,5 @@
-"""The vocab-parallel cross entropy of 16-bit logits: float32 arithmetic, no float32 copy of the logits.
+"""The vocab-parallel cross entropy of 16-bit logits without a float32 copy (``CHUNKED_16BIT``, off by default:
+slower on an H200, see mtds/tp/cross_entropy.py): float32 arithmetic, no float32 copy of the logits.
 
 Its values and gradients equal the float32 path run on an upcast copy (the arithmetic per element is the
 same, in the same order), whatever the block of rows; and no float32 tensor larger than one block is made
@@ -27,6 +28,7 @@ def test_equals_the_float32_path_on_an_upcast_copy(monkeypatch, dtype, vocab, bl
     want = ce._VocabParallelCrossEntropy.apply(upcast, target, None, vocab, -100, False)
     (want * weight).sum().backward()
     monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", block_rows * 256)
+    monkeypatch.setattr(ce, "CHUNKED_16BIT", True)
     logits.requires_grad_()
     got = ce.vocab_parallel_cross_entropy(logits, target, None, vocab_size=vocab, reduction="none")
     (got * weight).sum().backward()
@@ -52,6 +54,7 @@ class _LargestFloat32(TorchDispatchMode):
 def test_no_float32_tensor_of_the_logits_size(monkeypatch, dtype):
     logits, target, weight = _case(dtype, 250, 256, rows=256)
     monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 16 * 256)     # blocks of at least 16 rows of 256 ...
+    monkeypatch.setattr(ce, "CHUNKED_16BIT", True)
     logits.requires_grad_()
     with _LargestFloat32() as watch:
         loss = ce.vocab_parallel_cross_entropy(logits, target, None, vocab_size=250)
@@ -62,9 +65,10 @@ def test_no_float32_tensor_of_the_logits_size(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bench_switch_off_takes_the_float32_path_on_an_upcast(monkeypatch, dtype):
-    """``CHUNKED_16BIT = False`` (benchmarks/gpu_bench.py's A/B, nothing else sets it): the path before the
-    chunked one, a float32 tensor of the logits' size, with the same values."""
+    """``CHUNKED_16BIT = False`` (the default, measured faster on an H200; benchmarks/gpu_bench.py's A/B sets
+    it): the float32 path on a copy of the logits' size, with the same values as the chunked path."""
     logits, target, _ = _case(dtype, 250, 256, rows=256)
+    monkeypatch.setattr(ce, "CHUNKED_16BIT", True)
     want = ce.vocab_parallel_cross_entropy(logits, target, None, vocab_size=250)
     monkeypatch.setattr(ce, "CHUNKED_16BIT", False)
     with _LargestFloat32() as watch:

@@ -90,9 +90,12 @@ _CHUNK_ELEMENTS = 1 << 24      # float32 elements of one block of rows: at least
 # Four blocks keep the float32 scratch at a quarter of the copy's size.
 _MAX_BLOCKS = 4
 
-# Bench-only switch, not a user option: benchmarks/gpu_bench.py sets it False for the A/B of this path against
-# the one before it (16-bit logits through the float32 path on a float32 copy of them). Leave it True.
-CHUNKED_16BIT = True
+# Off by default: measured on an H200 (gpu-bench 2026-11-26, gpt2-medium s = 1024 b = 8, bf16, paired A/B
+# alternated step by step) the float32 copy's path was faster -- this path's step took 1/0.90 as long with
+# 64 MiB blocks (25 of them) and 1/0.947 with at most 4 blocks: at this size the step is launch-bound and
+# the copy costs bandwidth the GPU has to spare. What this path saves is memory (the 1.6 GB float32 copy at
+# b = 8, 13 GB at b = 64); benchmarks/gpu_bench.py's A/B sets it True. A fused kernel would give both.
+CHUNKED_16BIT = False
 
 
 def _row_blocks(rows: int, width: int):
