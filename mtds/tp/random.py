@@ -180,7 +180,14 @@ def checkpoint(function: Callable[..., Any], tracker: RNGTracker | None, *args: 
     """
     if tracker is None:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    return _tracked_checkpoint(function, tracker, *args)
 
+
+@torch.compiler.disable
+def _tracked_checkpoint(function: Callable[..., Any], tracker: RNGTracker, *args: Any) -> Any:
+    """Dynamo cannot trace a checkpoint with a ``context_fn`` ("checkpoint not implemented for ...
+    context_fn"), so under ``--compile`` the recomputed block runs eagerly: the compiled layer is split
+    there (its parts before and after stay compiled) and the tracker's streams replay as without compile."""
     def context_fn():
         saved = tracker.snapshot()
 
