@@ -142,3 +142,32 @@ def test_fork_requires_added_state():
     tracker.add("a", 1)
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("a", 2)
+
+
+def test_streams_saved_on_another_device_type_restart_from_a_seed():
+    # A rank manifest written on a GPU holds CUDA generator states (16 bytes); set as they are on a CPU
+    # tracker (or a CPU checkpoint's 5,056 bytes on a GPU) the first fork fails. They are recognised and
+    # the streams restart from a seed instead, the same on every resume.
+    from mtds.checkpoint.lifecycle import restart_foreign_streams, set_rng_state, tracker_fits
+    from mtds.tp.random import RNGTracker
+    lines, masks = [], []
+    gpu_saved = {"cpu": torch.get_rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8),
+                 "tracker": {MODEL_PARALLEL_RNG: torch.zeros(16, dtype=torch.uint8)}}
+    for _ in range(2):
+        tracker = RNGTracker("cpu")
+        tracker.add(MODEL_PARALLEL_RNG, 7)
+        assert not tracker_fits(gpu_saved, tracker) and tracker_fits({"tracker": tracker.get_states()}, tracker)
+        restart_foreign_streams(gpu_saved, tracker, step=5, tp_rank=1, log=lines.append)
+        with tracker.fork():
+            masks.append(F.dropout(torch.ones(32), 0.5))
+    assert torch.equal(masks[0], masks[1]) and "another device type" in lines[0], lines
+    tracker = RNGTracker("cpu")
+    tracker.add(MODEL_PARALLEL_RNG, 7)
+    set_rng_state(gpu_saved, tracker)    # what load did before: the fork below fails
+    try:
+        with tracker.fork():
+            pass
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a CUDA generator state was accepted by a CPU tracker")

@@ -258,14 +258,33 @@ def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConf
         path, state = _load_resharded(engine, directory, tag, meta, groups, log)
     step = int(state.get("mtds_step", engine.global_steps))
     own = rank_manifest(os.path.join(directory, tag), dist.get_rank())
-    if same_layout and meta is not None and meta.dp == groups.layout.dp and os.path.isfile(own):
-        set_rng_state(safe_load(own)["rng"], rng_tracker)     # this very rank's streams: exact resume
+    rng = safe_load(own)["rng"] if os.path.isfile(own) else None
+    if rng is not None and not tracker_fits(rng, rng_tracker):
+        restart_foreign_streams(rng, rng_tracker, step, groups.tp_rank, log)
+    elif same_layout and meta is not None and meta.dp == groups.layout.dp and rng is not None:
+        set_rng_state(rng, rng_tracker)     # this very rank's streams: exact resume
     else:
         if state.get("mtds_rng"):
             set_rng_state(state["mtds_rng"])
         if rng_tracker is not None:
             reseed_tracker(rng_tracker, step, groups.tp_rank)
     return step, state
+
+
+def tracker_fits(rng: dict, tracker) -> bool:
+    """Whether a rank's saved tracker states can be set on ``tracker`` (same device type; none saved fits)."""
+    return tracker is None or not rng.get("tracker") or tracker.accepts(rng["tracker"])
+
+
+def restart_foreign_streams(rng: dict, tracker, step: int, tp_rank: int, log=print) -> None:
+    """A checkpoint saved on another device type (CPU resumed on GPUs, or back): its tracker states are
+    another generator's and cannot be set here (``torch.cuda.set_rng_state`` of a CPU state fails at the
+    first dropout outside a keyed layer); the default generator's CPU state is restored, and the tracker's
+    streams restart from a seed, deterministically, as after a layout change."""
+    set_rng_state({**rng, "tracker": None})
+    reseed_tracker(tracker, step, tp_rank)
+    log(f"checkpoint: its dropout RNG states are another device type's (saved on "
+        f"{'CPU' if tracker.device_type == 'cuda' else 'GPU'}): dropout streams restart from a seed")
 
 
 def reseed_tracker(tracker, step: int, tp_rank: int) -> None:

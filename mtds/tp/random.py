@@ -130,6 +130,12 @@ class RNGTracker:
     def get_states(self) -> dict[str, torch.Tensor]:
         return {name: state.clone() for name, state in self._states.items()}
 
+    def accepts(self, states: dict[str, torch.Tensor]) -> bool:
+        """Whether ``states`` are generator states of this tracker's device type (a CPU generator's state
+        is 5,056 bytes, a CUDA one's 16: one saved on the other kind cannot be set here)."""
+        size = get_rng_state(self.device_type).numel()
+        return all(state.numel() == size for state in states.values())
+
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self._states = {name: state.clone() for name, state in states.items()}
 
