@@ -26,7 +26,8 @@ def test_grid_covers_every_engine_schedule():
 def test_engine_program_finishes_under_nccl(name, p, v, m):
     for mode in ("lazy", "eager"):
         for forward_only in (False, True):
-            simulate_schedule_nccl(name, p, v, m, mode=mode, forward_only=forward_only)
+            for serial in (False, True):        # serial: CUDA_DEVICE_MAX_CONNECTIONS=1
+                simulate_schedule_nccl(name, p, v, m, mode=mode, forward_only=forward_only, serial=serial)
     # NCCL's waits cost nothing beyond the transfers: while a transfer takes no longer than a forward,
     # the step ends exactly when it does with gloo's buffered sends (lab.pipe_sim.simulate)
     for comm in (0, 0.5, 1):
@@ -214,3 +215,16 @@ def test_policies_and_bad_arguments():
     # forward_actions: the schedule's forwards, or chunk by chunk where the schedule cannot take m
     assert forward_actions("interleaved", 3, 2, 2, 0) == [Action("F", c, i) for i in range(2) for c in range(2)]
     assert forward_actions("1f1b", 2, 1, 2, 1) == [Action("F", 0, 0), Action("F", 0, 1)]
+
+
+def test_one_hardware_queue_holds_later_kernels_behind_a_waiting_one():
+    # CUDA_DEVICE_MAX_CONNECTIONS=1: rank 0's send z (group h) is issued after send y, which waits behind
+    # send x on g's stream; x waits for rank 1's receive, posted after a compute that needs z. With
+    # separate queues z leaves at once and everything finishes; with one queue z waits for y: a deadlock.
+    x, y, z = Message(ACT, 0, 0), Message(ACT, 0, 1), Message(ACT, 0, 2)
+    rank0 = [compute(0, makes=x), compute(0, makes=y, micro=1), compute(0, makes=z, micro=2),
+             Post((send(x, 1),)), Post((send(y, 1),)), Post((send(z, 1, "h"),))]
+    rank1 = [Post((recv(z, 0, "h"),)), compute(1, needs=z, micro=2), Post((recv(x, 0),)), Post((recv(y, 0),))]
+    assert simulate_programs([rank0, rank1], costs=COSTS, mode="eager").step_time > 0
+    with pytest.raises(NcclDeadlock, match="rank 1 at .recv act.stage 0, micro 2.*: no matching post started"):
+        simulate_programs([rank0, rank1], costs=COSTS, mode="eager", serial=True)

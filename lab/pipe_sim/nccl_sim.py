@@ -23,6 +23,12 @@ finishes when some waits are shorter (the events that can happen only grow as wa
 - A compute starts after the previous compute on its rank, after the host issued it, and after the
   post holding the receive it needs completed (the stream waits on the post's work: the whole kernel).
 
+- ``serial`` (``CUDA_DEVICE_MAX_CONNECTIONS=1``, Megatron's usual setting): every stream of a rank is fed
+  through one hardware queue, so a kernel starts only after the kernel the host issued before it, on any
+  stream, has started (head-of-line: a post waiting for its stream or a compute waiting for its input holds
+  back everything issued after it). A started NCCL kernel spins until its partner's starts; kernels
+  already started run side by side.
+
 What is not modelled: kernels of different communicators are assumed to progress side by side (NCCL
 documents that concurrent communicators "might work provided they fit within the GPU"; mtds's program
 has at most four p2p kernels of a rank in flight). An item that never gets a time is a deadlock
@@ -54,8 +60,9 @@ class NcclResult:
     send_delay: list = field(default_factory=list)    # per rank: the longest wait of a send post after its compute
 
 
-def simulate_programs(programs: list, *, costs: dict, comm=0, mode: str = "lazy") -> NcclResult:
-    """Run per-rank programs (lists of ``Post``/``Compute``); raise ``NcclDeadlock`` or ``MismatchedTransfer``."""
+def simulate_programs(programs: list, *, costs: dict, comm=0, mode: str = "lazy", serial: bool = False) -> NcclResult:
+    """Run per-rank programs (lists of ``Post``/``Compute``); raise ``NcclDeadlock`` or ``MismatchedTransfer``.
+    ``serial``: one hardware queue per rank (``CUDA_DEVICE_MAX_CONNECTIONS=1``, see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     s = _Structure(programs, mode)
@@ -69,12 +76,14 @@ def simulate_programs(programs: list, *, costs: dict, comm=0, mode: str = "lazy"
             waits["arrive", key], duration["arrive", key] = ([("host", (rank, i - 1))] if i else []), 0
             waits["host", key] = [("arrive", key)] + [("arrive", k) for k in s.creation.get(key, ())]
             duration["host", key] = 0
+            queue = [("start", (rank, i - 1))] if serial and i else []     # the one hardware queue's order
             if isinstance(item, Compute):
                 before = [("done", k) for k in (s.prev_compute[key], s.holding.get(key)) if k is not None]
-                waits["done", key], duration["done", key] = before + [("host", key)], costs[item.action.kind]
+                waits["start", key], duration["start", key] = before + [("host", key)] + queue, 0
+                waits["done", key], duration["done", key] = [("start", key)], costs[item.action.kind]
             else:
                 before = [("done", k) for k in (s.prev_stream[key], s.prev_compute[key]) if k is not None]
-                waits["start", key], duration["start", key] = before + [("host", key)], 0
+                waits["start", key], duration["start", key] = before + [("host", key)] + queue, 0
                 waits["done", key] = [("start", key)] + [("start", s.partner[key, j]) for j in range(len(item.transfers))]
                 duration["done", key] = comm
     waiters, missing = {}, {}
@@ -105,7 +114,7 @@ def simulate_programs(programs: list, *, costs: dict, comm=0, mode: str = "lazy"
 
 
 def simulate_schedule_nccl(name: str, p: int, v: int, m: int, *, policy: str | None = None, costs: dict | None = None,
-                           comm=0, mode: str = "lazy", forward_only: bool = False) -> NcclResult:
+                           comm=0, mode: str = "lazy", forward_only: bool = False, serial: bool = False) -> NcclResult:
     """The engine's programs for schedule ``name`` at (p, v, m) (``exchange.engine_program``; with
     ``policy``, ``exchange_program`` under that policy) under NCCL's semantics. ``forward_only``: one
     evaluation step (``forward_actions``; any m)."""
@@ -114,7 +123,7 @@ def simulate_schedule_nccl(name: str, p: int, v: int, m: int, *, policy: str | N
     else:
         order = forward_actions if forward_only else schedule_actions
         programs = [exchange_program(order(name, p, v, m, rank), p=p, v=v, rank=rank, policy=policy) for rank in range(p)]
-    return simulate_programs(programs, costs=costs or default_costs(name), comm=comm, mode=mode)
+    return simulate_programs(programs, costs=costs or default_costs(name), comm=comm, mode=mode, serial=serial)
 
 
 class _Structure:
@@ -182,7 +191,9 @@ class _Structure:
         if ("host", (rank, i)) not in time:
             return f"{head}: its host waits for the other ranks to create the communicator"
         if isinstance(item, Compute):
-            return f"{head} waits for {item.needs} to arrive"
+            held = i and ("start", (rank, i - 1)) not in time
+            return f"{head} waits behind {self.programs[rank][i - 1]} in the hardware queue" if held and \
+                (item.needs is None or ("done", self.holding[rank, i]) in time) else f"{head} waits for {item.needs} to arrive"
         if ("start", (rank, i)) not in time:
             prev = self.prev_stream[rank, i]
             if prev is not None and ("done", prev) not in time:
