@@ -23,7 +23,7 @@ LAYERS = (
     ("mtds.deepspeed_compat", "mtds.parallel", "mtds.safety", "mtds.local_ranks"),
     ("mtds.observe", "mtds.tp", "mtds.data"),
     ("mtds.model",),
-    ("mtds.hf", "mtds.checkpoint", "mtds.plan"),
+    ("mtds.hf", "mtds.checkpoint", "mtds.plan", "mtds.megatron"),
     ("mtds.pipe",),
     ("mtds.training",),
     ("mtds.eval", "mtds.cli", "mtds.gpucheck", "mtds.cluster"),

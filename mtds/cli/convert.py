@@ -3,6 +3,8 @@
   mtds-convert hf-to-mtds --hf DIR --tp T --pp P --out DIR     HF weights -> checkpoint for train.py --load
   mtds-convert mtds-to-hf --ckpt DIR --out DIR                 any mtds checkpoint -> from_pretrained dir
   mtds-convert to-universal --ckpt DIR                         DeepSpeed universal checkpoint (resharding)
+  mtds-convert megatron-to-mtds --load DIR --tp T --pp P --out DIR   Megatron-LM torch_dist -> mtds
+  mtds-convert mtds-to-megatron --ckpt DIR --out DIR           any mtds checkpoint -> Megatron-LM torch_dist
 
 Both weight directions stream: one layer (hf-to-mtds at p > 1, mtds-to-hf) or one TP rank's shard
 (hf-to-mtds at p = 1) is in memory at a time. Errors are one line on stderr, exit status 2.
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("to-universal", help="convert the latest checkpoint to DeepSpeed's universal format "
                                             "(train.py --load does this itself when the layout changes)")
     c.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint root (with 'latest')")
+
+    from mtds.cli.convert_megatron import add_commands
+    add_commands(sub, _DTYPES)
     return ap
 
 
@@ -109,6 +114,12 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "mtds-to-hf":
             run_mtds_to_hf(args)
             where = args.out
+        elif args.command == "megatron-to-mtds":
+            from mtds.cli.convert_megatron import run_megatron_to_mtds
+            where = run_megatron_to_mtds(args, _dtype(args.dtype))
+        elif args.command == "mtds-to-megatron":
+            from mtds.cli.convert_megatron import run_mtds_to_megatron
+            where = run_mtds_to_megatron(args, _dtype(args.dtype))
         else:
             where = run_to_universal(args)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, OSError) as err:

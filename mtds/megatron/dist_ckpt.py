@@ -1,0 +1,113 @@
+"""A Megatron-LM torch_dist checkpoint folder, read and written through torch.distributed.checkpoint.
+
+Layout (megatron/training/checkpointing.py, megatron/core/dist_checkpointing):
+    ROOT/latest_checkpointed_iteration.txt     the iteration number, or "release"
+    ROOT/iter_0000100/metadata.json            {"sharded_backend": "torch_dist", ...}
+    ROOT/iter_0000100/common.pt                args, iteration, ... (common.py)
+    ROOT/iter_0000100/.metadata, __R_N.distcp  torch.distributed.checkpoint: every tensor at its global shape
+
+Tensors go through DCP's own FileSystemReader/FileSystemWriter in one process (``no_dist``): reading a
+key into a tensor of its global shape gathers every shard Megatron's ranks wrote, whatever their (t, p).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from mtds.megatron.errors import MegatronCheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CONFIG = "metadata.json"
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP warns that it runs without a process group: that is the intent here (one process reads or
+    writes every shard)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def iteration_dir(root: str, iteration: int | str) -> str:
+    return os.path.join(root, "release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def resolve_dir(path: str) -> str:
+    """The iteration folder of ``path``: itself when it holds metadata.json, else the tracker's iteration."""
+    if os.path.isfile(os.path.join(path, CONFIG)):
+        return path
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isfile(tracker):
+        raise MegatronCheckpointError(f"{path} is not a Megatron checkpoint: no {CONFIG} and no {TRACKER}")
+    with open(tracker) as f:
+        text = f.read().strip()
+    if text != "release" and not text.isdigit():
+        raise MegatronCheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number")
+    where = iteration_dir(path, text)
+    if not os.path.isfile(os.path.join(where, CONFIG)):
+        raise MegatronCheckpointError(f"{where} has no {CONFIG}: not a torch_dist checkpoint (Megatron-LM's "
+                                      f"--ckpt-format torch_dist), or incomplete")
+    return where
+
+
+def check_backend(tag_dir: str) -> None:
+    with open(os.path.join(tag_dir, CONFIG)) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as err:
+            raise MegatronCheckpointError(f"{tag_dir}/{CONFIG} is not JSON: {err}") from None
+    backend = config.get("sharded_backend")
+    if backend != "torch_dist":
+        raise MegatronCheckpointError(f"{tag_dir} is a {backend!r} checkpoint; only torch_dist is read (convert "
+                                      f"it with Megatron-LM's --ckpt-convert-format torch_dist)")
+
+
+def tensor_shapes(tag_dir: str) -> dict[str, tuple[int, ...]]:
+    """{key: global shape} of every tensor (ShardedObjects, stored as bytes, are left out)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        metadata = FileSystemReader(tag_dir).read_metadata()
+    except Exception as err:   # noqa: BLE001 -- a missing or corrupt .metadata is one error line
+        raise MegatronCheckpointError(f"cannot read the tensor index of {tag_dir}: {err}") from None
+    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+
+
+def load_tensors(tag_dir: str, keys: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float32
+                 ) -> dict[str, torch.Tensor]:
+    """{key: full tensor} of ``keys`` ({key: global shape}), read by DCP into tensors of that shape."""
+    import torch.distributed.checkpoint as dcp
+    state = {k: torch.empty(shape, dtype=dtype) for k, shape in keys.items()}
+    with _one_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(tag_dir), no_dist=True)
+    return state
+
+
+def write(root: str, iteration: int, tensors: Mapping[str, torch.Tensor], common: Mapping[str, Any],
+          objects: Mapping[str, Any] = ()) -> str:
+    """ROOT/iter_XXXXXXX as Megatron-LM writes it; ``objects``: ShardedObjects by their stored key. Returns
+    the iteration folder."""
+    import torch.distributed.checkpoint as dcp
+    where = iteration_dir(root, iteration)
+    os.makedirs(where, exist_ok=True)
+    state: dict[str, Any] = dict(tensors)
+    # DCP pickles a non-tensor value itself; Megatron-core stores under each ShardedObject key the list of
+    # the rank's objects (_mcore_to_torch_sharded_object) and unpacks that list on load.
+    state.update({key: [obj] for key, obj in dict(objects).items()})
+    with _one_process():
+        # Unflattened, as Megatron-core writes: flattening would store each list's items under "<key>.0".
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(where), no_dist=True,
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    torch.save(dict(common), os.path.join(where, "common.pt"))
+    with open(os.path.join(where, CONFIG), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+    return where
