@@ -113,3 +113,120 @@ def test_mtds_checkpoint_into_megatron_core(tmp_path):
     for name in OUT_OF_MTDS:
         assert got[(name, "megatron")].shape == got[(name, "mtds")].shape
         assert _err(got[(name, "megatron")], got[(name, "mtds")]) < TOL, name
+
+
+# ---- one process: the flags path, the round trip, bad input ---------------------------------------------
+LLAMA_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--max-position-embeddings", "32", "--group-query-attention", "--num-query-groups", "2",
+               "--position-embedding-type", "rope", "--rotary-base", "500", "--normalization", "RMSNorm",
+               "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """HF Llama (GQA) -> mtds at (2,1) -> Megatron torch_dist: (mtds dir, Megatron root)."""
+    from mtds.cli.convert import main as convert
+    root = tmp_path_factory.mktemp("megatron_export")
+    hf_model("llama").save_pretrained(root / "hf")
+    convert(["hf-to-mtds", "--hf", str(root / "hf"), "--tp", "2", "--pp", "1", "--out", str(root / "mtds")])
+    convert(["mtds-to-megatron", "--ckpt", str(root / "mtds"), "--out", str(root / "megatron"), "--iteration", "7"])
+    return str(root / "mtds"), str(root / "megatron")
+
+
+def _cli(*args):
+    from tests.test_convert import _cli as cli
+    return cli(*args)
+
+
+def _one_error_line(result, fragment):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert fragment in lines[0], lines[0]
+
+
+def _layers(ck):
+    from mtds.checkpoint.reader import open_checkpoint
+    return dict(open_checkpoint(ck).layers())
+
+
+def test_round_trip_and_flags_where_common_pt_has_no_args(exported, tmp_path):
+    """mtds -> Megatron -> mtds is bit-exact; without args in common.pt the flags give the model, and a
+    missing one is named."""
+    import shutil
+    mtds_dir, megatron = exported
+    assert open(os.path.join(megatron, "latest_checkpointed_iteration.txt")).read() == "7"
+    assert _cli("megatron-to-mtds", "--load", megatron, "--tp", "1", "--pp", "2",
+                "--out", str(tmp_path / "back")).returncode == 0
+    bare = str(tmp_path / "bare")
+    shutil.copytree(megatron, bare)
+    torch.save({"iteration": 7}, os.path.join(bare, "iter_0000007", "common.pt"))   # Megatron-core alone
+    _one_error_line(_cli("megatron-to-mtds", "--load", bare, "--out", str(tmp_path / "x")), "pass --num-layers")
+    assert _cli("megatron-to-mtds", "--load", bare, *LLAMA_FLAGS, "--out", str(tmp_path / "flags")).returncode == 0
+    original = _layers(mtds_dir)
+    for ck in ("back", "flags"):
+        again = _layers(str(tmp_path / ck))
+        assert again.keys() == original.keys()
+        for layer, tensors in original.items():
+            assert again[layer].keys() == tensors.keys()
+            assert all(torch.equal(again[layer][n], t) for n, t in tensors.items()), (ck, layer)
+
+
+def test_bad_input_is_one_error_line(exported, tmp_path):
+    import json
+    import shutil
+    mtds_dir, megatron = exported
+    out = str(tmp_path / "out")
+    _one_error_line(_cli("megatron-to-mtds", "--load", "/no/such/dir", "--out", out), "does not exist")
+    os.makedirs(tmp_path / "empty")
+    _one_error_line(_cli("megatron-to-mtds", "--load", str(tmp_path / "empty"), "--out", out),
+                    "no metadata.json and no latest_checkpointed_iteration.txt")
+    _one_error_line(_cli("megatron-to-mtds", "--load", megatron, "--num-layers", "3", "--out", out),
+                    "--num-layers 3 contradicts the checkpoint's args.num_layers = 2")
+    _one_error_line(_cli("megatron-to-mtds", "--load", megatron, "--tp", "4", "--out", out), "4")
+    zarr = str(tmp_path / "zarr")
+    shutil.copytree(megatron, zarr)
+    with open(os.path.join(zarr, "iter_0000007", "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "zarr"}, f)
+    _one_error_line(_cli("megatron-to-mtds", "--load", zarr, "--out", out), "is a 'zarr' checkpoint")
+    bare = str(tmp_path / "bare")        # no args: flags that describe another model than the tensors
+    shutil.copytree(megatron, bare)
+    torch.save({}, os.path.join(bare, "iter_0000007", "common.pt"))
+    flags = [f for f in LLAMA_FLAGS if f != "--swiglu"]
+    _one_error_line(_cli("megatron-to-mtds", "--load", bare, *flags, "--out", out),
+                    "decoder.layers.mlp.linear_fc1.weight has shape [2, 192, 64], the arguments give [2, 96, 64]")
+    flags = [f for f in LLAMA_FLAGS if f != "--untie-embeddings-and-output-weights"]
+    _one_error_line(_cli("megatron-to-mtds", "--load", bare, *flags, "--out", out), "have no place in the model")
+    _one_error_line(_cli("mtds-to-megatron", "--ckpt", mtds_dir, "--out", megatron), "is not empty")
+
+
+def test_qk_norm_is_refused_on_export(tmp_path):
+    from mtds.cli.convert import main as convert
+    hf_model("qwen3").save_pretrained(tmp_path / "hf")
+    convert(["hf-to-mtds", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mtds")])
+    _one_error_line(_cli("mtds-to-megatron", "--ckpt", str(tmp_path / "mtds"), "--out", str(tmp_path / "m")),
+                    "ModelConfig.qk_norm = True has no Megatron-LM equivalent")
+
+
+def test_common_pt_with_megatron_lm_classes_reads_without_importing_them(tmp_path, monkeypatch):
+    """Megatron-LM's args hold its enums and functions: read as opaque stubs, the plain fields as saved."""
+    import enum
+    import sys
+    import types
+    import torch.nn.functional as F
+    from mtds.megatron.common import Opaque, read_common
+    fake = types.ModuleType("megatron_lm_not_installed")      # a module the reading process cannot import
+
+    class Backend(enum.Enum):
+        auto = 5
+    Backend.__module__, Backend.__qualname__ = fake.__name__, "Backend"
+    fake.Backend = Backend
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    args = argparse.Namespace(num_layers=2, attention_backend=Backend.auto, activation_func=F.gelu,
+                              params_dtype=torch.bfloat16)
+    torch.save({"args": args, "iteration": 3}, tmp_path / "common.pt")
+    monkeypatch.delitem(sys.modules, fake.__name__)
+    state = read_common(str(tmp_path))
+    assert state["iteration"] == 3 and state["args"]["num_layers"] == 2
+    assert state["args"]["params_dtype"] is torch.bfloat16
+    assert isinstance(state["args"]["attention_backend"], Opaque) and state["args"]["attention_backend"].args == (5,)
+    assert issubclass(state["args"]["activation_func"], Opaque)      # a function reference: the stub class
