@@ -19,6 +19,7 @@ MODEL_FLAGS = (
     ("--position-embedding-type", str, "position_embedding_type"), ("--rotary-base", int, "rotary_base"),
     ("--rotary-percent", float, "rotary_percent"), ("--normalization", str, "normalization"),
     ("--norm-epsilon", float, "norm_epsilon"), ("--swiglu", "on", "swiglu"), ("--openai-gelu", "on", "openai_gelu"),
+    ("--bias-gelu-fusion", "on", "bias_gelu_fusion"), ("--no-bias-gelu-fusion", "off", "bias_gelu_fusion"),
     ("--untie-embeddings-and-output-weights", "on", "untie_embeddings_and_output_weights"),
     ("--add-bias-linear", "on", "add_bias_linear"), ("--disable-bias-linear", "off", "add_bias_linear"),
     ("--add-qkv-bias", "on", "add_qkv_bias"),

@@ -20,6 +20,9 @@ DEFAULTS: dict[str, Any] = {
     "ffn_hidden_size": None, "kv_channels": None, "group_query_attention": False, "num_query_groups": 1,
     "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
     "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False, "openai_gelu": False,
+    # Megatron-LM turns this on by default (--no-bias-gelu-fusion turns it off); a checkpoint without args
+    # comes from Megatron-core alone, whose TransformerConfig.bias_activation_fusion defaults to off.
+    "bias_gelu_fusion": False,
     "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "add_qkv_bias": False,
     "hidden_dropout": 0.1, "attention_dropout": 0.1, "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
 }
@@ -71,7 +74,10 @@ def config_from_args(args: Mapping[str, Any], *, vocab_size: int, ffn_hidden_siz
         raise MegatronCheckpointError(f"args.normalization = {norm!r} is not supported; supported: {', '.join(NORMS)}")
     heads = args["num_attention_heads"]
     ffn = args["ffn_hidden_size"] or ffn_hidden_size or 4 * args["hidden_size"]
-    activation = "swiglu" if args["swiglu"] else "gelu_tanh" if args["openai_gelu"] else "gelu"
+    # The fused bias-GELU kernel Megatron runs when bias_gelu_fusion is on (megatron/core/fusions/
+    # fused_bias_gelu.py, chosen in transformer/mlp.py) is the tanh approximation, whatever the activation.
+    fused_gelu = args["bias_gelu_fusion"] and args["add_bias_linear"]
+    activation = "swiglu" if args["swiglu"] else "gelu_tanh" if args["openai_gelu"] or fused_gelu else "gelu"
     try:
         return ModelConfig(
             vocab_size=vocab_size, hidden_size=args["hidden_size"], num_layers=args["num_layers"], num_heads=heads,
@@ -110,6 +116,7 @@ def args_from_config(cfg: ModelConfig) -> dict[str, Any]:
         "rotary_base": cfg.rotary_base, "rotary_percent": cfg.rotary_percent,
         "normalization": {v: k for k, v in NORMS.items()}[cfg.normalization], "norm_epsilon": cfg.norm_eps,
         "swiglu": cfg.activation == "swiglu", "openai_gelu": cfg.activation == "gelu_tanh",
+        "bias_gelu_fusion": False,         # on, exact GELU would run as its tanh approximation
         "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings, "add_bias_linear": cfg.linear_bias,
         "add_qkv_bias": cfg.qkv_bias and not cfg.linear_bias, "hidden_dropout": cfg.hidden_dropout,
         "attention_dropout": cfg.attention_dropout, "init_method_std": cfg.init_std,

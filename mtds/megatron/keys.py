@@ -24,6 +24,9 @@ from mtds.model.config import ModelConfig
 from mtds.megatron.errors import MegatronCheckpointError
 
 LAYERS = "decoder.layers."
+# The model's keys start with these; the rest of a Megatron-LM checkpoint (optimizer.*, rng_state, ...) is
+# training state the conversion leaves behind.
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 # Unfused norm names (older Megatron-core, or a spec without Transformer Engine's naming) -> the fused ones.
 ALIASES = {LAYERS + "input_layernorm.weight": LAYERS + "self_attention.linear_qkv.layer_norm_weight",
            LAYERS + "input_layernorm.bias": LAYERS + "self_attention.linear_qkv.layer_norm_bias",
@@ -147,7 +150,8 @@ def check_keys(cfg: ModelConfig, available: Mapping[str, tuple[int, ...]]) -> di
             raise MegatronCheckpointError(f"{key} has shape {list(have)}, the arguments give {list(shape)} "
                                           f"(check --num-attention-heads, --num-query-groups, --kv-channels, "
                                           f"--ffn-hidden-size, --max-position-embeddings)")
-    extra = sorted(k for k in available if k not in stored.values() and not k.endswith("_extra_state"))
+    extra = sorted(k for k in available if k.startswith(MODEL_PREFIXES) and k not in stored.values()
+                   and not k.endswith("_extra_state"))
     if extra:
         raise MegatronCheckpointError(f"{len(extra)} tensor(s) of the checkpoint have no place in the model the "
                                       f"arguments describe, e.g. {extra[:3]}")
