@@ -168,6 +168,11 @@ def test_round_trip_and_flags_where_common_pt_has_no_args(exported, tmp_path):
     _one_error_line(_cli("megatron-to-mtds", "--load", bare, "--out", str(tmp_path / "x")), "pass --num-layers")
     assert _cli("megatron-to-mtds", "--load", bare, *LLAMA_FLAGS, "--out", str(tmp_path / "flags")).returncode == 0
     original = _layers(mtds_dir)
+    bf16 = str(tmp_path / "bf16")
+    assert _cli("mtds-to-megatron", "--ckpt", mtds_dir, "--out", bf16, "--dtype", "bf16").returncode == 0
+    assert _cli("megatron-to-mtds", "--load", bf16, "--out", str(tmp_path / "bf16_back")).returncode == 0
+    for layer, tensors in _layers(str(tmp_path / "bf16_back")).items():      # kept in the stored dtype
+        assert all(torch.equal(t, original[layer][n].to(torch.bfloat16)) for n, t in tensors.items()), layer
     for ck in ("back", "flags"):
         again = _layers(str(tmp_path / ck))
         assert again.keys() == original.keys()

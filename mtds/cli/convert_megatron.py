@@ -33,7 +33,7 @@ def add_commands(sub, dtypes) -> None:
     a.add_argument("--tp", type=int, default=1, help="tensor parallel size of the target layout [1]")
     a.add_argument("--pp", type=int, default=1, help="pipeline stages of the target layout [1]")
     a.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create (for --load)")
-    a.add_argument("--dtype", choices=sorted(dtypes), help="cast weights (default: float32)")
+    a.add_argument("--dtype", choices=sorted(dtypes), help="cast weights (default: as saved)")
     model = a.add_argument_group("model (Megatron-LM's flags; needed only where common.pt has no args)")
     for flag, kind, dest in MODEL_FLAGS:
         if kind in ("on", "off"):

@@ -68,22 +68,27 @@ def check_backend(tag_dir: str) -> None:
                                       f"it with Megatron-LM's --ckpt-convert-format torch_dist)")
 
 
-def tensor_shapes(tag_dir: str) -> dict[str, tuple[int, ...]]:
-    """{key: global shape} of every tensor (ShardedObjects, stored as bytes, are left out)."""
+def _tensor_metadata(tag_dir: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
         metadata = FileSystemReader(tag_dir).read_metadata()
     except Exception as err:   # noqa: BLE001 -- a missing or corrupt .metadata is one error line
         raise MegatronCheckpointError(f"cannot read the tensor index of {tag_dir}: {err}") from None
-    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    return {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
 
 
-def load_tensors(tag_dir: str, keys: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float32
-                 ) -> dict[str, torch.Tensor]:
-    """{key: full tensor} of ``keys`` ({key: global shape}), read by DCP into tensors of that shape."""
+def tensor_shapes(tag_dir: str) -> dict[str, tuple[int, ...]]:
+    """{key: global shape} of every tensor (ShardedObjects, stored as bytes, are left out)."""
+    return {k: tuple(m.size) for k, m in _tensor_metadata(tag_dir).items()}
+
+
+def load_tensors(tag_dir: str, keys: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """{key: full tensor, in its stored dtype} of ``keys`` ({key: global shape}), read by DCP into tensors of
+    that shape."""
     import torch.distributed.checkpoint as dcp
-    state = {k: torch.empty(shape, dtype=dtype) for k, shape in keys.items()}
+    dtypes = {k: m.properties.dtype for k, m in _tensor_metadata(tag_dir).items()}
+    state = {k: torch.empty(shape, dtype=dtypes[k]) for k, shape in keys.items()}
     with _one_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(tag_dir), no_dist=True)
     return state
