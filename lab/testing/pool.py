@@ -33,9 +33,11 @@ from mtds.local_ranks.rank_setup import PORT_IN_USE, RankFailure, free_port, joi
 GROUP_TIMEOUT_S = 1800     # gloo's own limit; the caller's timeout (much shorter) kills a hung body first
 START_TIMEOUT_S = 300
 # A DeepSpeed engine registers gradient hooks on its parameters that refer back to the engine: a cycle
-# through C++ that Python's gc cannot see, so every engine a body builds outlives the body, with its
-# process groups (gloo: three threads each) and tensors -- about 20 threads per training run. The pool
-# starts anew once a rank holds more threads than this (~2 s; a fresh process would have had ~6).
+# through C++ that Python's gc cannot see. mtds.training.run takes them off at its end
+# (mtds.training.job.release), so its engines go with their bodies; a ZeRO-3 engine still outlives its
+# body (its parameters refer back to its optimizer), and so does one a body builds itself, with its
+# process groups (gloo: three threads each) and tensors. The pool starts anew once a rank holds more
+# threads than this (2-8 s; a fresh process would have had ~6).
 RECYCLE_THREADS = 150
 STACK_GRACE_S = 3.0        # after a failure: time for the other ranks to report before stacks are dumped
 

@@ -51,14 +51,29 @@ def run(cfg: TrainConfig, *, on_engine_ready: Sequence[Callable] = ()) -> RunRes
             world = setup_world(cfg, heartbeat)
             cfg = load_or_start(cfg, world)    # --load: before data and model; missing/empty starts afresh
             built = build_run(cfg, world, watchdog, on_engine_ready)
-            start_step = resume(built)
-            return train(built, start_step, stop)
+            try:
+                start_step = resume(built)
+                return train(built, start_step, stop)
+            finally:
+                release(built)
     except BaseException as err:     # the peers must not take a failed rank for a finished one
         error = err
         raise
     finally:
         heartbeat.stop(error)
         stop.uninstall()
+
+
+def release(built: BuiltRun) -> None:
+    """Take off the gradient hooks the run put on its parameters (mtds's non-finite check, DeepSpeed's
+    optimizer hooks): each refers back to the engine from inside autograd, a reference cycle through C++
+    that Python's gc cannot see, so without this every engine -- with its process groups, their threads,
+    and its tensors -- lives as long as the process (a benchmark or a test process runs many)."""
+    if built.nonfinite is not None:
+        built.nonfinite.remove()
+    destroy = getattr(built.engine, "destroy", None)
+    if destroy is not None:
+        destroy()
 
 
 def load_or_start(cfg: TrainConfig, world: World) -> TrainConfig:
