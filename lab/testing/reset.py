@@ -5,8 +5,9 @@ module globals must not reach the next: DeepSpeed's process-group caches (``deep
 its comm backend (``deepspeed.comm.comm.cdb``), its activation-checkpointing RNG tracker and mpu, its
 accelerator object (tests patch ``is_fp16_supported``), mtds's collective tracer wrappers on
 ``torch.distributed``, torch's default dtype/device, RNG streams, grad mode, thread count; the
-environment, working directory, signal handlers, logging handlers and warning filters; and the process
-groups the body created.
+environment, working directory, signal handlers, logging handlers and warning filters; the process
+groups the body created, and the DeepSpeed engines it left alive (their gradient hooks keep them, and
+their process groups' threads, past gc: :func:`_release_leaked_engines`).
 
 :class:`ProcessState` is taken once, right after the rank started and imported what it preloads. Rather
 than a list of known globals, which silently goes stale when DeepSpeed moves one, it records every
@@ -140,6 +141,7 @@ class ProcessState:
         self.loggers = _logger_state()
         self.groups = set(_process_groups())
         self.live_threads = set(threading.enumerate())
+        self.os_threads = _os_threads()
 
     def _record_new_modules(self) -> list[str]:
         new = [n for n, m in list(sys.modules.items()) if _tracked(n) and n not in self.seen_modules
@@ -211,6 +213,12 @@ class ProcessState:
         warnings.filters[:] = self.warning_filters
         _restore_loggers(self.loggers)
         gc.collect()
+        if _os_threads() > self.os_threads:      # something the body built still holds process groups
+            released = _release_leaked_engines()
+            if released:
+                print(f"[pool] reset: emptied {released} DeepSpeed engines/optimizers the body left alive", flush=True)
+            # what stays (torch's worker pools, started once; what still leaks) is the next body's baseline
+            self.os_threads = _os_threads()
         return self._record_new_modules(), problems
 
     def leaked_threads(self) -> list[str]:
@@ -245,6 +253,38 @@ class ProcessState:
             print(f"[pool] group counter {c10d._world.group_count} -> {int(count.item())} (the body created "
                   f"groups on some ranks only)", flush=True)
         c10d._world.group_count = int(count.item())
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _release_leaked_engines() -> int:
+    """Empty every DeepSpeed engine and optimizer, and the attributes of every parameter, still alive after
+    the body (none is a fresh process's).
+
+    Gradient hooks (and DeepSpeed's hooks on the loss) refer back to their engine from inside autograd: a
+    reference cycle through C++ that gc cannot see, so an engine a body did not release (mtds.training.run
+    does, mostly) outlives the body with its process groups -- three gloo threads each -- and tensors.
+    Emptying the Python side (the engine's and optimizers' attributes) lets the rest go; the hooks are
+    left holding empty shells. Returns how many objects were emptied."""
+    try:
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:
+        return 0
+    kinds = (DeepSpeedEngine, DeepSpeedOptimizer, torch.optim.Optimizer)
+    # type(), not isinstance(): no __class__ lookup on arbitrary objects (lazy proxies, deprecated aliases)
+    # and parameters (a fresh process has none): DeepSpeed puts its process groups on them (ZeRO-1/2's
+    # _dp_group, ZeRO-3's ds_process_group), and its hooks close over them, which keeps them alive
+    leaked = [o for o in gc.get_objects() if issubclass(type(o), kinds)
+              or (issubclass(type(o), torch.nn.Parameter) and vars(o))]
+    for obj in leaked:
+        vars(obj).clear()
+    count = len(leaked)
+    leaked = obj = None
+    gc.collect()
+    return count
 
 
 def _default_device():
