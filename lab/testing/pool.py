@@ -35,9 +35,9 @@ START_TIMEOUT_S = 300
 # A DeepSpeed engine registers gradient hooks on its parameters that refer back to the engine: a cycle
 # through C++ that Python's gc cannot see. mtds.training.run takes them off at its end
 # (mtds.training.job.release), and the reset empties what a body still left alive
-# (lab.testing.reset._release_leaked_engines), so engines go with their bodies; ZeRO-3's modules still
-# outlive theirs, with two process groups (gloo: three threads each) a run. The pool starts anew once
-# a rank holds more threads than this (2-8 s; a fresh process would have had ~6).
+# (lab.testing.reset._release_leaked_engines), so engines go with their bodies, and their process
+# groups (gloo: three threads each) too. Should something else leak groups, the pool starts anew once a
+# rank holds more threads than this (2-8 s; a fresh process would have had ~6).
 RECYCLE_THREADS = 150
 STACK_GRACE_S = 3.0        # after a failure: time for the other ranks to report before stacks are dumped
 

@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import warnings
+import weakref
 from types import ModuleType
 
 import torch
@@ -142,6 +143,7 @@ class ProcessState:
         self.groups = set(_process_groups())
         self.live_threads = set(threading.enumerate())
         self.os_threads = _os_threads()
+        self.kept = weakref.WeakSet(_engine_parts())      # none, so far: a fresh process's, never emptied
 
     def _record_new_modules(self) -> list[str]:
         new = [n for n, m in list(sys.modules.items()) if _tracked(n) and n not in self.seen_modules
@@ -214,11 +216,12 @@ class ProcessState:
         _restore_loggers(self.loggers)
         gc.collect()
         if _os_threads() > self.os_threads:      # something the body built still holds process groups
-            released = _release_leaked_engines()
+            released = _release_leaked_engines(self.kept)
             if released:
                 print(f"[pool] reset: emptied {released} DeepSpeed engines/optimizers the body left alive", flush=True)
             # what stays (torch's worker pools, started once; what still leaks) is the next body's baseline
             self.os_threads = _os_threads()
+        self.kept = weakref.WeakSet(_engine_parts())      # none, so far: a fresh process's, never emptied
         return self._record_new_modules(), problems
 
     def leaked_threads(self) -> list[str]:
@@ -259,26 +262,33 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _release_leaked_engines() -> int:
-    """Empty every DeepSpeed engine and optimizer, and the attributes of every parameter, still alive after
-    the body (none is a fresh process's).
-
-    Gradient hooks (and DeepSpeed's hooks on the loss) refer back to their engine from inside autograd: a
-    reference cycle through C++ that gc cannot see, so an engine a body did not release (mtds.training.run
-    does, mostly) outlives the body with its process groups -- three gloo threads each -- and tensors.
-    Emptying the Python side (the engine's and optimizers' attributes) lets the rest go; the hooks are
-    left holding empty shells. Returns how many objects were emptied."""
+def _engine_parts() -> list:
+    """The live objects :func:`_release_leaked_engines` empties."""
     try:
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
         from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     except ImportError:
-        return 0
-    kinds = (DeepSpeedEngine, DeepSpeedOptimizer, torch.optim.Optimizer)
-    # type(), not isinstance(): no __class__ lookup on arbitrary objects (lazy proxies, deprecated aliases)
-    # and parameters (a fresh process has none): DeepSpeed puts its process groups on them (ZeRO-1/2's
-    # _dp_group, ZeRO-3's ds_process_group), and its hooks close over them, which keeps them alive
-    leaked = [o for o in gc.get_objects() if issubclass(type(o), kinds)
-              or (issubclass(type(o), torch.nn.Parameter) and vars(o))]
+        return []
+    kinds = (DeepSpeedEngine, DeepSpeedOptimizer, torch.optim.Optimizer, DeepSpeedZeRoOffload)
+    # type(), not isinstance(): no __class__ lookup on arbitrary objects (lazy proxies, deprecated aliases).
+    # Parameters too: DeepSpeed puts its process groups on them (ZeRO-1/2's _dp_group) and its hooks close
+    # over them; and mtds's and DeepSpeed's modules (ZeRO-3's hooks keep a model's layers, with their TP groups).
+    return [o for o in gc.get_objects() if issubclass(type(o), kinds)
+            or (issubclass(type(o), torch.nn.Parameter) and vars(o))
+            or (issubclass(type(o), torch.nn.Module) and _tracked(type(o).__module__))]
+
+
+def _release_leaked_engines(kept) -> int:
+    """Empty (the attributes of) every DeepSpeed engine, optimizer, ZeRO-3 offload manager, parameter and
+    mtds/DeepSpeed module still alive after the body, but those in ``kept`` (alive when the rank started).
+
+    Gradient hooks, and DeepSpeed's hooks on the loss and on ZeRO-3's module outputs, refer back to their
+    engine from inside autograd: a reference cycle through C++ that gc cannot see, so an engine a body did
+    not release (mtds.training.run takes its gradient hooks off, not the others) outlives the body with
+    its process groups -- three gloo threads each -- and tensors. Emptying the Python side lets the rest
+    go; the hooks are left holding empty shells. Returns how many objects were emptied."""
+    leaked = [o for o in _engine_parts() if o not in kept]
     for obj in leaked:
         vars(obj).clear()
     count = len(leaked)
