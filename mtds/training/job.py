@@ -68,7 +68,9 @@ def release(built: BuiltRun) -> None:
     """Take off the gradient hooks the run put on its parameters (mtds's non-finite check, DeepSpeed's
     optimizer hooks): each refers back to the engine from inside autograd, a reference cycle through C++
     that Python's gc cannot see, so without this every engine -- with its process groups, their threads,
-    and its tensors -- lives as long as the process (a benchmark or a test process runs many)."""
+    and its tensors -- lives as long as the process (a benchmark or a test process runs many). Not every
+    such cycle: DeepSpeed's hooks on the last stage's loss and on ZeRO-3's module outputs still keep their
+    engine (the test pool empties those: lab/testing/reset.py)."""
     if built.nonfinite is not None:
         built.nonfinite.remove()
     destroy = getattr(built.engine, "destroy", None)
