@@ -8,7 +8,7 @@ import dataclasses
 from lab.testing import spawn
 from tests.training_helpers import TINY, ds_config, train_config
 
-STEPS = 4
+STEPS = 3
 FP32_ACC = {"data_types": {"grad_accum_dtype": "fp32"}}
 
 

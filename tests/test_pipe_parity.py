@@ -19,7 +19,7 @@ from tests.training_helpers import (TINY, assert_dp_bytes_at_ring_minimum, asser
 REL_TOL = 1e-5
 TINY8 = replace(TINY, num_layers=8)      # p·v = 8 virtual stages at (1,4,1) v=2
 DROPOUT = replace(TINY, hidden_dropout=0.1, attention_dropout=0.1)
-SHORT = 5                                # steps of the exactness cases (no HF reference needed)
+SHORT = 3                                # steps of the exactness cases (no HF reference needed)
 
 
 @functools.lru_cache(maxsize=None)
