@@ -5,6 +5,7 @@
   mtds-convert to-universal --ckpt DIR                         DeepSpeed universal checkpoint (resharding)
   mtds-convert megatron-to-mtds --load DIR --tp T --pp P --out DIR   Megatron-LM torch_dist -> mtds
   mtds-convert mtds-to-megatron --ckpt DIR --out DIR           any mtds checkpoint -> Megatron-LM torch_dist
+  mtds-convert megatron-deepspeed-to-mtds --load DIR --tp T --pp P --out DIR   Megatron-DeepSpeed -> mtds
 
 Both weight directions stream: one layer (hf-to-mtds at p > 1, mtds-to-hf) or one TP rank's shard
 (hf-to-mtds at p = 1) is in memory at a time. Errors are one line on stderr, exit status 2.
@@ -43,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(train.py --load does this itself when the layout changes)")
     c.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint root (with 'latest')")
 
-    from mtds.cli.convert_megatron import add_commands
+    from mtds.cli.convert_megatron import add_commands, add_deepspeed_command
     add_commands(sub, _DTYPES)
+    add_deepspeed_command(sub, _DTYPES)
     return ap
 
 
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "megatron-to-mtds":
             from mtds.cli.convert_megatron import run_megatron_to_mtds
             where = run_megatron_to_mtds(args, _dtype(args.dtype))
+        elif args.command == "megatron-deepspeed-to-mtds":
+            from mtds.cli.convert_megatron import run_megatron_deepspeed_to_mtds
+            where = run_megatron_deepspeed_to_mtds(args, _dtype(args.dtype))
         elif args.command == "mtds-to-megatron":
             from mtds.cli.convert_megatron import run_mtds_to_megatron
             where = run_mtds_to_megatron(args, _dtype(args.dtype))

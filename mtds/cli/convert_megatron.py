@@ -1,7 +1,9 @@
-"""The two Megatron-LM subcommands of ``mtds-convert`` (docs/megatron_checkpoints.md).
+"""The Megatron subcommands of ``mtds-convert`` (docs/megatron_checkpoints.md): Megatron-LM both ways,
+Megatron-DeepSpeed in.
 
   mtds-convert megatron-to-mtds --load DIR --tp T --pp P --out DIR [model flags]
   mtds-convert mtds-to-megatron --ckpt DIR --out DIR [--iteration N]
+  mtds-convert megatron-deepspeed-to-mtds --load DIR --tp T --pp P --out DIR
 
 The model flags are Megatron-LM's own, spelled as in its training command; they are needed only where the
 checkpoint carries no ``args`` (common.pt), and where it does, a flag that disagrees is an error.
@@ -61,3 +63,19 @@ def run_megatron_to_mtds(args, dtype) -> str:
 def run_mtds_to_megatron(args, dtype) -> str:
     from mtds.megatron.convert import mtds_to_megatron
     return mtds_to_megatron(args.ckpt, args.out, iteration=args.iteration, dtype=dtype)
+
+
+def add_deepspeed_command(sub, dtypes) -> None:
+    c = sub.add_parser("megatron-deepspeed-to-mtds",
+                       help="Megatron-DeepSpeed (GPTModelPipe) checkpoint -> mtds checkpoint at (tp, pp)")
+    c.add_argument("--load", required=True, metavar="DIR",
+                   help="Megatron-DeepSpeed --save folder (with DeepSpeed's 'latest') or a global_step* folder")
+    c.add_argument("--tp", type=int, default=1, help="tensor parallel size of the target layout [1]")
+    c.add_argument("--pp", type=int, default=1, help="pipeline stages of the target layout [1]")
+    c.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create (for --load)")
+    c.add_argument("--dtype", choices=sorted(dtypes), help="cast weights (default: as saved)")
+
+
+def run_megatron_deepspeed_to_mtds(args, dtype) -> str:
+    from mtds.megatron.deepspeed_import import megatron_deepspeed_to_mtds
+    return megatron_deepspeed_to_mtds(args.load, args.out, tp=args.tp, pp=args.pp, dtype=dtype)

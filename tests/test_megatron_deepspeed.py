@@ -1,0 +1,156 @@
+"""Megatron-DeepSpeed checkpoints into mtds (``mtds-convert megatron-deepspeed-to-mtds``), read through
+DeepSpeed's DeepSpeedCheckpoint.
+
+Megatron-DeepSpeed cannot run here, so the checkpoints are written by lab/megatron_deepspeed.py in the
+layout its source and DeepSpeed's reader define (see there), from an HF GPT-2 with random weights split
+Megatron-style at (t, p) = (2, 2) and (2, 1); mtds's logits after the import equal HF's (fp32, 1e-5) at
+two layouts each. Bad input: one ``error:`` line, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lab import megatron_deepspeed as mds
+from lab.testing import spawn
+
+TOL = 1e-5
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+# case: (tied head, query_key_value in blocks (after Megatron-DeepSpeed's FPDT commit), source (t, p),
+#        mtds checkpoint's (t, p), mtds evaluation layouts on 2 ranks)
+CASES = {"tied_interleaved": (True, False, (2, 2), (1, 2), ((1, 1), (2, 1))),
+         "untied_blocked": (False, True, (2, 1), (2, 1), ((1, 1), (1, 2)))}
+
+
+def _body(root: str, cases: dict) -> dict:
+    from mtds.checkpoint.reader import open_checkpoint
+    from mtds.cli.convert import main as convert
+    from mtds.eval import build_eval_model, full_logits
+    from mtds.parallel.layout import ParallelLayout
+    from mtds.training.distributed import init_distributed
+    init_distributed()
+    out = {}
+    for case, (tied, blocked, (st, sp), (ct, cp), layouts) in cases.items():
+        src, ck = os.path.join(root, case, "mds"), os.path.join(root, case, "mtds")
+        if dist.get_rank() == 0:
+            model = mds.hf_gpt2(tied=tied)
+            with torch.no_grad():
+                out[(case, "hf")] = model(IDS).logits
+            mds.write(src, model, tp=st, pp=sp, blocked_qkv=blocked)
+            convert(["megatron-deepspeed-to-mtds", "--load", src, "--tp", str(ct), "--pp", str(cp), "--out", ck])
+        dist.barrier()
+        cfg = open_checkpoint(ck).cfg
+        for t, p in layouts:
+            groups = ParallelLayout.for_world(dist.get_world_size(), tp=t, pp=p).build_groups()
+            logits = full_logits(build_eval_model(cfg, groups, ckpt=ck), IDS, cfg, groups)
+            if logits is not None:
+                out[(case, t, p)] = logits
+    return out
+
+
+def test_megatron_deepspeed_checkpoint_into_mtds(tmp_path):
+    per_rank = spawn(_body, 2, str(tmp_path), CASES, timeout=240)
+    got = {k: v for r in per_rank for k, v in r.items()}
+    for case, (*_, layouts) in CASES.items():
+        ref = got[(case, "hf")]
+        for t, p in layouts:
+            err = (got[(case, t, p)] - ref).abs().max().item()
+            assert err < TOL, f"{case} at ({t},{p}): max |mtds - HF| = {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("mds") / "src")
+    return mds.write(root, mds.hf_gpt2(layers=1), tp=2, pp=1)
+
+
+def _cli(*args):
+    from mtds.cli.convert import main
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    return exc.value.code
+
+
+def _copy(src: str, dst: str) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    return os.path.join(dst, "global_step10")
+
+
+def _rewrite_args(tag_dir: str, **fields) -> None:
+    for name in os.listdir(tag_dir):
+        if name.startswith("mp_rank_"):
+            path = os.path.join(tag_dir, name)
+            state = torch.load(path, weights_only=False)
+            state["args"] = argparse.Namespace(**{**vars(state["args"]), **fields})
+            torch.save(state, path)
+
+
+class _Runs:
+    """Pickles as a call of print: what a hostile args object would do with os.system."""
+
+    def __reduce__(self):
+        return print, ("UNPICKLED-AND-CALLED",)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ("swiglu", "args.swiglu = True: SwiGLU is not supported"),
+    ("gqa", "grouped-query attention is not supported"),
+    ("moe", "args.num_experts = [1, 4]: MoE"),
+    ("hostile", "refusing to load"),
+    ("replicated", "input_layernorm.weight differs between"),
+    ("no_zero", "DeepSpeed's reader refuses"),
+    ("missing", "does not exist"),
+])
+def test_bad_input_is_one_error_line(source, tmp_path, capsys, change, fragment):
+    tag = _copy(source, str(tmp_path / "in"))
+    if change == "swiglu":
+        _rewrite_args(tag, swiglu=True)
+    elif change == "gqa":
+        _rewrite_args(tag, num_key_value_heads=2)
+    elif change == "moe":
+        _rewrite_args(tag, num_experts=[1, 4])
+    elif change == "hostile":
+        _rewrite_args(tag, note=_Runs())
+    elif change == "replicated":
+        path = os.path.join(tag, "layer_02-model_01-model_states.pt")
+        state = torch.load(path)
+        state["input_layernorm.weight"] = state["input_layernorm.weight"] + 1e-3
+        torch.save(state, path)
+    elif change == "no_zero":
+        for name in os.listdir(tag):
+            if name.startswith("zero_pp_rank_"):
+                os.remove(os.path.join(tag, name))
+    load = str(tmp_path / "nowhere") if change == "missing" else str(tmp_path / "in")
+    capsys.readouterr()
+    assert _cli("megatron-deepspeed-to-mtds", "--load", load, "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr()
+    lines = err.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err.err
+    assert "UNPICKLED-AND-CALLED" not in err.out + err.err
+
+
+def test_megatron_enums_read_as_stubs_when_megatron_is_not_installed(source, tmp_path, monkeypatch):
+    """Megatron-DeepSpeed pickles its ModelType enum into args: without Megatron importable, a stub stands in."""
+    import sys
+    from mtds.megatron.common import Opaque
+    from mtds.megatron.deepspeed_import import MegatronDeepSpeedCheckpoint
+    tag = _copy(source, str(tmp_path / "in"))
+    import enum
+    import types
+    fake = types.ModuleType("megatron.model.enums")
+
+    class AttnMaskType(enum.Enum):
+        causal = 2
+    AttnMaskType.__module__, AttnMaskType.__qualname__ = fake.__name__, "AttnMaskType"
+    fake.AttnMaskType = AttnMaskType
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    _rewrite_args(tag, attn_mask_type=AttnMaskType.causal)
+    monkeypatch.delitem(sys.modules, fake.__name__)
+    ckpt = MegatronDeepSpeedCheckpoint(str(tmp_path / "in"))
+    assert isinstance(ckpt.args["attn_mask_type"], Opaque) and ckpt.args["attn_mask_type"].args == (2,)
+    assert "megatron.model.enums" not in sys.modules and ckpt.cfg.num_layers == 1
