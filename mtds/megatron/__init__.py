@@ -9,6 +9,8 @@ dist_ckpt.py  the ``iter_XXXXXXX`` folder: found from the tracker file, read and
               torch.distributed.checkpoint (the storage layer Megatron-core's torch_dist strategy uses)
 convert.py    both directions between a Megatron folder and an mtds checkpoint (``mtds-convert``)
 errors.py     MegatronCheckpointError: the one-line message of every refusal
+deepspeed_import.py  Megatron-DeepSpeed's GPTModelPipe checkpoints (DeepSpeed layer files) -> mtds, through
+              deepspeed.checkpoint.DeepSpeedCheckpoint
 
 Tensors in a torch_dist checkpoint are stored at their global shape (every TP/PP shard placed at its
 offset), so reading and writing here is layout free: any (t, p) on either side.

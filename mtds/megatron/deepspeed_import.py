@@ -70,7 +70,7 @@ HEAD = {"lm_head.weight": ("weight", "col")}
 UNVERIFIED = {"swiglu": "SwiGLU", "use_rotary_position_embeddings": "rotary position embeddings",
               "apply_layernorm_1p": "LayerNorm 1p", "apply_residual_connection_post_layernorm": "post-LN residuals",
               "squared_relu": "squared ReLU", "num_experts_switch": "Megatron-LM's switch MoE",
-              FPDT_MARKER: "FPDT attention", "mos": "MoS distillation", "kd": "knowledge distillation"}
+              FPDT_MARKER: "FPDT attention"}
 
 
 def resolve_tag_dir(path: str) -> str:
