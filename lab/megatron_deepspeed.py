@@ -1,28 +1,30 @@
-"""A Megatron-DeepSpeed GPT checkpoint written without Megatron-DeepSpeed: the fixture of its import test.
+"""Megatron-DeepSpeed GPT checkpoints without Megatron-DeepSpeed: the fixtures of its import test.
 
-Megatron-DeepSpeed (github.com/deepspeedai/Megatron-DeepSpeed) cannot run here (CUDA kernels, apex), so
-this writes the files its GPTModelPipe leaves when DeepSpeed's pipeline engine saves it, with the names
-and shapes its source gives and DeepSpeed's reader (``deepspeed.checkpoint.DeepSpeedCheckpoint``)
-expects -- not through DeepSpeed's engine:
+Megatron-DeepSpeed (github.com/deepspeedai/Megatron-DeepSpeed) cannot run here (CUDA kernels, apex). Its
+GPTModelPipe is a DeepSpeed PipelineModule; :func:`engine_write` builds one with the same specs, class
+names and parameter names (megatron/model/gpt_model.py, transformer.py, language_model.py) holding an HF
+GPT-2's weights split Megatron-style, and saves it with DeepSpeed's engine (``save_checkpoint``, ZeRO-1,
+Megatron-DeepSpeed's client state), so the files are DeepSpeed's own. :func:`write` writes the same files
+without an engine (one process, any (t, p); the ZeRO files are placeholders), for the bad-input tests;
+its layer files equal the engine's. The files:
 
-- ``global_step<N>/layer_XX-model_YY-model_states.pt``: the state_dict of pipeline layer XX on TP rank YY.
-  GPTModelPipe's specs (megatron/model/gpt_model.py): 0 a function (no file), 1 EmbeddingPipe
-  (``word_embeddings.weight`` split over the vocabulary, ``position_embeddings.weight``), 2..L+1
-  ParallelTransformerLayerPipe, L+2 the final LayerNorm (``weight``, ``bias``), L+3 the head: tied, a
-  ``partial`` of the embedding (DeepSpeed saves no file for it), untied LMHeadPipe (``lm_head.weight``).
+- ``global_step<N>/layer_XX-model_YY-model_states.pt``: the state_dict of pipeline spec XX on TP rank YY.
+  GPTModelPipe's specs: 0 a function (no file), 1 EmbeddingPipe (``word_embeddings.weight`` split over
+  the vocabulary, ``position_embeddings.weight``), 2..L+1 ParallelTransformerLayerPipe, L+2 the final
+  LayerNorm (``weight``, ``bias``), L+3 the head: tied, a ``partial`` of the embedding (DeepSpeed saves no
+  file for it), untied LMHeadPipe (``lm_head.weight``).
 - ``mp_rank_ZZ_model_states.pt`` (ZZ = stage * t + tp rank): DeepSpeed's engine state, module None, with
   Megatron-DeepSpeed's client state (megatron/checkpointing.py save_checkpoint): ``args`` (its argparse
   Namespace, with ``params_dtype`` and ``model_type`` as it sets them), ``checkpoint_version`` 3.0,
   ``iteration``, ``tokens``, ``rng_state`` (python, numpy and torch RNG states).
-- ``zero_pp_rank_0_mp_rank_ZZ_optim_states.pt``: ZeRO-1 optimizer files; DeepSpeedCheckpoint requires them
-  to exist (it counts them for the data-parallel degree) and the import never opens them, so they hold a
-  placeholder, not a real optimizer state.
+- ``zero_pp_rank_0_mp_rank_ZZ_optim_states.pt``: ZeRO-1 optimizer files (DeepSpeedCheckpoint requires them;
+  the import never opens them).
 - ``latest`` (DeepSpeed's tag file) and ``latest_checkpointed_iteration.txt`` (Megatron's) beside.
 
-Weights come from an HF GPT-2 split Megatron-style: query_key_value per TP rank either interleaved per
-head ([q_h, k_h, v_h] for each head: Megatron-DeepSpeed before its FPDT change of 2024-12, commit
-676a482c) or in blocks ([q | k | v] of the rank's heads: after it); dense_h_to_4h/word embeddings split on
-rows, dense/dense_4h_to_h on columns, norms and the row-parallel biases replicated.
+query_key_value per TP rank is either per head ([q_h, k_h, v_h] for each head: Megatron-DeepSpeed before
+its FPDT commit 676a482c of 2024-12) or in blocks ([q | k | v] of the rank's heads: from it on);
+dense_h_to_4h, word embeddings and lm_head split on rows, dense and dense_4h_to_h on columns, norms and the
+row-parallel biases replicated.
 """
 from __future__ import annotations
 
@@ -160,4 +162,91 @@ def write(root: str, model, *, tp: int, pp: int, blocked_qkv: bool = False, iter
         f.write(tag)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
+    return root
+
+
+# --- the same checkpoint saved by DeepSpeed's own pipeline engine (run on t * p ranks) --------------------
+
+class _Holder(torch.nn.Module):
+    """A layer whose state_dict is ``state`` (dotted names as submodules); no forward is needed to save."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, t in state.items():
+            *path, leaf = name.split(".")
+            m = self
+            for part in path:
+                if not hasattr(m, part):
+                    m.add_module(part, torch.nn.Module())
+                m = getattr(m, part)
+            m.register_parameter(leaf, torch.nn.Parameter(t.clone()))
+
+
+# Megatron-DeepSpeed's class names (DeepSpeed's partition_method "type:transformer" matches on them)
+class EmbeddingPipe(_Holder):
+    @property
+    def word_embeddings_weight(self):
+        return self.word_embeddings.weight
+
+
+class ParallelTransformerLayerPipe(_Holder):
+    pass
+
+
+class LayerNorm(_Holder):
+    pass
+
+
+class LMHeadPipe(_Holder):
+    pass
+
+
+def _identity(x):
+    return x
+
+
+def _logits_helper(embedding, lm_output):
+    return lm_output
+
+
+def engine_write(root: str, model, *, tp: int, pp: int, blocked_qkv: bool = False, iteration: int = 10) -> str:
+    """``model`` as Megatron-DeepSpeed's GPTModelPipe saves it, through DeepSpeed's PipelineModule and engine
+    (``save_checkpoint`` with Megatron-DeepSpeed's client state, ZeRO-1): the same specs and parameter names
+    (a function first, the tied embedding, the blocks, the final norm, the tied head with a forward_fn), on
+    this rank's TP shard; untied, LMHeadPipe instead of the tied head. Needs torch.distributed with t * p
+    ranks (data parallel 1)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=1)
+    r = topo.get_coord(dist.get_rank()).model
+    full = megatron_layers(model, blocked_qkv=blocked_qkv)
+    shard = [{n: split(n, t, tp, r, blocked_qkv=blocked_qkv) for n, t in layer.items()} for layer in full]
+    specs = [_identity, TiedLayerSpec("embed", EmbeddingPipe, shard[0], tied_weight_attr="word_embeddings_weight")]
+    specs += [LayerSpec(ParallelTransformerLayerPipe, s) for s in shard[1:-1]]
+    specs.append(LayerSpec(LayerNorm, shard[-1]))
+    if model.config.tie_word_embeddings:
+        specs.append(TiedLayerSpec("embed", EmbeddingPipe, shard[0], forward_fn=_logits_helper,
+                                   tied_weight_attr="word_embeddings_weight"))
+    else:
+        head = split("lm_head.weight", model.lm_head.weight.detach(), tp, r, blocked_qkv=False)
+        specs.append(LayerSpec(LMHeadPipe, {"lm_head.weight": head}))
+    net = type("GPTModelPipe", (PipelineModule,), {})(layers=specs, topology=topo, partition_method="type:transformer",
+                                                       loss_fn=lambda out, labels: out.sum())
+    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
+                                      config=config)
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": {}}]
+    args = megatron_args(model.config, tp, pp, fpdt_args=blocked_qkv, untied=not model.config.tie_word_embeddings)
+    engine.save_checkpoint(root, tag=f"global_step{iteration}",
+                           client_state={"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                                         "tokens": 1280, "rng_state": rng})
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
     return root

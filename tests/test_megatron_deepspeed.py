@@ -1,10 +1,11 @@
 """Megatron-DeepSpeed checkpoints into mtds (``mtds-convert megatron-deepspeed-to-mtds``), read through
 DeepSpeed's DeepSpeedCheckpoint.
 
-Megatron-DeepSpeed cannot run here, so the checkpoints are written by lab/megatron_deepspeed.py in the
-layout its source and DeepSpeed's reader define (see there), from an HF GPT-2 with random weights split
-Megatron-style at (t, p) = (2, 2) and (2, 1); mtds's logits after the import equal HF's (fp32, 1e-5) at
-two layouts each. Bad input: one ``error:`` line, exit status 2.
+Megatron-DeepSpeed cannot run here, so lab/megatron_deepspeed.py builds a DeepSpeed PipelineModule with
+GPTModelPipe's specs and parameter names holding an HF GPT-2 with random weights split Megatron-style at
+(t, p) = (2, 2), and saves it with DeepSpeed's engine; mtds's logits after the import equal HF's (fp32,
+1e-5) at two layouts each. Bad input: one ``error:`` line, exit status 2 (fixtures from the engine-free
+writer, whose layer files the first test checks equal to the engine's).
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from lab.testing import spawn
 TOL = 1e-5
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
 # case: (tied head, query_key_value in blocks (after Megatron-DeepSpeed's FPDT commit), source (t, p),
-#        mtds checkpoint's (t, p), mtds evaluation layouts on 2 ranks)
+#        mtds checkpoint's (t, p), mtds evaluation layouts), on t * p = 4 ranks
 CASES = {"tied_interleaved": (True, False, (2, 2), (1, 2), ((1, 1), (2, 1))),
-         "untied_blocked": (False, True, (2, 1), (2, 1), ((1, 1), (1, 2)))}
+         "untied_blocked": (False, True, (2, 2), (2, 1), ((1, 1), (1, 2)))}
+RANKS = 4
 
 
 def _body(root: str, cases: dict) -> dict:
@@ -36,26 +38,42 @@ def _body(root: str, cases: dict) -> dict:
     out = {}
     for case, (tied, blocked, (st, sp), (ct, cp), layouts) in cases.items():
         src, ck = os.path.join(root, case, "mds"), os.path.join(root, case, "mtds")
+        model = mds.hf_gpt2(tied=tied)
+        mds.engine_write(src, model, tp=st, pp=sp, blocked_qkv=blocked)
         if dist.get_rank() == 0:
-            model = mds.hf_gpt2(tied=tied)
             with torch.no_grad():
                 out[(case, "hf")] = model(IDS).logits
-            mds.write(src, model, tp=st, pp=sp, blocked_qkv=blocked)
+            hand = mds.write(os.path.join(root, case, "hand"), model, tp=st, pp=sp, blocked_qkv=blocked)
+            out[(case, "hand_differs")] = _layer_files_differ(os.path.join(src, "global_step10"),
+                                                              os.path.join(hand, "global_step10"))
             convert(["megatron-deepspeed-to-mtds", "--load", src, "--tp", str(ct), "--pp", str(cp), "--out", ck])
         dist.barrier()
         cfg = open_checkpoint(ck).cfg
         for t, p in layouts:
             groups = ParallelLayout.for_world(dist.get_world_size(), tp=t, pp=p).build_groups()
             logits = full_logits(build_eval_model(cfg, groups, ckpt=ck), IDS, cfg, groups)
-            if logits is not None:
+            if logits is not None and dist.get_rank() == dist.get_world_size() - 1:
                 out[(case, t, p)] = logits
     return out
 
 
+def _layer_files_differ(a: str, b: str) -> list[str]:
+    names = sorted(f for f in os.listdir(a) if f.startswith("layer_"))
+    if names != sorted(f for f in os.listdir(b) if f.startswith("layer_")):
+        return ["file sets"]
+    bad = []
+    for f in names:
+        x, y = torch.load(os.path.join(a, f)), torch.load(os.path.join(b, f))
+        if x.keys() != y.keys() or any(not torch.equal(x[k], y[k]) for k in x):
+            bad.append(f)
+    return bad
+
+
 def test_megatron_deepspeed_checkpoint_into_mtds(tmp_path):
-    per_rank = spawn(_body, 2, str(tmp_path), CASES, timeout=240)
+    per_rank = spawn(_body, RANKS, str(tmp_path), CASES, timeout=300)
     got = {k: v for r in per_rank for k, v in r.items()}
     for case, (*_, layouts) in CASES.items():
+        assert got[(case, "hand_differs")] == [], f"{case}: lab's engine-free writer differs from DeepSpeed's save"
         ref = got[(case, "hf")]
         for t, p in layouts:
             err = (got[(case, t, p)] - ref).abs().max().item()
