@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import types
 
 import numpy as np
 import torch
@@ -51,6 +52,23 @@ def hf_gpt2(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4,
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if ".ln_" in name and name.endswith("weight")
                     else 0.1 * torch.randn_like(p))
     return model
+
+
+class Weights:
+    """An HF GPT-2's weights and config fields without transformers (picklable: broadcast to ranks that
+    need not import transformers); stands in for the model in the writers below."""
+
+    def __init__(self, model):
+        c = model.config
+        self.config = types.SimpleNamespace(n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head,
+                                            n_positions=c.n_positions, vocab_size=c.vocab_size,
+                                            layer_norm_epsilon=c.layer_norm_epsilon,
+                                            tie_word_embeddings=c.tie_word_embeddings)
+        self.sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.lm_head = types.SimpleNamespace(weight=self.sd["lm_head.weight"])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sd
 
 
 def megatron_args(hf_cfg, tp: int, pp: int, *, fpdt_args: bool, untied: bool = False) -> argparse.Namespace:

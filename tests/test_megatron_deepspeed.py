@@ -38,11 +38,16 @@ def _body(root: str, cases: dict) -> dict:
     out = {}
     for case, (tied, blocked, (st, sp), (ct, cp), layouts) in cases.items():
         src, ck = os.path.join(root, case, "mds"), os.path.join(root, case, "mtds")
-        model = mds.hf_gpt2(tied=tied)
-        mds.engine_write(src, model, tp=st, pp=sp, blocked_qkv=blocked)
-        if dist.get_rank() == 0:
+        box = [None]
+        if dist.get_rank() == 0:     # transformers on one rank only; the others get the weights
+            model = mds.hf_gpt2(tied=tied)
             with torch.no_grad():
                 out[(case, "hf")] = model(IDS).logits
+            box = [mds.Weights(model)]
+        dist.broadcast_object_list(box, src=0)
+        model = box[0]
+        mds.engine_write(src, model, tp=st, pp=sp, blocked_qkv=blocked)
+        if dist.get_rank() == 0:
             hand = mds.write(os.path.join(root, case, "hand"), model, tp=st, pp=sp, blocked_qkv=blocked)
             out[(case, "hand_differs")] = _layer_files_differ(os.path.join(src, "global_step10"),
                                                               os.path.join(hand, "global_step10"))

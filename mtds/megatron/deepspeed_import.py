@@ -233,7 +233,9 @@ class MegatronDeepSpeedCheckpoint:
         embedding = [self._load(f) for f in self.ds.get_embedding_files(0)]
         words = self.tp * embedding[0]["word_embeddings.weight"].shape[0] if embedding else 0
         self.cfg: ModelConfig = config_from_args(megatron_args(saved), vocab_size=words)
-        n = sum(len(self.ds.transformer_file_map[(0, s)]) for s in range(self.pp))
+        # DeepSpeedCheckpoint groups the blocks L // p per stage (more groups than p when p does not divide L)
+        self.stages = sorted({stage for _, stage in self.ds.transformer_file_map})
+        n = sum(len(self.ds.transformer_file_map[(0, s)]) for s in self.stages)
         if n != self.cfg.num_layers:
             raise MegatronCheckpointError(f"the checkpoint has {n} transformer layer files per TP rank, "
                                           f"args.num_layers = {self.cfg.num_layers}")
@@ -280,7 +282,7 @@ class MegatronDeepSpeedCheckpoint:
         ds, L = self.ds, self.cfg.num_layers
         yield 0, self._merge(0, EMBEDDING, [ds.get_embedding_files(r)[0] for r in range(self.tp)])
         layer = 1
-        for stage in range(self.pp):
+        for stage in self.stages:
             for k in range(len(ds.transformer_file_map[(0, stage)])):
                 files = [ds.transformer_file_map[(r, stage)][k][0] for r in range(self.tp)]
                 yield layer, self._merge(layer, BLOCK, files)
