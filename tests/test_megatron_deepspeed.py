@@ -177,3 +177,25 @@ def test_megatron_enums_read_as_stubs_when_megatron_is_not_installed(source, tmp
     ckpt = MegatronDeepSpeedCheckpoint(str(tmp_path / "in"))
     assert isinstance(ckpt.args["attn_mask_type"], Opaque) and ckpt.args["attn_mask_type"].args == (2,)
     assert "megatron.model.enums" not in sys.modules and ckpt.cfg.num_layers == 1
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_layers_equal_the_hf_import_with_uneven_stages(tmp_path, blocked):
+    """3 blocks at (2,2) (DeepSpeedCheckpoint groups them 1+1+1): every tensor equals what mtds's HF import
+    makes of the same GPT-2, bit for bit; the config too."""
+    from mtds.hf.init import hf_model_config
+    from mtds.hf.load import open_hf_checkpoint
+    from mtds.hf.registry import hf_state_to_layers
+    from mtds.hf.stream_source import StreamingHFCheckpoint
+    from mtds.megatron.deepspeed_import import MegatronDeepSpeedCheckpoint
+    model = mds.hf_gpt2(layers=3, tied=not blocked)
+    model.save_pretrained(tmp_path / "hf")
+    cfg = hf_model_config(str(tmp_path / "hf"))
+    want = dict(hf_state_to_layers(cfg, open_hf_checkpoint(cfg, StreamingHFCheckpoint(str(tmp_path / "hf")))))
+    ckpt = MegatronDeepSpeedCheckpoint(mds.write(str(tmp_path / "mds"), model, tp=2, pp=2, blocked_qkv=blocked))
+    got = dict(ckpt.layers())
+    assert sorted(got) == sorted(want) and ckpt.cfg.num_layers == 3 and ckpt.cfg.activation == cfg.activation
+    for layer, tensors in want.items():
+        assert sorted(got[layer]) == sorted(tensors), layer
+        for name, t in tensors.items():
+            assert torch.equal(got[layer][name], t), (layer, name)
