@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import glob
 import importlib
 import os
@@ -47,7 +48,7 @@ MODEL_STATES = "mp_rank_*_model_states.pt"
 LAYER_FILES = "layer_*-model_*-model_states.pt"
 ALLOWED = {"argparse.Namespace", "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
            "numpy._core.multiarray._reconstruct", "numpy.dtypes.UInt32DType"}
-ENUM = re.compile(r"^megatron(\.\w+)*\.enums\.\w+$")
+ENUM = re.compile(r"^megatron(\.\w+)*\.enums\.[A-Z]\w*$")     # a class of a Megatron enums module
 FPDT_MARKER = "ds_sequence_parallel_fpdt"
 
 # Megatron-DeepSpeed's parameter names (megatron/model/transformer.py, language_model.py) -> mtds's, and how
@@ -132,10 +133,14 @@ def megatron_enum_stubs(names: set[str]):
     for name in sorted(names):
         module, _, cls = name.rpartition(".")
         try:
-            importlib.import_module(module)
-            continue
+            found = getattr(importlib.import_module(module), cls, None)
         except ImportError:
-            pass
+            found = None
+        else:
+            if not (isinstance(found, type) and issubclass(found, enum.Enum)):
+                raise MegatronCheckpointError(f"refusing to load the checkpoint: it needs {name}, which is not "
+                                              f"an enum of the installed Megatron")
+            continue
         parts = module.split(".")
         for sub in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
             if sub not in added and sys.modules.get(sub) is None:
