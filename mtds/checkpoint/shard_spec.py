@@ -33,12 +33,13 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
     qkv = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
     out_proj = ["weight", "bias"] if cfg.has_out_proj_bias else ["weight"]
     qk_norm = [f"attention.{x}_norm.{n}" for x in "qk" for n in norm] if cfg.qk_norm else []
-    block = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
-             + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm]
-             + [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear])
+    attention = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
+                 + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm])
+    dense = [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear]
+    moe = ["mlp.router.weight", "mlp.experts.gate_up", "mlp.experts.down"]   # mtds.model.moe
     names = {0: ["word_embeddings.weight"] + (["position_embeddings.weight"] if cfg.position_embedding == "learned"
                                               else [])}
-    names.update({i: list(block) for i in range(1, cfg.num_layers + 1)})
+    names.update({i: attention + (moe if cfg.is_moe_layer(i) else dense) for i in range(1, cfg.num_layers + 1)})
     names[cfg.num_layers + 1] = [f"norm.{n}" for n in norm]
     if not cfg.tie_word_embeddings:
         names[cfg.num_layers + 2] = ["weight"]
@@ -61,6 +62,12 @@ def split_of(cfg: ModelConfig, layer: int, name: str) -> Split:
         return Split(0, (cfg.ffn_size, cfg.ffn_size) if cfg.activation == "swiglu" else None)
     if name in ("attention.out_proj.weight", "mlp.fc_out.weight"):
         return Split(1)
+    if name == "mlp.router.weight":
+        return REPLICATED
+    if name == "mlp.experts.gate_up":     # [E, 2F, h]: each expert's gate|up split over TP
+        return Split(1, (cfg.moe_ffn_size, cfg.moe_ffn_size))
+    if name == "mlp.experts.down":        # [E, h, F]
+        return Split(2)
     raise KeyError(f"no tensor-parallel split known for layer {layer} parameter {name!r}")
 
 

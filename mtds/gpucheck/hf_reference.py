@@ -39,14 +39,33 @@ def hf_with_mtds_weights(cfg, seed: int):
 
     from mtds.hf import hf_config_from_model_config, model_to_hf_state
     from mtds.model import GPTModel
-    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(cfg))
     state = model_to_hf_state(GPTModel(cfg, seed=seed))
+    if cfg.num_experts:
+        return _moe_from_disk(cfg, state)
+    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(cfg))
     unexpected = hf.load_state_dict(state, strict=False).unexpected_keys
     # a tied head is the embedding's parameter, listed once by named_parameters
     missing = sorted(set(dict(hf.named_parameters())) - set(state))
     if missing or unexpected:
         raise ValueError(f"{type(hf).__name__} and mtds's export differ: not exported {missing[:3]}, "
                          f"not in the HF model {unexpected[:3]}")
+    return hf
+
+
+def _moe_from_disk(cfg, state):
+    """An MoE model through transformers' own loader: mtds exports the per-expert keys transformers writes
+    (and the Hub holds), which its in-memory model fuses into [E, ...] tensors on load."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from mtds.hf import save_hf_checkpoint
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(cfg, state, tmp)
+        hf, info = AutoModelForCausalLM.from_pretrained(tmp, output_loading_info=True, dtype=torch.float32)
+    bad = {k: v for k, v in info.items() if v}     # missing, unexpected, mismatched keys, errors
+    if bad:
+        raise ValueError(f"{type(hf).__name__} did not load mtds's export whole: {bad}")
     return hf
 
 
@@ -65,6 +84,9 @@ def train_reference(hf, batches: Iterator, *, steps: int, micro_batches: int, op
     ``autocast``: the forward under ``torch.autocast`` in that dtype (weights, loss and optimizer stay fp32,
     as HF users train in 16 bits); ``scaler``: a ``torch.amp.GradScaler`` (fp16), unscaled before the norm."""
     hf.train()
+    # an MoE model's training loss holds its load-balancing term (transformers adds it when asked for the
+    # router logits, as its Trainer users do)
+    moe = {"output_router_logits": True} if hasattr(hf.config, "router_aux_loss_coef") else {}
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     losses, norms = [], []
     for _ in range(steps):
@@ -73,9 +95,12 @@ def train_reference(hf, batches: Iterator, *, steps: int, micro_batches: int, op
             input_ids, labels = (t.to(device) for t in next(batches))
             with (torch.autocast(torch.device(device).type, dtype=autocast) if autocast is not None
                   else contextlib.nullcontext()):
-                logits = hf(input_ids=input_ids).logits
+                out = hf(input_ids=input_ids, **moe)
+            logits = out.logits
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                      labels.reshape(-1))
+            if moe:   # MixtralForCausalLM's own line: loss += router_aux_loss_coef * aux_loss
+                loss = loss + hf.config.router_aux_loss_coef * out.aux_loss
             part = loss / micro_batches
             (scaler.scale(part) if scaler is not None else part).backward()
             total += loss.detach().double() / micro_batches

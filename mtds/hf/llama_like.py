@@ -54,6 +54,25 @@ def config_to_hf(cfg: ModelConfig, arch: str, hf_architecture: str) -> dict[str,
             "initializer_range": cfg.init_std, **rope_to_hf(cfg)}
 
 
+# Where an MoE adapter keeps a block's router and experts, as transformers writes them to disk (and the Hub
+# holds them): (router key, expert key with {e}, gate, up, down) under "model.layers.{i}.".
+MOE_KEYS = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", "w1", "w3", "w2"),
+            "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj")}
+
+
+def moe_rows(cfg: ModelConfig, i: int, p: str) -> list[WeightMap]:
+    """An MoE block's rows: the router, and every expert's 2-D tensors stacked into mtds's [E, ...] ones
+    (mtds.model.experts): gate|up concatenated per expert, down as is."""
+    router, expert, gate, up, down = MOE_KEYS[cfg.architecture]
+    experts = [p + expert.format(e=e) for e in range(cfg.num_experts)]
+    ffn = cfg.moe_ffn_size
+    return [WeightMap(i, "mlp.router.weight", (p + router,)),
+            WeightMap(i, "mlp.experts.gate_up", tuple(k + f"{w}.weight" for k in experts for w in (gate, up)),
+                      "experts", sizes=(ffn, ffn)),
+            WeightMap(i, "mlp.experts.down", tuple(k + f"{down}.weight" for k in experts), "experts",
+                      sizes=(cfg.hidden_size,))]
+
+
 def weight_table(cfg: ModelConfig) -> list[WeightMap]:
     L, d = cfg.num_layers, cfg.head_dim
     qkv_sizes = (cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
@@ -73,6 +92,9 @@ def weight_table(cfg: ModelConfig) -> list[WeightMap]:
                  for s in suffixes(cfg.has_out_proj_bias)]
         if cfg.qk_norm:
             rows += [WeightMap(i, f"attention.{x}_norm.weight", (p + f"self_attn.{x}_norm.weight",)) for x in "qk"]
+        if cfg.is_moe_layer(i):
+            rows += moe_rows(cfg, i, p)
+            continue
         for s in suffixes(cfg.linear_bias):
             rows += [WeightMap(i, "mlp.fc_in" + s, (p + "mlp.gate_proj" + s, p + "mlp.up_proj" + s), "concat",
                                sizes=ffn_sizes),

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-TRANSFORMS = ("copy", "transpose", "neox_qkv", "concat")
+TRANSFORMS = ("copy", "transpose", "neox_qkv", "concat", "experts")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class WeightMap:
     hf_keys: tuple[str, ...]      # HF state-dict key(s) holding this tensor
     transform: str = "copy"
     heads: int = 0                # neox_qkv: number of attention heads
-    sizes: tuple[int, ...] = ()   # concat: size of each HF piece along dim 0
+    sizes: tuple[int, ...] = ()   # concat: size of each HF piece along dim 0; experts: of each expert's pieces
 
     def to_ours(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.transform == "copy":
@@ -33,6 +33,9 @@ class WeightMap:
             return w.reshape(self.heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()
         if self.transform == "concat":            # separate q/k/v or gate/up -> one fused tensor
             return torch.cat(tensors, dim=0)
+        if self.transform == "experts":           # per-expert 2-D keys (e0 pieces, e1 pieces, ...) -> [E, ...]
+            n = len(self.sizes)
+            return torch.stack([torch.cat(tensors[i:i + n], dim=0) for i in range(0, len(tensors), n)])
         raise ValueError(f"unknown transform {self.transform!r}; known: {', '.join(TRANSFORMS)}")
 
     def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -45,6 +48,8 @@ class WeightMap:
             return [w.reshape(3, self.heads, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()]
         if self.transform == "concat":
             return [p.contiguous() for p in tensor.split(list(self.sizes), dim=0)]
+        if self.transform == "experts":
+            return [p.contiguous() for expert in tensor for p in expert.split(list(self.sizes), dim=0)]
         raise ValueError(f"unknown transform {self.transform!r}; known: {', '.join(TRANSFORMS)}")
 
 

@@ -18,7 +18,7 @@ from mtds.parallel.vocab import padded_vocab_size
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
-ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 # RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
@@ -58,6 +58,14 @@ class ModelConfig:
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     architecture: str = "gpt2"               # which HF family this maps to (for import/export)
+    # Mixture of experts (docs/moe.md; transformers' names). num_experts 0: every block has the dense MLP.
+    num_experts: int = 0                     # routed experts per MoE block
+    moe_top_k: int = 2                       # experts per token (num_experts_per_tok)
+    moe_ffn_hidden_size: int | None = None   # each expert's SwiGLU width (moe_intermediate_size); None -> ffn
+    norm_topk_prob: bool = True              # renormalise the k probabilities to sum 1 (Mixtral: always)
+    router_aux_loss_coef: float = 0.0        # HF's load-balancing loss weight, added to the training loss
+    decoder_sparse_step: int = 1             # block i (1-based) is MoE when i % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()    # ... and its 0-based index is not listed here (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings",
@@ -88,6 +96,7 @@ class ModelConfig:
         if self.out_proj_bias is not None and self.out_proj_bias == self.linear_bias:
             object.__setattr__(self, "out_proj_bias", None)
         object.__setattr__(self, "rope_scaling_params", _frozen_params(self.rope_scaling_params))
+        _check_moe(self)
         if self.rope_scaling is not None:
             _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
             if self.position_embedding != "rotary":
@@ -134,6 +143,16 @@ class ModelConfig:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Block ``layer_number`` (global, 1..L) holds experts: transformers' Qwen3-MoE rule
+        (Mixtral: step 1, no dense blocks)."""
+        return (self.num_experts > 0 and layer_number % self.decoder_sparse_step == 0
+                and layer_number - 1 not in self.mlp_only_layers)
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
     @property
     def rotary_dim(self) -> int:
         # int() truncation is what HF NeoX/Llama do, so partial-rotary models line up dim for dim.
@@ -168,6 +187,38 @@ def _frozen_params(params: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(out))
 
 
+def _check_moe(cfg: ModelConfig) -> None:
+    """The MoE fields: consistent, and at their defaults on a dense model (a stray value there would be a
+    different model nobody asked for)."""
+    object.__setattr__(cfg, "mlp_only_layers", tuple(sorted(int(i) for i in cfg.mlp_only_layers)))
+    if not isinstance(cfg.num_experts, int) or cfg.num_experts < 0:
+        raise ValueError(f"ModelConfig.num_experts must be an int >= 0, got {cfg.num_experts!r}")
+    if cfg.num_experts == 0:
+        dense = ModelConfig.__dataclass_fields__
+        moved = [f for f in ("moe_top_k", "moe_ffn_hidden_size", "norm_topk_prob", "router_aux_loss_coef",
+                             "decoder_sparse_step", "mlp_only_layers") if getattr(cfg, f) != dense[f].default]
+        if moved:
+            raise ValueError(f"MoE fields {moved} set on a dense model (num_experts = 0)")
+        return
+    if not 1 <= cfg.moe_top_k <= cfg.num_experts:
+        raise ValueError(f"moe_top_k {cfg.moe_top_k} must be in 1..num_experts {cfg.num_experts}")
+    if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size <= 0:
+        raise ValueError(f"moe_ffn_hidden_size must be positive, got {cfg.moe_ffn_hidden_size}")
+    if not isinstance(cfg.decoder_sparse_step, int) or cfg.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step must be an int >= 1, got {cfg.decoder_sparse_step!r}")
+    outside = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_layers]
+    if outside:
+        raise ValueError(f"mlp_only_layers {outside} outside the 0-based blocks 0..{cfg.num_layers - 1}")
+    if not cfg.router_aux_loss_coef >= 0:
+        raise ValueError(f"router_aux_loss_coef must be >= 0, got {cfg.router_aux_loss_coef}")
+    if cfg.activation != "swiglu" or cfg.linear_bias:
+        raise ValueError("experts are built as SwiGLU without biases (Mixtral, Qwen3-MoE): "
+                         f"activation={cfg.activation!r} linear_bias={cfg.linear_bias} is not")
+    if not any(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1)):
+        raise ValueError(f"num_experts {cfg.num_experts} but no block is MoE (decoder_sparse_step "
+                         f"{cfg.decoder_sparse_step}, mlp_only_layers {list(cfg.mlp_only_layers)})")
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"ModelConfig.{name}={value!r} is not supported; choose one of {', '.join(choices)}")
@@ -190,7 +241,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 # Fields that describe training, not the weights: a checkpoint or HF config may differ in them.
-NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std")
+NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std", "router_aux_loss_coef")
 
 
 def differing_weight_fields(expected: ModelConfig, found: ModelConfig) -> list[str]:

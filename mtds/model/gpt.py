@@ -12,6 +12,8 @@ from mtds.model.documents import DocumentMasking
 from mtds.model.embedding import GPTEmbedding
 from mtds.model.head import FinalNorm, LMHead, LMLoss
 from mtds.model.layer import TransformerLayer
+from mtds.model.aux_loss import collect_aux_loss
+from mtds.model.moe import MoEBlock
 from mtds.model.parallel import check_tensor_parallel
 
 
@@ -50,13 +52,22 @@ class GPTModel(nn.Module):
         return self.embedding.lm_logits(hidden) if self.lm_head is None else self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean loss if labels (pre-shifted, -100 ignored) are given, else the vocab-sharded logits."""
+        """Mean loss if labels (pre-shifted, -100 ignored) are given, else the vocab-sharded logits. In training
+        an MoE model's loss includes router_aux_loss_coef x the load-balancing loss (mtds.model.aux_loss)."""
         logits = self.logits(input_ids)
-        return logits if labels is None else self.loss_fn(logits, labels)
+        aux = collect_aux_loss(moe_blocks(self), self.cfg.router_aux_loss_coef)
+        if labels is None:
+            return logits
+        loss = self.loss_fn(logits, labels)
+        return loss if aux is None else loss + aux
 
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Unsharded logits [b, s, V] on every TP rank (evaluation/parity only; collective)."""
         return gather_logits(self.cfg, self.logits(input_ids), self.tp_group)
+
+
+def moe_blocks(module: nn.Module) -> list[MoEBlock]:
+    return [m for m in module.modules() if isinstance(m, MoEBlock)]
 
 
 def gather_logits(cfg: ModelConfig, logits_shard: torch.Tensor, tp_group=None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from mtds.model.attention import SelfAttention
 from mtds.model.documents import DocumentMasking
 from mtds.model.init import seeded
 from mtds.model.mlp import MLP
+from mtds.model.moe import MoEBlock
 from mtds.model.norms import make_norm
 
 
@@ -36,7 +37,8 @@ class TransformerLayer(nn.Module):
                                            sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
                                            documents=documents)
             self.post_attention_norm = make_norm(cfg, sp_group)
-            self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            mlp = MoEBlock if cfg.is_moe_layer(layer_number) else MLP
+            self.mlp = mlp(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         # Residual-stream dropout: without sequence parallelism it acts on replicated activations
         # (after the row-parallel all-reduce), and the default generator, seeded alike on all TP
         # ranks, drops the same elements everywhere. With it, each rank holds a different sequence

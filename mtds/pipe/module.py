@@ -10,8 +10,11 @@ from torch import nn
 
 from mtds.model.config import ModelConfig
 from mtds.parallel.layout import ParallelGroups
+from mtds.pipe.moe_layout import refuse_unbuilt_moe
 from mtds.model import LMLoss, TransformerLayer
+from mtds.model.aux_loss import collect_aux_loss
 from mtds.model.documents import DocumentMasking
+from mtds.model.gpt import moe_blocks
 from mtds.parallel.pipeline_layout import StageLayout
 from mtds.tp import RNGTracker, checkpoint
 
@@ -82,6 +85,7 @@ class SequentialGPT(nn.Module):
         self.loss_fn = LMLoss(cfg, groups.tp_group)
         self.rng_tracker = rng_tracker
         self.recompute_interval = recompute_interval
+        self.aux_loss_coef = cfg.router_aux_loss_coef
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embedding(input_ids)    # (hidden, segment ids) with packed documents
@@ -106,7 +110,12 @@ class SequentialGPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.logits(input_ids)
-        return logits if labels is None else self.loss_fn(logits, labels)
+        # an MoE model's load-balancing term, as transformers adds it (mtds.model.aux_loss)
+        aux = collect_aux_loss(moe_blocks(self), self.aux_loss_coef)
+        if labels is None:
+            return logits
+        loss = self.loss_fn(logits, labels)
+        return loss if aux is None else loss + aux
 
 
 def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
@@ -127,6 +136,9 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
                          "each other: choose one")
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
+    if cfg.num_experts:
+        refuse_unbuilt_moe(cfg, groups.layout, sequence_parallel=sequence_parallel,
+                           recompute_interval=recompute_interval)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
                   documents=documents)

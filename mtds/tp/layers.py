@@ -55,7 +55,7 @@ def unshard_rows(shards: Sequence[torch.Tensor], dim: int, segments: Sequence[in
     return torch.cat([per_rank[r][i] for i in range(len(segments)) for r in range(world)], dim=dim)
 
 
-def _sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitMethod | None,
+def sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitMethod | None,
                        segments: Sequence[int] | None, dtype, device, valid_rows: int | None = None) -> nn.Parameter:
     world, rank = tp_world_and_rank(group)
     local = build_shard(shape, dim, world, rank, init_method or default_init, segments, valid_rows)
@@ -87,7 +87,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.output_segments = tuple(output_segments) if output_segments else None
-        self.weight = _sharded_parameter((out_features, in_features), 0, group, init_method,
+        self.weight = sharded_parameter((out_features, in_features), 0, group, init_method,
                                          output_segments, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=self.weight.dtype, device=device))
@@ -134,7 +134,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
-        self.weight = _sharded_parameter((out_features, in_features), 1, group, init_method, None, dtype, device)
+        self.weight = sharded_parameter((out_features, in_features), 1, group, init_method, None, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=device))
             if sequence_parallel:
@@ -178,7 +178,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
 
         # Padding rows are zero and draw nothing from the generator.
-        self.weight = _sharded_parameter((self.padded_vocab_size, embedding_dim), 0, group, init_method,
+        self.weight = sharded_parameter((self.padded_vocab_size, embedding_dim), 0, group, init_method,
                                          None, dtype, device, valid_rows=vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

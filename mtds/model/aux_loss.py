@@ -1,0 +1,57 @@
+"""transformers' load-balancing loss (``load_balancing_loss_func`` of Mixtral / Qwen3-MoE, 5.x), and how it
+enters the training loss: ``loss = LM loss + router_aux_loss_coef * aux`` per forward (micro-batch), as
+``MixtralForCausalLM`` does with ``output_router_logits=True``.
+
+transformers pools every MoE block of the forward before multiplying: with f_e the fraction of all
+(block, token, slot) assignments that went to expert e and P_e the mean over all (block, token) rows of
+expert e's probability, aux = E · Σ_e f_e · P_e, where f_e = Σ_blocks counts_e / R and P_e = Σ_blocks
+probsum_e / R, R = blocks x tokens. So it is not a sum of per-block terms: the counts of later blocks weigh
+the probabilities of earlier ones. Each block keeps its counts and probability sums; the model combines
+them after the forward. Only the probabilities carry a gradient (the counts come from top-k).
+
+Every position counts (transformers without an attention mask): mtds trains on packed sequences with no
+padding, and a position whose label is ignored (-100) is still routed and still counts there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from mtds.model.router import Routing
+
+
+@dataclass
+class RouterStats:
+    counts: torch.Tensor      # [E] float32: assignments per expert (no gradient)
+    prob_sum: torch.Tensor    # [E] float32: sum over the tokens of each expert's probability
+    rows: int                 # tokens routed
+
+    @staticmethod
+    def of(routing: Routing) -> "RouterStats":
+        E = routing.probs.shape[-1]
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=E).float()
+        return RouterStats(counts, routing.probs.sum(dim=0), routing.probs.shape[0])
+
+
+def load_balancing_loss(stats: Iterable[RouterStats]) -> torch.Tensor:
+    """transformers' aux loss over the blocks of one forward (see the module docstring)."""
+    stats = list(stats)
+    rows = sum(s.rows for s in stats)
+    counts = torch.stack([s.counts for s in stats]).sum(dim=0)
+    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
+    return counts.numel() * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def collect_aux_loss(blocks: Iterable, coef: float) -> torch.Tensor | None:
+    """``coef`` x the aux loss of the MoE blocks' last forward, taking their stats (so a later forward, or
+    an evaluation, never sees them); None when no block kept any (evaluation, or a dense model)."""
+    stats = []
+    for block in blocks:
+        if block.stats is not None:
+            stats.append(block.stats)
+            block.stats = None
+    if not stats:
+        return None
+    return coef * load_balancing_loss(stats)
