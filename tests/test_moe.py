@@ -257,3 +257,21 @@ def test_config_rules():
         ModelConfig(**base, norm_topk_prob=False)
     with pytest.raises(ValueError, match="moe_top_k"):
         ModelConfig(**base, num_experts=2, moe_top_k=3)
+
+
+def test_model_flops_count_active_experts():
+    """TFLOP/s and MFU count the k experts a token visits and the router, not all E experts nor the dense
+    width: Mixtral-shaped = the same model with a dense FFN k x the expert width, plus 2·h·E per token and
+    block, x 3 (forward and backward)."""
+    from mtds.model.config import ModelConfig
+    from mtds.observe.metrics import model_config_flops
+    shape = dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, activation="swiglu",
+                 linear_bias=False, ffn_hidden_size=96)
+    moe = ModelConfig(**shape, num_experts=8, moe_top_k=2, mlp_only_layers=[0])
+    dense = ModelConfig(**{**shape, "ffn_hidden_size": 2 * 96})
+    plain = ModelConfig(**shape)
+    batch, seq = 2, 16
+    # blocks 2..4 are MoE (k x 96 wide, plus the router), block 1 dense (96 wide)
+    want = (3 * model_config_flops(dense, batch, seq) + model_config_flops(plain, batch, seq)) / 4 \
+        + 3 * batch * seq * 3 * 2 * 64 * 8
+    assert abs(model_config_flops(moe, batch, seq) / want - 1) < 1e-12

@@ -107,11 +107,23 @@ def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
 
 
+def active_ffn_width(cfg) -> float:
+    """The per-block SwiGLU width whose FLOPs equal, summed over the blocks, what the blocks compute per token:
+    a dense block its FFN; an MoE block (docs/moe.md) only the k experts a token goes to, plus its router
+    (2·h·E, written as a width E/3 of the gated MLP's 6·h·f). Model FLOPs count active experts only."""
+    if not getattr(cfg, "num_experts", 0):
+        return float(cfg.ffn_size)
+    moe = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
+    per_moe = cfg.moe_top_k * cfg.moe_ffn_size + cfg.num_experts / 3
+    return ((cfg.num_layers - moe) * cfg.ffn_size + moe * per_moe) / cfg.num_layers
+
+
 def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> float:
     """:func:`training_flops_per_iteration` for an ``mtds.hf.resolve.ModelConfig`` (FFN width, SwiGLU,
     GQA, head_dim read from it); ``recompute="none"`` gives model FLOPs, the numerator of MFU."""
     return training_flops_per_iteration(batch, seq, cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
-                                        ffn_hidden=cfg.ffn_size, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
+                                        ffn_hidden=active_ffn_width(cfg), num_heads=cfg.num_heads,
+                                        num_kv_heads=cfg.kv_heads,
                                         gated_mlp=cfg.activation == "swiglu", head_dim=cfg.kv_channels,
                                         recompute=recompute)
 
