@@ -102,7 +102,9 @@ def test_logits_loss_and_grads_match_transformers(name, tmp_path):
         out = hf(ids, output_router_logits=True)
         assert _min_margin(out.router_logits, cfg.moe_top_k) > MARGIN, name
         assert _rel(model.full_logits(ids), out.logits) < REL_TOL, name
-        assert model(ids, labels).dim() == 0      # evaluation: no aux term kept, none leaks into training
+        # evaluation: the LM loss only (transformers' default output_router_logits=False), no aux term kept
+        lm = hf(ids, labels=ids).loss
+        assert abs(float(model(ids, labels)) - float(lm)) / float(lm) < REL_TOL, name
     hf.train(), model.train()
     out = hf(ids, labels=ids, output_router_logits=True)     # transformers shifts ids itself
     loss = model(ids, labels)
@@ -123,6 +125,36 @@ def test_logits_loss_and_grads_match_transformers(name, tmp_path):
     assert sorted(ours) == sorted(theirs)
     worst = max(_rel(ours[k], theirs[k]) for k in theirs)
     assert worst < REL_TOL, (name, worst)
+
+
+def test_recomputed_training_then_evaluation(tmp_path):
+    """--recompute full (the p = 1 model's blocks in mtds.tp.checkpoint, non-reentrant) keeps the router
+    statistics' gradient: loss and gradients equal those without it. The backward's recompute sets the
+    blocks' statistics again; an evaluation afterwards reports the LM loss only, as transformers does."""
+    import types
+
+    from mtds.hf.init import load_hf_into_stages
+    from mtds.pipe.module import SequentialGPT
+    from mtds.tp import model_parallel_seed
+    hf, cfg, _ = _imported("mixtral", tmp_path)
+    groups = types.SimpleNamespace(tp_group=None)
+    ids, labels = _ids()
+    losses, grads = [], []
+    for interval in (0, 1):
+        model = SequentialGPT(cfg, groups, seed=0, rng_tracker=model_parallel_seed(0, 0),
+                              recompute_interval=interval).train()
+        load_hf_into_stages(model, str(tmp_path), cfg, groups)
+        loss = model(ids, labels)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(g, grads[0][n]) for n, g in grads[1].items())
+    assert any(b.stats is not None for b in model.modules() if hasattr(b, "stats")), "no recompute seen"
+    model.eval()
+    with torch.no_grad():
+        lm = hf.eval()(ids, labels=ids).loss
+        assert abs(float(model(ids, labels)) - float(lm)) / float(lm) < REL_TOL
 
 
 def _hf_state_of_grads(hf, path):
@@ -163,6 +195,11 @@ def test_export_round_trip(name, tmp_path):
     convert(["mtds-to-hf", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "conv")])
     converted = load_file(str(tmp_path / "conv" / "model.safetensors"))
     assert sorted(converted) == sorted(disk) and all(torch.equal(converted[k], disk[k]) for k in disk), name
+    # resharding it to another layout (DeepSpeed's universal format) is refused, not done wrong
+    from mtds.checkpoint.errors import CheckpointFormatError
+    from mtds.checkpoint.universal import ensure_universal
+    with pytest.raises(CheckpointFormatError, match="mixture-of-experts checkpoint to another layout is not built"):
+        ensure_universal(str(tmp_path / "ck"))
 
 
 # Training parity: the suite's reference loop (tests/training_helpers.py: mtds's batches of the shipped corpus,
@@ -190,6 +227,43 @@ def _parity(results, models, what):
         assert sum(n > CLIP for n in ref.grad_norms) >= 8, (name, ref.grad_norms)
 
 
+def _eval_body(root):
+    """mtds-eval's loss (evaluation: the LM loss, no aux term) of each case, from transformers' files and
+    from an mtds checkpoint converted at t = 2 (resharded on load to t = 1), against transformers' eval loss."""
+    import os
+
+    from mtds.cli.convert import main as convert
+    from mtds.eval import build_eval_model, evaluate
+    from mtds.hf.init import hf_model_config
+    from mtds.parallel.layout import ParallelLayout
+    from mtds.training.distributed import init_distributed
+    init_distributed()
+    groups = ParallelLayout.for_world(1).build_groups()
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 32)]
+    out = {}
+    for name in CASES:
+        hf = _hf(name).eval()
+        hf_dir, ck = os.path.join(root, name, "hf"), os.path.join(root, name, "ck")
+        hf.save_pretrained(hf_dir)
+        convert(["hf-to-mtds", "--hf", hf_dir, "--tp", "2", "--out", ck])
+        with torch.no_grad():
+            losses = [hf(torch.tensor([r]), labels=torch.tensor([r])).loss.item() for r in rows]
+        want = sum(loss * (len(r) - 1) for loss, r in zip(losses, rows)) / sum(len(r) - 1 for r in rows)
+        cfg = hf_model_config(hf_dir)
+        for source in ("hf", "ckpt"):
+            model = build_eval_model(cfg, groups, **{source: hf_dir if source == "hf" else ck})
+            out[(name, source)] = abs(evaluate(model, rows, cfg, groups)["loss"] - want) / want
+    return out
+
+
+def test_eval_matches_transformers(tmp_path):
+    """The evaluation path (mtds.eval, as mtds-eval runs it) on one pooled rank."""
+    from tests.dist import spawn
+    (result,) = spawn(_eval_body, 1, str(tmp_path))
+    assert all(err < REL_TOL for err in result.values()), result
+
+
 def test_training_parity_single_rank():
     """(1,1,1): Mixtral and Qwen3-MoE, loss (LM + aux) and pre-clip grad norm of every step within 1e-5."""
     from tests.training_helpers import run_layouts, train_config
@@ -199,16 +273,41 @@ def test_training_parity_single_rank():
     _parity(results, models, "(1,1,1)")
 
 
-def test_training_parity_tensor_parallel():
-    """t = 2 (each expert's gate/up column-parallel, down row-parallel, all-reduced per expert): both
-    families in one spawned 2-rank body; both ranks report the same numbers."""
-    from tests.training_helpers import run_layouts, train_config
-    models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
-    configs = [train_config(model=cfg, tp=2, lr=TRAIN_LR, min_lr=TRAIN_LR / 10) for _, cfg in models]
-    per_rank = run_layouts(2, configs)
-    assert all(r.layout.startswith("(tp=2, pp=1, dp=1") for r in per_rank[0]), [r.layout for r in per_rank[0]]
-    _parity(per_rank[0], models, "(2,1,1)")
-    assert [(r.losses, r.grad_norms) for r in per_rank[1]] == [(r.losses, r.grad_norms) for r in per_rank[0]]
+def _block_against_t1(name, group, sequence_parallel):
+    """One MoE block (with its attention) at t = 2 against the same block at t = 1: this rank's output and
+    every gradient shard, with the load-balancing loss (router_aux_loss_coef 1) in the loss so the
+    router's aux gradient is compared too. The largest relative difference."""
+    from mtds.model import TransformerLayer
+    from mtds.model.aux_loss import collect_aux_loss
+    from mtds.model.gpt import moe_blocks
+    from mtds.model.shard import shard_of
+    from mtds.tp import model_parallel_seed
+    import torch.distributed as dist
+    cfg = dataclasses.replace(_training_model(name), router_aux_loss_coef=1.0)
+    layer = next(i for i in range(1, cfg.num_layers + 1) if cfg.is_moe_layer(i))
+    t, rank = dist.get_world_size(group), dist.get_rank(group)
+    dense = TransformerLayer(cfg, layer, rng_tracker=model_parallel_seed(3, 0)).train()
+    split = TransformerLayer(cfg, layer, tp_group=group, rng_tracker=model_parallel_seed(3, rank),
+                             sequence_parallel=sequence_parallel).train()
+    with torch.no_grad():      # t = 2 from the t = 1 weights (the init is layout independent anyway)
+        full = dict(dense.named_parameters())
+        for pname, p in split.named_parameters():
+            p.copy_(shard_of(full[pname], p, group))
+    x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    x_split, w_split = (x.chunk(t, dim=1)[rank], w.chunk(t, dim=1)[rank]) if sequence_parallel else (x, w)
+    outs = []
+    for layer_, inp, weights in ((dense, x, w), (split, x_split.contiguous(), w_split)):
+        y = layer_(inp)
+        loss = y.mul(weights).sum() + collect_aux_loss(moe_blocks(layer_), cfg.router_aux_loss_coef)
+        loss.backward()
+        outs.append(y)
+    want = outs[0].chunk(t, dim=1)[rank] if sequence_parallel else outs[0]
+    worst = _rel(outs[1], want)
+    # sequence-parallel replicated weights (norms, the router) sum their slices' gradients per use here
+    for pname, p in split.named_parameters():
+        worst = max(worst, _rel(p.grad, shard_of(full[pname].grad, p, group)))
+    return worst
 
 
 def _one_line(excinfo) -> str:
@@ -229,22 +328,36 @@ def test_unsupported_moe_is_refused(config, needles):
     assert all(n in line for n in needles), line
 
 
-@pytest.mark.parametrize("layout, switches, needle", [
-    ((1, 2), {}, "--pp 1"),
-    ((2, 1), dict(sequence_parallel=True), "--sequence-parallel"),
-    ((1, 1), dict(recompute_interval=1), "--recompute full"),
+@pytest.mark.parametrize("layout, expert_ffn, needle", [
+    ((1, 2), None, "--pp 1"),
+    ((4, 1), 98, "expert FFN size 98"),
+    ((2, 1), None, "--sequence-parallel"),
 ])
-def test_unbuilt_layouts_are_refused(layout, switches, needle):
-    """Before any model is built: the pipeline (the aux loss pools every stage's counts), sequence
-    parallelism, full recomputation."""
+def test_unbuilt_layouts_are_refused(layout, expert_ffn, needle):
+    """Before any model is built: the pipeline (the aux loss pools every stage's counts), an expert width
+    t does not divide."""
     from mtds.parallel.layout import LayoutError, ParallelLayout
     from mtds.pipe.moe_layout import refuse_unbuilt_moe
-    cfg = _training_model("mixtral")
+    cfg = dataclasses.replace(_training_model("mixtral"), moe_ffn_hidden_size=expert_ffn)
     tp, pp = layout
     with pytest.raises(LayoutError) as e:
-        refuse_unbuilt_moe(cfg, ParallelLayout(tp=tp, pp=pp, dp=1), sequence_parallel=switches.get(
-            "sequence_parallel", False), recompute_interval=switches.get("recompute_interval", 0))
+        refuse_unbuilt_moe(cfg, ParallelLayout(tp=tp, pp=pp, dp=1), sequence_parallel="--sequence" in needle)
     assert needle in _one_line(e)
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--expert-model-parallel-size", "2", "expert parallelism is not built yet"),
+    ("--moe-expert-capacity-factor", "1.25", "dropless"),
+    ("--moe-shared-expert-intermediate-size", "64", "shared experts"),
+])
+def test_megatron_moe_flags_say_what_is_built(flag, value, words, capsys):
+    """Megatron's MoE flags: one error line with what mtds does instead (expert parallelism and a
+    capacity factor cannot be asked for, so neither is ever silently ignored)."""
+    from mtds.training.cli import build_parser
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--deepspeed_config", "ds_configs/cpu_fp32.json", flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and words in err, err
 
 
 def test_config_rules():

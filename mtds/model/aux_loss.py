@@ -44,14 +44,16 @@ def load_balancing_loss(stats: Iterable[RouterStats]) -> torch.Tensor:
     return counts.numel() * torch.sum((counts / rows) * (prob_sum / rows))
 
 
-def collect_aux_loss(blocks: Iterable, coef: float) -> torch.Tensor | None:
-    """``coef`` x the aux loss of the MoE blocks' last forward, taking their stats (so a later forward, or
-    an evaluation, never sees them); None when no block kept any (evaluation, or a dense model)."""
+def collect_aux_loss(blocks: Iterable, coef: float, training: bool = True) -> torch.Tensor | None:
+    """``coef`` x the aux loss of the MoE blocks' last forward, taking their stats (so a later forward never
+    sees them); None when no block kept any (a dense model) or when not ``training``. Under full
+    recomputation (a non-reentrant checkpoint) the backward's recompute sets a block's stats again after
+    they were collected: an evaluation forward, which sets none, must not read those, hence ``training``."""
     stats = []
     for block in blocks:
         if block.stats is not None:
             stats.append(block.stats)
             block.stats = None
-    if not stats:
+    if not stats or not training:
         return None
     return coef * load_balancing_loss(stats)

@@ -1,38 +1,53 @@
 """One MoE block in place of a transformer block's MLP: router -> dispatch -> experts -> combine, with
-transformers' semantics (Mixtral, Qwen3-MoE; docs/moe.md). Input and output [b, s, h] like :class:`MLP`.
+transformers' semantics (Mixtral, Qwen3-MoE; docs/moe.md). Input and output [b, s, h] like :class:`MLP`
+([b, s/t, h] with sequence parallelism).
 
 Tensor parallelism: the router and dispatch run on the replicated hidden state (every TP rank routes
 identically); the experts' input enters the TP region once (identity forward, gradient all-reduced), so the
-router's own gradient path is not summed t times. During training the block keeps what transformers'
-``load_balancing_loss_func`` needs of it (:mod:`mtds.model.aux_loss`) for the model to collect after the
-forward.
+router's own gradient path is not summed t times.
+
+Sequence parallelism: each rank routes its own slice (the router weight's gradient is then a partial sum,
+summed over TP like a norm's); the slices' tokens are all-gathered for the experts (their gradient, partial
+per rank's expert shard, reduce-scattered back), the routing decisions are all-gathered alongside (their
+gradient is the same on every rank: each keeps its slice's, no sum), and each rank keeps its slice of the
+combined output.
+
+During training the block keeps what transformers' ``load_balancing_loss_func`` needs of it
+(:mod:`mtds.model.aux_loss`), summed over the sequence slices, for the model to collect after the forward.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mtds.model.config import ModelConfig
-from mtds.tp import copy_to_tensor_parallel_region
+from mtds.tp import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                     gather_from_tensor_parallel_region, mark_sequence_parallel, reduce_from_tensor_parallel_region,
+                     scatter_to_sequence_parallel_region, shared_by_sequence_shards)
+from mtds.tp.layers import tp_world_and_rank
 
 from mtds.model.aux_loss import RouterStats
 from mtds.model.dispatch import LocalDispatcher
 from mtds.model.experts import TensorParallelExperts
-from mtds.model.router import TopKRouter
+from mtds.model.router import Routing, TopKRouter
 
 
 class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
-        if sequence_parallel:   # build_model refuses it first with the user's words; this guards the library
-            raise ValueError("MoE blocks with sequence parallelism are not built yet (docs/moe.md)")
         self.group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.router = TopKRouter(cfg)
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.router.weight)
         self.experts = TensorParallelExperts(cfg, tp_group=tp_group)
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.stats: RouterStats | None = None   # this forward's, until the model collects it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return self._forward_sequence_slices(hidden)
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
         routing = self.router(tokens)
@@ -41,3 +56,30 @@ class MoEBlock(nn.Module):
         sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
         outputs = self.experts(sent.rows, sent.counts)
         return self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(shape)
+
+    def _forward_sequence_slices(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, s_local, h = hidden.shape
+        group = self.group
+        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group))
+        if self.training:
+            self.stats = _summed_over_slices(RouterStats.of(local), group)
+        k = local.weights.shape[-1]
+        # [b, s/t, k] slices -> [b, s, k] in the gathered tokens' order; the weights' gradient is the same on
+        # every rank (the output below is replicated), so its backward keeps this rank's slice (no sum)
+        weights = gather_from_tensor_parallel_region(local.weights.reshape(b, s_local, k).transpose(1, 2), group)
+        experts = gather_from_sequence_parallel_region(local.experts.reshape(b, s_local, k), group)
+        routing = Routing(None, weights.transpose(1, 2).reshape(-1, k), experts.reshape(-1, k))
+        tokens = gather_from_sequence_parallel_region(hidden, group).reshape(-1, h)
+        sent = self.dispatcher.dispatch(tokens, routing)
+        outputs = self.experts(sent.rows, sent.counts)
+        out = self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(b, -1, h)
+        return scatter_to_sequence_parallel_region(out, group)
+
+
+def _summed_over_slices(stats: RouterStats, group) -> RouterStats:
+    """The whole sequence's statistics on every TP rank: counts summed (no gradient), probability sums
+    through the all-reduce whose backward is the identity (each rank's slice gets d aux / d total)."""
+    counts = stats.counts.clone()
+    dist.all_reduce(counts, group=group)
+    world = tp_world_and_rank(group)[0]
+    return RouterStats(counts, reduce_from_tensor_parallel_region(stats.prob_sum, group), stats.rows * world)

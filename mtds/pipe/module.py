@@ -111,7 +111,7 @@ class SequentialGPT(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.logits(input_ids)
         # an MoE model's load-balancing term, as transformers adds it (mtds.model.aux_loss)
-        aux = collect_aux_loss(moe_blocks(self), self.aux_loss_coef)
+        aux = collect_aux_loss(moe_blocks(self), self.aux_loss_coef, self.training)
         if labels is None:
             return logits
         loss = self.loss_fn(logits, labels)
@@ -137,8 +137,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     if cfg.num_experts:
-        refuse_unbuilt_moe(cfg, groups.layout, sequence_parallel=sequence_parallel,
-                           recompute_interval=recompute_interval)
+        refuse_unbuilt_moe(cfg, groups.layout, sequence_parallel=sequence_parallel)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
                   documents=documents)
