@@ -264,13 +264,28 @@ def test_eval_matches_transformers(tmp_path):
     assert all(err < REL_TOL for err in result.values()), result
 
 
-def test_training_parity_single_rank():
-    """(1,1,1): Mixtral and Qwen3-MoE, loss (LM + aux) and pre-clip grad norm of every step within 1e-5."""
-    from tests.training_helpers import run_layouts, train_config
+def test_training_parity_single_rank(tmp_path):
+    """(1,1,1): Mixtral and Qwen3-MoE, loss (LM + aux) and pre-clip grad norm of every step within 1e-5;
+    the step log's tokens per expert add up to k x the step's tokens x the MoE blocks (dropless)."""
+    import json
+
+    from tests.training_helpers import BATCH, SEQ, run_layouts, train_config
     models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
-    configs = [train_config(model=cfg, lr=TRAIN_LR, min_lr=TRAIN_LR / 10) for _, cfg in models]
+    logs = [str(tmp_path / f"{name}.jsonl") for name, _ in models]
+    configs = [train_config(model=cfg, lr=TRAIN_LR, min_lr=TRAIN_LR / 10, log_jsonl=log)
+               for (_, cfg), log in zip(models, logs)]
     (results,) = run_layouts(1, configs)
     _parity(results, models, "(1,1,1)")
+    for (name, cfg), log in zip(models, logs):
+        with open(log) as f:
+            records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+        blocks = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
+        assert len(records) == 10
+        for r in records:
+            assert r["expert_assignments"] == cfg.moe_top_k * BATCH["train_batch_size"] * SEQ * blocks, (name, r)
+            mean = r["expert_assignments"] / (blocks * cfg.num_experts)
+            assert r["expert_tokens_min"] <= mean <= r["expert_tokens_max"], (name, r)
+            assert r["expert_imbalance"] == r["expert_tokens_max"] / mean
 
 
 def _block_against_t1(name, group, sequence_parallel):

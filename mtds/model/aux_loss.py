@@ -53,6 +53,8 @@ def collect_aux_loss(blocks: Iterable, coef: float, training: bool = True) -> to
     for block in blocks:
         if block.stats is not None:
             stats.append(block.stats)
+            if training:   # the step log's tokens per expert (mtds.training.expert_load), once per forward
+                block.tokens_seen = block.tokens_seen + block.stats.counts.detach()
             block.stats = None
     if not stats or not training:
         return None

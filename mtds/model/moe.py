@@ -44,6 +44,7 @@ class MoEBlock(nn.Module):
         self.experts = TensorParallelExperts(cfg, tp_group=tp_group)
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.stats: RouterStats | None = None   # this forward's, until the model collects it
+        self.tokens_seen = 0      # [E] assignments collected since the step log last reset it (0: none yet)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

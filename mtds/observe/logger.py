@@ -13,7 +13,7 @@ _CONSOLE_FIELDS = (
     ("loss_scale", "scale {:g}"), ("tokens_per_s", "{:,.0f} tok/s"), ("tflops_model", "{:.3f} TFLOP/s"),
     ("tflops_hw", "hw {:.3f} TFLOP/s"), ("mfu", "mfu {:.1%}"), ("peak_mem_gib", "mem {:.2f} GiB"),
     ("peak_reserved_gib", "reserved {:.2f} GiB"),
-    ("step_time_s", "{:.2f} s"), ("bubble", "bubble {:.1%}"),
+    ("step_time_s", "{:.2f} s"), ("bubble", "bubble {:.1%}"), ("expert_imbalance", "experts max/mean {:.2f}"),
 )
 
 

@@ -29,6 +29,8 @@ from mtds.checkpoint import lifecycle as ckpt
 from mtds.training.build import BuiltRun
 from mtds.training.result import RunResult
 from mtds.training.step import eval_loss
+from mtds.training.expert_load import ExpertLoad
+from mtds.model.gpt import moe_blocks
 
 
 class StepHook(Protocol):
@@ -132,6 +134,20 @@ class ProfileHook(Hook):
         self.built.logger.info(format_summary(self.result.profile, step))
         self.prof = None
         return None
+
+
+class ExpertLoadHook(Hook):
+    """An MoE model's tokens per expert this step into the record, before it is logged
+    (:mod:`mtds.training.expert_load`)."""
+
+    def __init__(self, load):
+        self.load = load
+
+    def before_step(self, step):
+        self.load.reset()
+
+    def after_step(self, step, record):
+        record.update(self.load.fields())
 
 
 class LogHook(Hook):
@@ -260,6 +276,9 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
         hooks.append(CommTraceHook(tracer, result))
     if cfg.timeline and built.world.layout.pp > 1:
         hooks.append(TimelineHook(built))
+    blocks = moe_blocks(built.model)
+    if blocks:
+        hooks.append(ExpertLoadHook(ExpertLoad(blocks, built.world.groups.dp_group)))
     hooks.append(LogHook(built.logger))
     agreed = NonFiniteHook(built, stop)
     hooks.append(agreed)

@@ -1,0 +1,37 @@
+"""Tokens per expert per step in the step record (console, JSONL, TensorBoard): how evenly the router spread
+the step's work. Over every (MoE block, expert) pair of the model, the step's token-to-expert assignments
+summed over its micro-batches and the data-parallel ranks: ``expert_tokens_min`` / ``_max``, their
+``expert_imbalance`` (max / mean: 1 is perfectly even) and ``expert_assignments`` (the total: k x the
+step's tokens x the MoE blocks, as dropless routing must give).
+
+The blocks count in :func:`mtds.model.aux_loss.collect_aux_loss`, once per training forward (not again in a
+recomputation's replay). Every tensor-parallel rank sees the same counts (with sequence parallelism they are
+summed over the slices already), so the sum runs over the data-parallel group only; the pipeline is p = 1
+for MoE models (docs/moe.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class ExpertLoad:
+    def __init__(self, blocks: list, dp_group):
+        self.blocks, self.dp_group = blocks, dp_group
+
+    def reset(self) -> None:
+        for block in self.blocks:
+            block.tokens_seen = 0
+
+    def fields(self) -> dict[str, float]:
+        """Collective over the data-parallel group (every rank calls it after every step)."""
+        device = self.blocks[0].router.weight.device
+        counts = torch.zeros(len(self.blocks), self.blocks[0].router.weight.shape[0], dtype=torch.float64,
+                             device=device)
+        for row, block in zip(counts, self.blocks):
+            row += block.tokens_seen      # 0 for a block that saw no training forward this step
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+        low, high, total = counts.min().item(), counts.max().item(), counts.sum().item()
+        return {"expert_tokens_min": low, "expert_tokens_max": high, "expert_assignments": total,
+                "expert_imbalance": high / (total / counts.numel()) if total else float("nan")}
