@@ -137,7 +137,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     if cfg.num_experts:
-        refuse_unbuilt_moe(cfg, groups.layout, sequence_parallel=sequence_parallel)
+        refuse_unbuilt_moe(cfg, groups.layout)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
                   documents=documents)
