@@ -172,8 +172,15 @@ def test_megatron_enums_read_as_stubs_when_megatron_is_not_installed(source, tmp
     AttnMaskType.__module__, AttnMaskType.__qualname__ = fake.__name__, "AttnMaskType"
     fake.AttnMaskType = AttnMaskType
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    parents = [name for name in ("megatron", "megatron.model") if name not in sys.modules]
+    for name in parents:        # pickling imports the parents too (no megatron at all on the H200 image)
+        package = types.ModuleType(name)
+        package.__path__ = []
+        monkeypatch.setitem(sys.modules, name, package)
     _rewrite_args(tag, attn_mask_type=AttnMaskType.causal)
     monkeypatch.delitem(sys.modules, fake.__name__)
+    for name in parents:
+        monkeypatch.delitem(sys.modules, name)
     ckpt = MegatronDeepSpeedCheckpoint(str(tmp_path / "in"))
     assert isinstance(ckpt.args["attn_mask_type"], Opaque) and ckpt.args["attn_mask_type"].args == (2,)
     assert "megatron.model.enums" not in sys.modules and ckpt.cfg.num_layers == 1
