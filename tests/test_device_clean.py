@@ -25,6 +25,7 @@ ON_THE_HOST = {
     ("mtds/data/micro_batches.py", "torch.zeros(b, s, dtype=torch.long)"): "host batches; the step moves them",
     ("mtds/model/norms.py", "torch.ones(hidden_size)"):
         "a parameter: modules are built on the host, then moved by DeepSpeed / .to(device)",
+    ("mtds/model/router.py", "torch.empty(cfg.num_experts, cfg.hidden_size)"): "the MoE router's parameter (as above)",
     # init_shard: a parameter's initial values come from the CPU generator (the same on every device)
     ("mtds/tp/init_shard.py", "torch.zeros(shape, dtype=torch.float32)"): "a parameter's full fill (as above)",
     ("mtds/tp/init_shard.py", "torch.zeros(local_shape, dtype=torch.float32)"): "a parameter's shard (as above)",
