@@ -28,14 +28,18 @@ MODEL_FLAGS = (
 )
 
 
+def _import_args(parser, dtypes, load_help: str) -> None:
+    """The arguments both importers take: the source, the target layout, the output and the cast."""
+    parser.add_argument("--load", required=True, metavar="DIR", help=load_help)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the target layout [1]")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the target layout [1]")
+    parser.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create (for --load)")
+    parser.add_argument("--dtype", choices=sorted(dtypes), help="cast weights (default: as saved)")
+
+
 def add_commands(sub, dtypes) -> None:
     a = sub.add_parser("megatron-to-mtds", help="Megatron-LM torch_dist checkpoint -> mtds checkpoint at (tp, pp)")
-    a.add_argument("--load", required=True, metavar="DIR",
-                   help="Megatron-LM --save folder (with latest_checkpointed_iteration.txt) or an iter_* folder")
-    a.add_argument("--tp", type=int, default=1, help="tensor parallel size of the target layout [1]")
-    a.add_argument("--pp", type=int, default=1, help="pipeline stages of the target layout [1]")
-    a.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create (for --load)")
-    a.add_argument("--dtype", choices=sorted(dtypes), help="cast weights (default: as saved)")
+    _import_args(a, dtypes, "Megatron-LM --save folder (with latest_checkpointed_iteration.txt) or an iter_* folder")
     model = a.add_argument_group("model (Megatron-LM's flags; needed only where common.pt has no args)")
     for flag, kind, dest in MODEL_FLAGS:
         if kind in ("on", "off"):
@@ -68,12 +72,7 @@ def run_mtds_to_megatron(args, dtype) -> str:
 def add_deepspeed_command(sub, dtypes) -> None:
     c = sub.add_parser("megatron-deepspeed-to-mtds",
                        help="Megatron-DeepSpeed (GPTModelPipe) checkpoint -> mtds checkpoint at (tp, pp)")
-    c.add_argument("--load", required=True, metavar="DIR",
-                   help="Megatron-DeepSpeed --save folder (with DeepSpeed's 'latest') or a global_step* folder")
-    c.add_argument("--tp", type=int, default=1, help="tensor parallel size of the target layout [1]")
-    c.add_argument("--pp", type=int, default=1, help="pipeline stages of the target layout [1]")
-    c.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create (for --load)")
-    c.add_argument("--dtype", choices=sorted(dtypes), help="cast weights (default: as saved)")
+    _import_args(c, dtypes, "Megatron-DeepSpeed --save folder (with DeepSpeed's 'latest') or a global_step* folder")
 
 
 def run_megatron_deepspeed_to_mtds(args, dtype) -> str:

@@ -51,16 +51,21 @@ class MegatronCheckpoint:
 
 def megatron_to_mtds(path: str, out: str, *, tp: int, pp: int, flags: Mapping[str, Any] | None = None,
                      dtype: torch.dtype | None = None) -> str:
+    ckpt = MegatronCheckpoint(path, flags)
+    return write_converted(ckpt.cfg, ckpt.layers, out, tp=tp, pp=pp, dtype=dtype)
+
+
+def write_converted(cfg, layers, out: str, *, tp: int, pp: int, dtype: torch.dtype | None = None) -> str:
+    """A converted model's layers as an mtds checkpoint at (tp, pp): the layout checked against the model
+    first, an existing non-empty ``out`` refused (both importers, Megatron-LM's and Megatron-DeepSpeed's)."""
     from mtds.checkpoint.writer import write_weights_checkpoint
     from mtds.parallel.layout import ParallelLayout
-    ckpt = MegatronCheckpoint(path, flags)
-    cfg = ckpt.cfg
     ParallelLayout(tp=tp, pp=pp, dp=1).check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
                                                    hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
                                                    num_layers=cfg.num_layers)
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"output directory {out!r} is not empty")
-    return write_weights_checkpoint(out, cfg, ckpt.layers, tp=tp, pp=pp, dtype=dtype)
+    return write_weights_checkpoint(out, cfg, layers, tp=tp, pp=pp, dtype=dtype)
 
 
 def mtds_to_megatron(ckpt_dir: str, out: str, *, iteration: int | None = None,

@@ -335,16 +335,9 @@ def merge(cfg: ModelConfig, name: str, kind: str, parts: list[torch.Tensor], fil
 
 
 def megatron_deepspeed_to_mtds(path: str, out: str, *, tp: int, pp: int, dtype: torch.dtype | None = None) -> str:
-    from mtds.checkpoint.writer import write_weights_checkpoint
-    from mtds.parallel.layout import ParallelLayout
+    from mtds.megatron.convert import write_converted
     ckpt = MegatronDeepSpeedCheckpoint(path)
-    cfg = ckpt.cfg
-    ParallelLayout(tp=tp, pp=pp, dp=1).check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
-                                                   hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
-                                                   num_layers=cfg.num_layers)
-    if os.path.isdir(out) and os.listdir(out):
-        raise FileExistsError(f"output directory {out!r} is not empty")
-    return write_weights_checkpoint(out, cfg, ckpt.layers, tp=tp, pp=pp, dtype=dtype)
+    return write_converted(ckpt.cfg, ckpt.layers, out, tp=tp, pp=pp, dtype=dtype)
 
 
 __all__ = ["MegatronDeepSpeedCheckpoint", "megatron_deepspeed_to_mtds", "check_pickles", "merge"]
