@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "mtds"
 # layer do not import each other in a circle (tests/test_import_cycles.py checks modules).
 LAYERS = (
     ("mtds.deepspeed_compat", "mtds.parallel", "mtds.safety", "mtds.local_ranks"),
-    ("mtds.observe", "mtds.tp", "mtds.data"),
+    ("mtds.observe", "mtds.tp", "mtds.cp", "mtds.data"),
     ("mtds.model",),
     ("mtds.hf", "mtds.checkpoint", "mtds.plan", "mtds.megatron"),
     ("mtds.pipe",),

@@ -12,6 +12,8 @@ from tests.dist import spawn
     (dict(world_size=8, tp=2, pp=2, dp=3), "world size 8 != tp*pp*dp = 2*2*3 = 12"),
     (dict(world_size=4, tp=0), "tp and pp must be >= 1"),
     (dict(world_size=4, tp=1, pp=1, dp=4, vp=2), "virtual stages (vp=2) need pipeline parallelism"),
+    (dict(world_size=6, tp=2, cp=2), "world size 6 is not divisible by tp*cp*pp = 2*2*1 = 4: launch a multiple of 4 "
+                                     "ranks or change --tp/--cp/--pp"),
 ])
 def test_bad_world_layouts_give_one_line_errors(kwargs, message):
     with pytest.raises(LayoutError) as err:
@@ -52,6 +54,30 @@ def test_rank_order_matches_deepspeed_topology(tp, pp, dp):
     assert sorted(map(sorted, layout.tp_groups())) == sorted(map(sorted, topo.get_axis_comm_lists("model")))
     assert sorted(map(sorted, layout.dp_groups())) == sorted(map(sorted, topo.get_axis_comm_lists("data")))
     assert sorted(map(sorted, layout.pp_groups())) == sorted(map(sorted, topo.get_axis_comm_lists("pipe")))
+
+
+@pytest.mark.parametrize("tp, cp, pp, dp", [(2, 2, 2, 1), (1, 4, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2)])
+def test_context_parallel_ranks_sit_inside_deepspeeds_data_axis(tp, cp, pp, dp):
+    """c ranks adjacent after TP; DeepSpeed's data coordinate is dp_rank * c + cp_rank, so its data axis is
+    the d·c gradient replicas; every rank in exactly one group of each kind."""
+    layout = ParallelLayout.for_world(tp * cp * pp * dp, tp=tp, pp=pp, cp=cp)
+    assert layout.dp == dp and layout.dp_cp == dp * cp
+    topo = layout.topology()
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        assert rank == layout.rank_of(c.tp_rank, c.dp_rank, c.pp_rank, c.cp_rank)
+        assert rank == ((c.pp_rank * dp + c.dp_rank) * cp + c.cp_rank) * tp + c.tp_rank
+        coord = topo.get_coord(rank)
+        assert (c.tp_rank, c.dp_rank * cp + c.cp_rank, c.pp_rank) == (coord.model, coord.data, coord.pipe)
+    assert sorted(map(sorted, layout.dp_cp_groups())) == sorted(map(sorted, topo.get_axis_comm_lists("data")))
+    for lists, size in ((layout.cp_groups(), cp), (layout.dp_groups(), dp), (layout.tp_groups(), tp)):
+        assert sorted(r for g in lists for r in g) == list(range(layout.world_size))
+        assert {len(g) for g in lists} == {size}
+    # a cp group: same t, d, p coordinates, consecutive cp ranks tp apart
+    for group in layout.cp_groups():
+        assert [layout.coords(r).cp_rank for r in group] == list(range(cp))
+        assert len({(layout.coords(r).tp_rank, layout.coords(r).dp_rank, layout.coords(r).pp_rank)
+                    for r in group}) == 1
 
 
 def _groups_worker():

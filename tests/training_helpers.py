@@ -105,20 +105,22 @@ def run_layouts(world: int, configs: list, *, force_fp16: bool = False, timeout:
 
 
 def hf_reference(cfg=TINY, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw",
-                 lr: float | None = None) -> Reference:
+                 lr: float | None = None, seq: int = SEQ, batch: tuple[int, int] | None = None) -> Reference:
     """The HF model of ``cfg.architecture`` (GPT2LMHeadModel, LlamaForCausalLM, ...) with mtds's initial
     weights, trained by :func:`train_hf`; computed once per test session for each set of arguments
-    (several test modules compare against the same one). ``lr``: the peak AdamW rate [LR]."""
-    return _hf_reference(cfg, steps, clip, optimizer, lr)
+    (several test modules compare against the same one). ``lr``: the peak AdamW rate [LR]; ``seq``
+    tokens per sample; ``batch``: (global, micro) batch [BATCH's]."""
+    return _hf_reference(cfg, steps, clip, optimizer, lr, seq, batch)
 
 
 @functools.lru_cache(maxsize=None)
-def _hf_reference(cfg, steps: int, clip: float, optimizer: str, lr: float | None) -> Reference:
+def _hf_reference(cfg, steps: int, clip: float, optimizer: str, lr: float | None, seq: int,
+                  batch: tuple[int, int] | None) -> Reference:
     hf = hf_with_mtds_weights(cfg, SEED)
     threads = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))      # the ranks wait meanwhile: use every core
     try:
-        return train_hf(hf, steps, clip, optimizer, lr)
+        return train_hf(hf, steps, clip, optimizer, lr, seq=seq, batch=batch)
     finally:
         torch.set_num_threads(threads)
 
@@ -127,8 +129,8 @@ def hf_reference_losses(cfg=TINY, steps: int = STEPS, clip: float = CLIP) -> lis
     return hf_reference(cfg, steps, clip).losses
 
 
-def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw", lr: float | None = None
-             ) -> Reference:
+def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw", lr: float | None = None,
+             seq: int = SEQ, batch: tuple[int, int] | None = None) -> Reference:
     """The reference loop (mtds.gpucheck.hf_reference, shared with mtds.gpucheck): torch AdamW (or plain
     SGD), mtds's batches, warm-up 2 then cosine to lr/10 at ``steps``, clipping; pre-clip norms.
     ``lr``: AdamW's peak rate [LR] (the mtds run passes the same as ``train_config(lr=..., min_lr=lr / 10)``)."""
@@ -139,8 +141,8 @@ def train_hf(hf, steps: int = STEPS, clip: float = CLIP, optimizer: str = "adamw
         base_lr = lr or LR
         opt = torch.optim.AdamW(hf.parameters(), lr=base_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     floor = (base_lr / 10) / base_lr
-    B, b = BATCH["train_batch_size"], BATCH["train_micro_batch_size_per_gpu"]
-    return train_reference(hf, mtds_batches(SEQ, B, b, SEED), steps=steps, micro_batches=B // b, optimizer=opt,
+    B, b = batch or (BATCH["train_batch_size"], BATCH["train_micro_batch_size_per_gpu"])
+    return train_reference(hf, mtds_batches(seq, B, b, SEED), steps=steps, micro_batches=B // b, optimizer=opt,
                            lr_lambda=lambda s: lr_factor(s, 2, steps, floor), clip=clip)
 
 

@@ -100,7 +100,7 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
     dist.barrier()
     state = {
         "mtds_step": step,
-        "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+        "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp},
         "mtds_rng": rng_state(),     # fallback when resuming at another layout (rank files do not map)
         # Without ZeRO the Adam state is keyed by position: the names let us reshard it (zero0.py).
         PARAM_NAMES_KEY: [name for name, p in engine.module.named_parameters() if p.requires_grad],
@@ -120,7 +120,9 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
     if rank == 0:
         try:
             meta = None if model_cfg is None else CheckpointMeta(
-                model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp, step=step,
+                # dp: DeepSpeed's data-parallel ranks, d·c (ZeRO partitions, rank files); c itself is not
+                # recorded: nothing saved depends on how a sequence was split
+                model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp_cp, step=step,
                 zero_stage=_zero_stage(engine), precision=_precision(engine), tokenizer=_default_tokenizer(tokenizer),
                 pipeline=layout.pp > 1, module_order=_module_order(engine))
             commit(directory, tag, staging_dir, Marker(step=step, world_size=world), meta)
@@ -236,7 +238,7 @@ def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool
     if meta.module_order != _module_order(engine):     # another schedule / v: same weights, other order
         return True
     # ZeRO-1/2 partition the optimizer state over d: another d needs re-partitioning.
-    return meta.zero_stage > 0 and meta.dp != layout.dp
+    return meta.zero_stage > 0 and meta.dp != layout.dp_cp
 
 
 def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConfig | None = None,
@@ -261,7 +263,7 @@ def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConf
     rng = safe_load(own)["rng"] if os.path.isfile(own) else None
     if rng is not None and not tracker_fits(rng, rng_tracker):
         restart_foreign_streams(rng, rng_tracker, step, groups.tp_rank, log)
-    elif same_layout and meta is not None and meta.dp == groups.layout.dp and rng is not None:
+    elif same_layout and meta is not None and meta.dp == groups.layout.dp_cp and rng is not None:
         set_rng_state(rng, rng_tracker)     # this very rank's streams: exact resume
     else:
         if state.get("mtds_rng"):

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtds.cp import cp_attention
+from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
 
@@ -32,10 +34,12 @@ from mtds.model.sliding_window import window_bites, window_mask
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None, sequence_parallel: bool = False,
-                 recompute_core: bool = False, documents: DocumentMasking | None = None):
+                 recompute_core: bool = False, documents: DocumentMasking | None = None,
+                 context: ContextParallel | None = None):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
         self.cfg, self.rng_tracker, self.recompute_core = cfg, rng_tracker, recompute_core
+        self.context = context     # context parallelism: this rank holds s/c tokens (mtds.cp.context)
         self.documents = enabled(documents)   # packed documents: their ids come with each forward
         self.local_heads, self.local_kv_heads = cfg.num_heads // t, cfg.kv_heads // t
         d = cfg.head_dim
@@ -60,7 +64,11 @@ class SelfAttention(nn.Module):
         key = (seq, str(device), dtype)
         cached = self._rotary_cache.get(key)
         if cached is None:
-            cached = self._rotary_cache[key] = rotary_cos_sin(self.cfg, seq, device, dtype)
+            cos, sin = rotary_cos_sin(self.cfg, seq, device, dtype)
+            if self.context is not None:   # ``seq`` is the whole sequence: the rows of this rank's tokens
+                index = self.context.positions(seq, device)
+                cos, sin = cos.index_select(0, index), sin.index_select(0, index)
+            cached = self._rotary_cache[key] = cos, sin
         return cached
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,7 +82,8 @@ class SelfAttention(nn.Module):
     def core_attention(self, qkv: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """[b, s, local qkv] -> [b, s, local heads * d]: everything between the two projections.
         ``segments`` [b, s]: document ids of packed documents (:mod:`mtds.model.documents`)."""
-        b, s, _ = qkv.shape          # the whole sequence (x is a slice of it with sequence parallelism)
+        b, s, _ = qkv.shape          # the whole sequence (x is a slice of it with sequence parallelism),
+        # or with context parallelism this rank's s/c tokens of it
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
         q = q.view(b, s, self.local_heads, d).transpose(1, 2)        # [b, heads, s, d]
@@ -87,8 +96,13 @@ class SelfAttention(nn.Module):
             if docs is not None and docs.reset_position_ids:   # per-document positions: per call
                 cos, sin = rotary_cos_sin(self.cfg, s, qkv.device, q.dtype, document_positions(segments))
             else:
-                cos, sin = self._rotary(s, qkv.device, q.dtype)
+                cos, sin = self._rotary(s * (self.context.size if self.context else 1), qkv.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.context is not None:   # dropout, windows and per-document positions refused (mtds.cp.checks)
+            ctx = self.context
+            segments = segments if docs is not None and docs.reset_attention_mask else None
+            out = cp_attention(ctx.comm_type, q, k, v, group=ctx.group, segments=segments)
+            return out.transpose(1, 2).reshape(b, s, self.local_heads * d)
         p = self.cfg.attention_dropout if self.training else 0.0
         # Attention probabilities are sharded by head: their dropout must differ across TP ranks.
         forked = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()

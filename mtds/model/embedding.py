@@ -14,6 +14,7 @@ from mtds.model.config import ModelConfig
 from mtds.tp import VocabParallelEmbedding, parallel_lm_logits, scatter_to_sequence_parallel_region
 from mtds.tp.layers import tp_world_and_rank
 
+from mtds.cp.context import ContextParallel
 from mtds.model.documents import DocumentMasking, document_positions, enabled, segment_ids
 from mtds.model.init import normal_init, seeded
 
@@ -22,9 +23,10 @@ EMBEDDING_LAYER = 0
 
 class GPTEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker=None,
-                 sequence_parallel: bool = False, documents: DocumentMasking | None = None):
+                 sequence_parallel: bool = False, documents: DocumentMasking | None = None,
+                 context: ContextParallel | None = None):
         super().__init__()
-        self.cfg, self.tp_group = cfg, tp_group
+        self.cfg, self.tp_group, self.context = cfg, tp_group, context
         self.documents = enabled(documents)   # packed documents: forward returns (hidden, segment ids)
         # with sequence parallelism the output is this rank's slice of the sequence
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
@@ -45,19 +47,27 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor):
         """[b, s] ids -> hidden [b, s, h] (with sequence parallelism this rank's [b, s/t, h]); with
-        packed documents (hidden, segment ids [b, s]) for the blocks downstream."""
+        packed documents (hidden, segment ids [b, s]) for the blocks downstream. With context parallelism
+        ``input_ids`` is the whole sequence and everything from here on holds this rank's s/c tokens
+        (:mod:`mtds.cp.context`), at their positions in the whole sequence."""
         docs = self.documents
-        segments = segment_ids(input_ids, docs.eod_token_id) if docs is not None else None
+        seq = input_ids.shape[1]
+        segments = segment_ids(input_ids, docs.eod_token_id) if docs is not None else None   # of the whole
+        index = None
+        if self.context is not None:
+            index = self.context.positions(seq, input_ids.device)
+            input_ids = input_ids.index_select(1, index)
+            segments = segments.index_select(1, index) if segments is not None else None
         hidden = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
-            seq = input_ids.shape[1]
             if seq > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence length {seq} exceeds max_position_embeddings "
                                  f"{self.cfg.max_position_embeddings}")
             if docs is not None and docs.reset_position_ids:
                 positions, seq_dim = self.position_embeddings(document_positions(segments)), 1   # [b, s, h]
             else:
-                positions, seq_dim = self.position_embeddings(torch.arange(seq, device=input_ids.device)), 0
+                index = torch.arange(seq, device=input_ids.device) if index is None else index
+                positions, seq_dim = self.position_embeddings(index), 0
             if self.sequence_parallel:
                 # this rank's positions; backward all-gathers their gradient (s h values, not the
                 # whole table), so every rank updates the table with every position's gradient

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 from mtds.tp import mark_tensor_parallel, parallel_lm_logits, vocab_parallel_cross_entropy
 from mtds.tp.init_shard import build_shard
@@ -45,13 +46,26 @@ class LMHead(nn.Module):
 
 class LMLoss:
     """Mean token cross entropy over vocab-sharded logits. labels[b, i] is the target of position i
-    (already shifted by the data pipeline); -100 is ignored. Padded vocab columns never win."""
+    (already shifted by the data pipeline); -100 is ignored. Padded vocab columns never win.
 
-    def __init__(self, cfg: ModelConfig, tp_group=None):
-        self.vocab_size, self.tp_group = cfg.vocab_size, tp_group
+    With context parallelism (``context``) the labels are the whole sequence's and the logits this rank's
+    s/c tokens: the loss is this rank's token sum times c / (tokens with a target in the whole sequence),
+    so that the mean over the c ranks -- taken with the data-parallel mean, over d·c -- is the mean over
+    every token; with --eod-mask-loss the ranks hold different numbers of them, which a mean of per-rank
+    means would weigh wrongly."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, context: ContextParallel | None = None):
+        self.vocab_size, self.tp_group, self.context = cfg.vocab_size, tp_group, context
 
     def __call__(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The head's fresh output, read by nothing after the loss (GPTModel, the pipeline's last stage):
         # the loss works in its buffer.
-        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size,
-                                            reuse_logits=True)
+        if self.context is None:
+            return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size,
+                                                reuse_logits=True)
+        ctx = self.context
+        labels = ctx.split(labels)
+        total = vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size,
+                                             reduction="sum", reuse_logits=True)
+        count = ctx.token_count(labels).clamp(min=1).to(total.dtype)
+        return (total * ctx.size / count).reshape(())

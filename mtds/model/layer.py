@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 
 from mtds.model.attention import SelfAttention
@@ -24,7 +25,7 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None,
                  sequence_parallel: bool = False, recompute_attention: bool = False,
-                 documents: DocumentMasking | None = None):
+                 documents: DocumentMasking | None = None, context: ContextParallel | None = None):
         super().__init__()
         if not 1 <= layer_number <= cfg.num_layers:
             raise ValueError(f"layer_number {layer_number} outside 1..{cfg.num_layers} (global index)")
@@ -35,7 +36,7 @@ class TransformerLayer(nn.Module):
             self.input_norm = make_norm(cfg, sp_group)
             self.attention = SelfAttention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
                                            sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
-                                           documents=documents)
+                                           documents=documents, context=context)
             self.post_attention_norm = make_norm(cfg, sp_group)
             mlp = MoEBlock if cfg.is_moe_layer(layer_number) else MLP
             self.mlp = mlp(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)

@@ -1,9 +1,16 @@
-"""The 3D parallel layout: one frozen, validated object that knows all rank arithmetic.
+"""The parallel layout (t, c, p, d): one frozen, validated object that knows all rank arithmetic.
 
 Rank order follows DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model): tensor
-parallel ranks are innermost so that they share a node, then data, then pipeline.
+parallel ranks are innermost so that they share a node, then context parallel (c), then data, then
+pipeline.
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+Context-parallel ranks hold the same parameters and see different parts of the same sequences, so their
+gradients are summed like data-parallel ones: DeepSpeed is shown one data axis of d·c ranks (data
+coordinate ``dp_rank * cp + cp_rank``, as Megatron's data-parallel group "with context parallel"), and
+its gradient reduction, ZeRO partitions and loss averaging run over those d·c ranks; only the data loader
+and the batch arithmetic count d alone.
 
 Everything else in mtds asks this module for groups and coordinates instead of doing arithmetic.
 """
@@ -23,19 +30,21 @@ class RankCoords:
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor (t), pipeline (p), data (d) parallel sizes and virtual pipeline stages (v)."""
+    """Tensor (t), pipeline (p), data (d), context (c) parallel sizes and virtual pipeline stages (v)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vp"):
+        for name in ("tp", "pp", "dp", "vp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -43,26 +52,36 @@ class ParallelLayout:
             raise LayoutError(f"virtual stages (vp={self.vp}) need pipeline parallelism: set pp > 1 or vp = 1")
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vp: int = 1) -> "ParallelLayout":
-        """Build a layout for ``world_size`` ranks, deriving d = world / (t*p) when not given."""
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vp: int = 1,
+                  cp: int = 1) -> "ParallelLayout":
+        """Build a layout for ``world_size`` ranks, deriving d = world / (t*c*p) when not given."""
         if tp < 1 or pp < 1:
             raise LayoutError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+        if cp < 1:
+            raise LayoutError(f"--context-parallel-size must be >= 1, got {cp}")
+        names, sizes = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+        flags = "--tp/--cp/--pp" if cp > 1 else "--tp/--pp"
         if dp is None:
-            if world_size % (tp * pp) != 0:
+            if world_size % (tp * pp * cp) != 0:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}: "
-                    f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
-            dp = world_size // (tp * pp)
-        layout = cls(tp=tp, pp=pp, dp=dp, vp=vp)
+                    f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}: "
+                    f"launch a multiple of {tp * pp * cp} ranks or change {flags}")
+            dp = world_size // (tp * pp * cp)
+        layout = cls(tp=tp, pp=pp, dp=dp, vp=vp, cp=cp)
         if layout.world_size != world_size:
             raise LayoutError(
-                f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {layout.world_size}: "
+                f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}: "
                 f"launch {layout.world_size} ranks or change the sizes")
         return layout
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and sum their gradients (ZeRO partitions over them): d·c."""
+        return self.dp * self.cp
 
     @property
     def model_parallel_size(self) -> int:
@@ -70,6 +89,7 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         extra = f", vp={self.vp}" if self.vp > 1 else ""
+        extra += f", cp={self.cp}" if self.cp > 1 else ""
         return f"(tp={self.tp}, pp={self.pp}, dp={self.dp}{extra})"
 
     # ---- validation against a model ------------------------------------------------------------
@@ -106,29 +126,53 @@ class ParallelLayout:
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} outside world of size {self.world_size}")
-        return RankCoords(tp_rank=rank % self.tp, dp_rank=(rank // self.tp) % self.dp,
-                          pp_rank=rank // (self.tp * self.dp))
+        t, c, d = self.tp, self.cp, self.dp
+        return RankCoords(tp_rank=rank % t, cp_rank=(rank // t) % c, dp_rank=(rank // (t * c)) % d,
+                          pp_rank=rank // (t * c * d))
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def _ranks(self):
+        """Every rank's (t, c, d, p) coordinates."""
+        return [(t, c, d, p) for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)
+                for t in range(self.tp)]
+
+    def _groups(self, varying: str) -> list[list[int]]:
+        """The groups of ranks that differ only in the axes named in ``varying`` (letters of "tcdp")."""
+        out: dict[tuple, list[int]] = {}
+        for coords in self._ranks():
+            key = tuple(x for x, axis in zip(coords, "tcdp") if axis not in varying)
+            t, c, d, p = coords
+            out.setdefault(key, []).append(self.rank_of(t, d, p, c))
+        return list(out.values())
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return self._groups("t")
+
+    def cp_groups(self) -> list[list[int]]:
+        """Context-parallel groups: the c ranks that split one sequence (same t, d and p coordinates)."""
+        return self._groups("c")
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """Data-parallel groups (d ranks; the data loader's)."""
+        return self._groups("d")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The d·c ranks that sum their gradients (DeepSpeed's data-parallel group); the dp groups when c = 1."""
+        return self._groups("cd")
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return self._groups("p")
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups (tensor x pipeline): all ranks that hold one model replica."""
-        return [[self.rank_of(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+        return self._groups("tp")
 
     def topology(self):
-        """DeepSpeed's topology for this layout (same rank order as :meth:`coords`)."""
+        """DeepSpeed's topology for this layout (same rank order as :meth:`coords`): its data axis is d·c."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp * self.cp)
 
     def build_groups(self, rank: int | None = None, timeout_s: float = 600.0) -> "ParallelGroups":
         """Create every process group this layout needs; collective, so all ranks must call it."""
@@ -152,9 +196,13 @@ class ParallelLayout:
             return chosen
 
         c = self.coords(rank)
+        dp_group = mine(self.dp_groups())
+        # with c = 1 the d·c group is the dp group: no second group (nor its gloo threads)
+        cp_group, dp_cp_group = (mine(self.cp_groups()), mine(self.dp_cp_groups())) if self.cp > 1 else (None, dp_group)
         return ParallelGroups(layout=self, rank=rank, coords=c,
-                              tp_group=mine(self.tp_groups()), dp_group=mine(self.dp_groups()),
-                              pp_group=mine(self.pp_groups()), mp_group=mine(self.mp_groups()))
+                              tp_group=mine(self.tp_groups()), dp_group=dp_group,
+                              pp_group=mine(self.pp_groups()), mp_group=mine(self.mp_groups()),
+                              cp_group=cp_group, dp_cp_group=dp_cp_group)
 
 
 @dataclass(frozen=True)
@@ -172,10 +220,21 @@ class ParallelGroups:
     dp_group: Any = field(repr=False)
     pp_group: Any = field(repr=False)
     mp_group: Any = field(repr=False)
+    cp_group: Any = field(default=None, repr=False)     # None when c = 1
+    dp_cp_group: Any = field(default=None, repr=False)  # gradient replicas, d·c ranks (the dp group when c = 1)
 
     @property
     def tp_rank(self) -> int:
         return self.coords.tp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp_rank
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among the d·c gradient replicas (DeepSpeed's data-parallel rank)."""
+        return self.coords.dp_rank * self.layout.cp + self.coords.cp_rank
 
     @property
     def dp_rank(self) -> int:
@@ -207,14 +266,15 @@ class ParallelGroups:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
 
+    # DeepSpeed's "data parallel" is every rank it sums gradients over: d·c (module docstring)
     def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return self.dp_cp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.layout.dp
+        return self.layout.dp_cp
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        return self.dp_cp_group
 
     def get_pipe_parallel_rank(self) -> int:
         return self.pp_rank

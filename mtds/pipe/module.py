@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from mtds.cp.context import ContextParallel, context_of
 from mtds.model.config import ModelConfig
 from mtds.parallel.layout import ParallelGroups
 from mtds.pipe.moe_layout import refuse_unbuilt_moe
@@ -30,7 +31,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
                           recompute_interval: int = 0, recompute_attention: bool = False,
                           sequence_parallel: bool = False, virtual_stages: int | None = None,
                           dualpipev: bool = False, stage_layout: StageLayout | None = None,
-                          documents: DocumentMasking | None = None):
+                          documents: DocumentMasking | None = None, context: ContextParallel | None = None):
     """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
     (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
     DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
@@ -43,7 +44,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
     from mtds.deepspeed_compat.explicit_parts import ExplicitPartsDualPipeV, ExplicitPartsModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
-                            documents=documents)
+                            documents=documents, context=context)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \
         (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
     if dualpipev:
@@ -61,7 +62,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
         extra["parts"] = stage_layout.spec_parts()
     from mtds.observe.quiet import quiet_prints
     with quiet_prints():        # DeepSpeed's SEED_LAYERS=… and Using topology: … lines
-        return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group),
+        return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group, context),
                    partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
                    activation_checkpoint_func=partial(_recompute, rng_tracker),
                    checkpointable_layers=CHECKPOINTABLE_LAYERS)
@@ -72,17 +73,17 @@ class SequentialGPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                  recompute_interval: int = 0, recompute_attention: bool = False, sequence_parallel: bool = False,
-                 documents: DocumentMasking | None = None):
+                 documents: DocumentMasking | None = None, context: ContextParallel | None = None):
         super().__init__()
         specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                                 sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
-                                documents=documents)
+                                documents=documents, context=context)
         self.embedding = specs[0].build()
         self.layers = nn.ModuleList(spec.build() for spec in specs[1:-2])
         self.final_norm = specs[-2].build()
         # Tied: one table serves input and output; untied: a separate vocab-parallel head.
         self.lm_head = None if cfg.tie_word_embeddings else specs[-1].build()
-        self.loss_fn = LMLoss(cfg, groups.tp_group)
+        self.loss_fn = LMLoss(cfg, groups.tp_group, context)
         self.rng_tracker = rng_tracker
         self.recompute_interval = recompute_interval
         self.aux_loss_coef = cfg.router_aux_loss_coef
@@ -122,7 +123,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
                 recompute_interval: int = 0, recompute_attention: bool = False,
                 sequence_parallel: bool = False, virtual_stages: int | None = None,
                 dualpipev: bool = False, stage_layout: StageLayout | None = None,
-                documents: DocumentMasking | None = None) -> nn.Module:
+                documents: DocumentMasking | None = None, cp_comm_type: str = "p2p") -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
@@ -130,7 +131,8 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     ("selective"); they are alternatives, not meant together. ``virtual_stages``: build a
     ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules).
     ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.parallel.pipeline_layout).
-    ``documents``: packed-document resets (:mod:`mtds.model.documents`)."""
+    ``documents``: packed-document resets (:mod:`mtds.model.documents`). ``cp_comm_type``: how attention
+    crosses the context-parallel ranks when ``groups.layout.cp`` > 1 (:mod:`mtds.cp`)."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
@@ -140,7 +142,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
         refuse_unbuilt_moe(cfg, groups.layout)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
-                  documents=documents)
+                  documents=documents, context=context_of(groups, cp_comm_type))
     if groups.layout.pp > 1:
         return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev,
                                      stage_layout=stage_layout, **common)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 from mtds.model import FinalNorm, GPTEmbedding, LMHead, TransformerLayer
 from mtds.model.documents import DocumentMasking
@@ -28,12 +29,15 @@ def tied_lm_logits(embedding: GPTEmbedding, hidden):
 
 
 def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False,
-                    recompute_attention: bool = False, documents: DocumentMasking | None = None) -> list:
+                    recompute_attention: bool = False, documents: DocumentMasking | None = None,
+                    context: ContextParallel | None = None) -> list:
     """With ``sequence_parallel`` every activation between layers (and pipeline stages) is this
     TP rank's slice of the sequence, [b, s/t, h]. ``recompute_attention``: selective recomputation.
-    ``documents`` (resets on): the activation is (hidden, segment ids [b, s]) up to the final norm."""
+    ``documents`` (resets on): the activation is (hidden, segment ids [b, s]) up to the final norm.
+    ``context`` (context parallelism): the embedding takes this rank's s/c tokens, the blocks exchange
+    K/V over the group; activations are [b, s/c, h] (s/(c t) with sequence parallelism)."""
     common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel,
-                  documents=documents)
+                  documents=documents, context=context)
     if cfg.tie_word_embeddings:
         first = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, tied_weight_attr=TIED_WEIGHT, **common)
         last = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, forward_fn=tied_lm_logits,

@@ -108,7 +108,8 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None, log=print
                         recompute_interval=cfg.recompute_interval if cfg.recompute == "full" else 0,
                         recompute_attention=cfg.recompute == "selective",
                         virtual_stages=cfg.virtual_stages if cfg.pipeline_schedule in OWN_ENGINE else None,
-                        dualpipev=cfg.pipeline_schedule == "dualpipev", stage_layout=stage_layout)
+                        dualpipev=cfg.pipeline_schedule == "dualpipev", stage_layout=stage_layout,
+                        cp_comm_type=cfg.cp_comm_type)
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages, loaded_by_all   # HF interop; loads only this rank's shards
         tensors, params = loaded_by_all(load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups))
@@ -128,10 +129,11 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     layout, groups = world.layout, world.groups
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
-    reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
+    reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
     logger = StepLogger(enabled=reporting, total_steps=cfg.steps, append=bool(cfg.load), jsonl_path=cfg.log_jsonl,
                         tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
     sp = " + sequence parallel" if cfg.sequence_parallel else ""
+    sp += f" + context parallel ({cfg.cp_comm_type})" if layout.cp > 1 else ""
     sp += f", {cfg.pipeline_schedule} schedule" if layout.pp > 1 else ""
     logger.info(f"mtds: layout {layout}{sp} on {world.size} {world.device.type} rank(s) [{world.backend}], {prec}"
                 f"{' (TF32 matmuls)' if tf32 else ''}, "

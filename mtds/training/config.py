@@ -14,6 +14,7 @@ from mtds.parallel.choices import RECOMPUTE_MODES
 from mtds.training.options import check_ranges, opt
 
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
+CP_COMM_TYPES = ("p2p", "a2a")
 LR_DECAYS = ("cosine", "linear", "constant")
 ON_NAN = ("stop", "skip")
 PIPELINE_BALANCES = ("uniform", "cost")
@@ -59,6 +60,17 @@ class TrainConfig:
              "on 1/t of the sequence, saving activation memory; all-gathers and reduce-scatters replace "
              "the all-reduces, plus one all-gather per column-parallel linear in backward (only the "
              "input slice is kept); same losses. Needs t > 1 dividing --seq-length")
+    context_parallel_size: int = opt(           # c: every sequence split over c ranks for the whole model (mtds.cp)
+        1, "--context-parallel-size", "--cp", section=LAYOUT, at_least=1, metavar="C",
+        help="context parallel size c: every sequence is split over c ranks (2c chunks, rank i holding "
+             "chunks i and 2c-1-i, so causal attention costs each rank the same); their gradients are "
+             "summed with the data-parallel ones. Layout (t, c, p, d), world = t*c*p*d, the c ranks "
+             "adjacent after TP. Needs --seq-length divisible by 2c [1]")
+    cp_comm_type: str = opt(                    # p2p: ring attention | a2a: Ulysses all-to-all (mtds.cp)
+        "p2p", "--cp-comm-type", section=LAYOUT, choices=CP_COMM_TYPES,
+        help="attention across the context-parallel ranks: p2p = ring attention (K/V passed around the "
+             "ring, overlapped with the block compute; any head count), a2a = all-to-all from sequence to "
+             "head split and back (DeepSpeed-Ulysses; heads and KV heads per TP rank divisible by c) [p2p]")
     model: Any = opt(                           # preset name, HF config.json/dir, ModelConfig; None: see world.py
         None, "--model", section=LAYOUT,
         help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
@@ -227,6 +239,8 @@ class TrainConfig:
             raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 both given: choose one precision")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be p2p or a2a, got {self.cp_comm_type!r}")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
         if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":

@@ -204,7 +204,9 @@ def prepare_ds_config(config: dict, layout: ParallelLayout, *, device_type: str,
 
     check_optimizer(config, lr)
     plan = plan_batch(config, layout.dp)
-    config["train_batch_size"] = plan.global_batch
+    # DeepSpeed counts a micro-batch per rank of its data axis, which holds the d·c gradient replicas
+    # (mtds.parallel.layout): its train_batch_size is c times the sequences of a global batch.
+    config["train_batch_size"] = plan.global_batch * layout.cp
     config["train_micro_batch_size_per_gpu"] = plan.micro_batch
     config["gradient_accumulation_steps"] = plan.accumulation
 

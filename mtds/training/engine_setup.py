@@ -41,7 +41,7 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     layout, groups = world.layout, world.groups
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
-        hidden_len = cfg.seq_length // layout.tp if cfg.sequence_parallel else cfg.seq_length
+        hidden_len = cfg.seq_length // layout.cp // (layout.tp if cfg.sequence_parallel else 1)
         engine = build_scheduled_engine(model, config=ds_config, model_parameters=trainable, lr_scheduler=scheduler,
                                         schedule=cfg.pipeline_schedule, groups=groups,
                                         boundary_shape=(batch.micro_batch, hidden_len, world.model_cfg.hidden_size))

@@ -16,9 +16,9 @@ from mtds.training.batches import DeviceBatches
 
 def _mean_over_data_parallel(loss: torch.Tensor, groups: ParallelGroups) -> float:
     loss = loss.detach().float().reshape(1).clone()
-    if groups.layout.dp > 1:
-        dist.all_reduce(loss, group=groups.dp_group)
-        loss /= groups.layout.dp
+    if groups.layout.dp_cp > 1:   # with context parallelism each rank's loss is its weighted part (LMLoss)
+        dist.all_reduce(loss, group=groups.dp_cp_group)
+        loss /= groups.layout.dp_cp
     return loss.item()
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mtds.observe.comm_trace import CommTracer
 from mtds.checkpoint.complete import LoadPlan, plan_load
+from mtds.cp.checks import check_context_parallel
 from mtds.model.config import ModelConfig, differing_weight_fields
 from mtds.hf.resolve import resolve_model_config
 from mtds.training.cpu_allocator import tune_cpu_allocator
@@ -36,7 +37,7 @@ class World:
     device: torch.device
     backend: str
     size: int                      # number of ranks
-    layout: ParallelLayout         # t x p x d, checked against the model
+    layout: ParallelLayout         # t x c x p x d, checked against the model
     model_cfg: ModelConfig
     groups: ParallelGroups
     rng: RNGTracker                # dropout streams, masks keyed by (step, micro-batch, layer)
@@ -59,7 +60,8 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
     allocator = tune_cpu_allocator() if device.type == "cpu" else None
 
     dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
-    layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages)
+    layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages,
+                                      cp=cfg.context_parallel_size)
     load = _plan_load(cfg.load) if cfg.load else None
     model_cfg = run_model_config(cfg, load)
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
@@ -67,12 +69,15 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
                        num_layers=model_cfg.num_layers)
     if cfg.sequence_parallel:
         layout.check_sequence_parallel(cfg.seq_length)
+    check_context_parallel(layout, model_cfg, seq_length=cfg.seq_length, comm_type=cfg.cp_comm_type,
+                           sequence_parallel=cfg.sequence_parallel, reset_position_ids=cfg.reset_position_ids,
+                           pipeline_schedule=cfg.pipeline_schedule)
     if cfg.pipeline_layout and layout.pp > 1:   # checked before any process group exists
         parse_layout(cfg.pipeline_layout, stages=layout.pp * layout.vp, num_layers=model_cfg.num_layers)
 
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:
-        for name in ("tp", "dp", "pp", "mp"):
+        for name in ("tp", "dp", "pp", "mp") + (("cp", "dp_cp") if layout.cp > 1 else ()):
             tracer.name_group(getattr(groups, f"{name}_group"), name)
     rng = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
     return World(device=device, backend=backend, size=size, layout=layout, model_cfg=model_cfg, groups=groups,
