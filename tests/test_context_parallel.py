@@ -26,6 +26,7 @@ REL_TOL = 1e-5
 SEQ = 1024
 BATCH = (2, 1)        # global, micro: two sequences of 1024 tokens a step
 LR = 1e-3
+SAVE_AT = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +100,28 @@ def _assert_cases(world: int, results, model) -> None:
 
 def test_two_ranks_match_transformers_and_packed_documents(tmp_path):
     """c = 2 both comm types against transformers at seq 1024; GPT-2's learned positions at c = 2 against
-    its transformers reference (seq 32); packed documents with the EOD loss mask at c = 2 against d = 2."""
+    its transformers reference (seq 32), saved at step 5 and resumed at c = 1 x d = 2 (checkpoints hold no
+    c; ZeRO-1's partitions are over d·c = 2 either way); packed documents with the EOD loss mask at c = 2
+    against d = 2."""
     from tests.test_parity import reference
     from tests.training_helpers import TINY
     model = llama()
     configs = [_config(case, model) for case in CASES[2]]
-    configs.append(train_config(model=TINY, context_parallel_size=2))     # learned positions, c = 2
+    ckpt = str(tmp_path / "ckpt")
+    # learned positions, c = 2, saving at step 5; resumed from there at c = 1 (d = 2)
+    configs.append(train_config(model=TINY, context_parallel_size=2, save=ckpt, save_interval=SAVE_AT))
+    configs.append(train_config(model=TINY, load=f"{ckpt}/global_step{SAVE_AT}"))
     configs += _documents_configs(str(tmp_path / "docs"))
     results = run_layouts(2, configs)[0]
     n = len(CASES[2])
     _assert_cases(2, results[:n], model)
-    _assert_close(results[n], reference(), "gpt2 learned positions, c = 2")
-    plain, *split = results[n + 1:]
+    ref = reference()
+    _assert_close(results[n], ref, "gpt2 learned positions, c = 2")
+    resumed = results[n + 1]
+    assert resumed.layout.startswith("(tp=1, pp=1, dp=2)"), resumed.layout
+    _assert_close(resumed, dataclasses.replace(ref, losses=ref.losses[SAVE_AT:], grad_norms=ref.grad_norms[SAVE_AT:]),
+                  f"saved at c = 2 step {SAVE_AT}, resumed at c = 1 d = 2")
+    plain, *split = results[n + 2:]
     for comm, result in zip(("p2p", "a2a"), split):
         _assert_close(result, plain, f"packed documents + eod mask loss, c = 2 {comm}")
 
