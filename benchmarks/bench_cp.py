@@ -10,11 +10,10 @@ Tokens/s: the median over steps 2..N of the step log's ``tokens_per_s`` (step 1 
 with fewer cores than ranks the C = 4 runs share cores: read the table for the communication volumes and the
 a2a/p2p comparison at equal C, not for a speed-up over C = 1.
 
-Bytes per rank and step, forward + backward (backward ~2x forward: p2p sends K/V again plus dK/dV, which
-travel in fp32; a2a repeats its four all-to-alls), per layer and micro-batch of b sequences, e = head dim,
-w = bytes per value (4 in fp32):
-    p2p forward: (C - 1) * 2 * b * (s/C) * h_kv * e * w
-    a2a forward: (C - 1)/C * 2 * b * (s/C) * (h_q + h_kv) * e * w
+Bytes a rank sends per step, forward + backward, per layer and micro-batch of b sequences, e = head dim,
+w = bytes per value (4 in fp32); the formulas tests/test_context_parallel.py holds the tracer to:
+    p2p: 2 * b * (s/C) * h_kv * e * (2 (C - 1) w + 4 C)      (K/V hops both ways, C hops of fp32 dK/dV)
+    a2a: 2 * (C - 1)/C * 2 * b * (s/C) * (h_q + h_kv) * e * w  (four all-to-alls each way)
 """
 from __future__ import annotations
 
@@ -55,15 +54,13 @@ def write_ds_config(path: str) -> str:
 
 
 def bytes_per_step(comm: str, c: int, seq: int, hidden: int, layers: int, b: int = 1, w: int = 4) -> float:
-    """The formulas of the module docstring, forward + backward (= 3x forward), all layers."""
+    """The formulas of the module docstring, all layers."""
     if c == 1:
         return 0.0
-    e = hidden // HEADS
+    e, sl = hidden // HEADS, seq / c
     if comm == "p2p":
-        forward = (c - 1) * 2 * b * (seq / c) * KV_HEADS * e * w
-    else:
-        forward = (c - 1) / c * 2 * b * (seq / c) * (HEADS + KV_HEADS) * e * w
-    return 3 * forward * layers
+        return 2 * b * sl * KV_HEADS * e * (2 * (c - 1) * w + 4 * c) * layers
+    return 2 * (c - 1) / c * 2 * b * sl * (HEADS + KV_HEADS) * e * w * layers
 
 
 def launch(seq: int, c: int, comm: str, args, work: str) -> dict:

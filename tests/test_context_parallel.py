@@ -47,8 +47,9 @@ class Case:
 
 # world -> cases; together both comm types at c = 2 and 4, TP 2 + SP, d = 2 with ZeRO-1 over d·c, a 1F1B
 # pipeline and the ring recomputed (selective)
+TRACED = (("trace_comm", True),)     # the world-2 cases also count their bytes (cp_bytes_per_step)
 CASES = {
-    2: [Case(1, 2, 1, "p2p", world=2), Case(1, 2, 1, "a2a", zero=1, world=2)],
+    2: [Case(1, 2, 1, "p2p", switches=TRACED, world=2), Case(1, 2, 1, "a2a", zero=1, switches=TRACED, world=2)],
     4: [Case(2, 2, 1, "p2p", zero=1, switches=(("sequence_parallel", True),), world=4),
         Case(1, 4, 1, "p2p", switches=(("recompute", "selective"),), world=4),
         Case(1, 4, 1, "a2a", world=4),
@@ -88,6 +89,21 @@ def _assert_close(got, want, what: str) -> None:
         f"{got.grad_norms}\n{want.grad_norms}"
 
 
+def cp_bytes_per_step(comm: str, c: int, model, micro_batches: int, b: int = BATCH[1], w: int = 4) -> int:
+    """What one rank sends over its context-parallel group in a step (docs/long_context.md), per layer and
+    micro-batch of b sequences, sl = s/c local tokens, e = head dim, w bytes per value (fp32: 4):
+    p2p: forward (c-1) hops of K and V, backward (c-1) again plus c hops of dK and dV (always fp32):
+         2 b sl h_kv e ((c-1) w + (c-1) w + 4 c);
+    a2a: four all-to-alls (q, k, v in; the output back) forward and four backward, each of the whole local
+         tensor: 2 * 2 b sl (h_q + h_kv) e w (the tracer's payload; (c-1)/c of it leaves the rank)."""
+    sl, e, hq, hkv = SEQ // c, model.head_dim, model.num_heads, model.kv_heads
+    if comm == "p2p":
+        per_layer = 2 * b * sl * hkv * e * (2 * (c - 1) * w + 4 * c)
+    else:
+        per_layer = 2 * 2 * b * sl * (hq + hkv) * e * w
+    return per_layer * model.num_layers * micro_batches
+
+
 def _assert_cases(world: int, results, model) -> None:
     ref = hf_reference(model, lr=LR, seq=SEQ, batch=BATCH)
     assert sum(n > 0.5 for n in ref.grad_norms) >= 8, ref.grad_norms     # clipped steps
@@ -96,6 +112,11 @@ def _assert_cases(world: int, results, model) -> None:
         assert result.layout.startswith(f"(tp={case.t}, pp={case.p}, dp={case.d}") and f"cp={case.c}" in \
             result.layout, (what, result.layout)
         _assert_close(result, ref, what)
+        if case.switches == TRACED:     # the collective tracer's bytes on the cp group = the formula
+            key = "send/cp" if case.comm == "p2p" else "all_to_all/cp"
+            want = cp_bytes_per_step(case.comm, case.c, model, micro_batches=BATCH[0] // BATCH[1] // case.d)
+            assert result.comm[key]["bytes"] == want, (what, result.comm, want)
+            assert result.comm[key]["group_size"] == case.c, (what, result.comm)
 
 
 def test_two_ranks_match_transformers_and_packed_documents(tmp_path):
