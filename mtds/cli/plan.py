@@ -13,7 +13,7 @@ import json
 import sys
 
 from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
-from mtds.plan.candidate import Workload
+from mtds.plan.candidate import CP_COMM_TYPES, Workload
 from mtds.plan.hardware import DEFAULT_PROFILE, Cluster, get_gpu, gpu_names
 from mtds.plan.model_spec import ModelSpec, resolve_model
 
@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--tp", type=int)
     lay.add_argument("--pp", type=int)
     lay.add_argument("--dp", type=int)
+    lay.add_argument("--context-parallel-size", "--cp", dest="cp", type=int,
+                     help="context-parallel size c (train.py --cp): held in ranking and evaluation; left out, "
+                          "c > 1 is searched for sequences >= 32768 or when nothing fits at c = 1")
+    lay.add_argument("--cp-comm-type", choices=CP_COMM_TYPES,
+                     help="context-parallel attention (train.py --cp-comm-type): p2p ring or a2a Ulysses")
     lay.add_argument("--microbatch", type=int)
     lay.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved: v > 1)")
     lay.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
@@ -160,7 +165,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"mtds-plan: {exc}")
     work = Workload(args.global_batch, precision, args.tokens)
     knobs = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage",
-                                           "recompute", "sequence_parallel", "pipeline_schedule")}
+                                           "recompute", "sequence_parallel", "pipeline_schedule", "cp",
+                                           "cp_comm_type")}
     runnable_only = not args.include_unrunnable
 
     from mtds.plan import report

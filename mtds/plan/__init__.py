@@ -1,4 +1,4 @@
-"""3D-layout planner: predicts memory and step time of (t, p, d, b, v, ZeRO, recompute, SP) layouts.
+"""3D-layout planner: predicts memory and step time of (t, c, p, d, b, v, ZeRO, recompute, SP) layouts.
 
     from mtds.plan import ModelSpec, Workload, Cluster, get_gpu, evaluate, plan, predict, Candidate
 See docs/planner.md for the formulas and their sources. Importing this package needs no torch

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtds.parallel.pipeline_layout import StageLayout, uniform_layout
-from mtds.plan import compute, tp_comm
+from mtds.plan import compute, cp_comm, tp_comm
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import activation_bytes_per_layer, model_state_bytes
@@ -56,7 +56,8 @@ def layer_costs(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cl
     def ends(stage):
         return tp_comm.collectives_time(tp_comm.end_collectives(model, layout, work, stage), t, cluster)
 
-    block = compute.layer_compute_time(model, layout, work, cluster) + tp_comm.layer_time(model, layout, work, cluster)
+    block = (compute.layer_compute_time(model, layout, work, cluster) + tp_comm.layer_time(model, layout, work, cluster)
+             + cp_comm.layer_time(model, layout, work, cluster))
     embedding = compute.embedding_time(model, layout, work, cluster) + ends("first")
     head = (compute.final_norm_time(model, layout, work, cluster) + compute.output_layer_time(model, layout, work, cluster)
             + ends("last"))

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mtds.parallel.layout import ParallelLayout
 
+# --cp-comm-type: ring attention (point-to-point K/V hops) or Ulysses (all-to-alls); train.py's choices
+CP_COMM_TYPES = ("p2p", "a2a")
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -24,13 +27,17 @@ class Workload:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One training set-up the planner weighs: a layout of t-way tensor, p-way pipeline (v model chunks per
-    rank, run by a pipeline schedule) and d-way data parallelism -- the trainer's own
+    """One training set-up the planner weighs: a layout of t-way tensor, c-way context, p-way pipeline (v model
+    chunks per rank, run by a pipeline schedule) and d-way data parallelism -- the trainer's own
     :class:`~mtds.parallel.layout.ParallelLayout`, :attr:`grid` -- plus microbatch b, ZeRO stage, activation
     recomputation and sequence parallelism.
 
     ``pipeline_schedule`` left empty means "interleaved" when v > 1, else "1f1b"; dualpipev has v = 2
-    (two chunks per rank, V placement)."""
+    (two chunks per rank, V placement).
+
+    Context parallelism (``cp`` = c, docs/long_context.md): world = t·c·p·d; the c ranks of a group split
+    every sequence, so gradients are summed and ZeRO partitions over d·c ranks (:attr:`dp_cp`), while the
+    global batch counts d only: B = b · m · d. ``cp_comm_type``: "p2p" (ring) or "a2a" (Ulysses)."""
 
     tp: int
     pp: int
@@ -41,6 +48,8 @@ class Candidate:
     recompute: str = "full"
     sequence_parallel: bool = False
     pipeline_schedule: str = ""
+    cp: int = 1
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self):
         if not self.pipeline_schedule:
@@ -50,20 +59,31 @@ class Candidate:
     def of_layout(cls, layout, *, microbatch: int, **knobs) -> "Candidate":
         """The candidate a running job is: its :class:`~mtds.parallel.layout.ParallelLayout` plus the knobs."""
         return cls(tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatch=microbatch, virtual_stages=layout.vp,
-                   **knobs)
+                   cp=layout.cp, **knobs)
 
     @property
     def grid(self) -> "ParallelLayout":
         """The rank grid as the trainer builds it (validated there: a grid it refuses raises LayoutError)."""
         from mtds.parallel.layout import ParallelLayout
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vp=self.virtual_stages)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vp=self.virtual_stages, cp=self.cp)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        """World size t·c·p·d."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters (stride t): they sum gradients and share ZeRO partitions, d·c."""
+        return self.dp * self.cp
+
+    def local_seq(self, seq: int) -> float:
+        """Tokens of one sequence on one rank: s / c (an int where c divides s, as s itself at c = 1)."""
+        return seq // self.cp if seq % self.cp == 0 else seq / self.cp
 
     def microbatches(self, global_batch: int) -> int:
-        """m = B / (b d): microbatches each pipeline runs per step (gradient accumulation)."""
+        """m = B / (b d): microbatches each pipeline runs per step (gradient accumulation; the c ranks of a
+        context-parallel group run the same micro-batches, so c does not divide B)."""
         return global_batch // (self.microbatch * self.dp)
 
     def as_dict(self) -> dict:
@@ -72,5 +92,6 @@ class Candidate:
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         sched = f" {self.pipeline_schedule}" if self.pp > 1 else ""
-        return (f"t{self.tp} p{self.pp} d{self.dp} b{self.microbatch} v{self.virtual_stages} "
+        cp = f" c{self.cp}/{self.cp_comm_type}" if self.cp > 1 else ""
+        return (f"t{self.tp}{cp} p{self.pp} d{self.dp} b{self.microbatch} v{self.virtual_stages} "
                 f"z{self.zero_stage} {self.recompute}{sp}{sched}")

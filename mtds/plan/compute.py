@@ -8,6 +8,10 @@ Two kinds of kernels:
     timed as bytes moved / achievable HBM bandwidth.
 Backward = 2x forward for both (data and weight gradients), the standard 1:2 ratio behind the
 72 = 3 x 24 coefficient of PTD-P (arXiv 2104.04473) eq. 3.
+
+Context parallelism (c > 1): a rank's GEMMs and element-wise kernels are those of its s/c tokens; its
+attention scores and context are 1/c of the whole sequence's ((s/c) queries against all s keys), the same
+on every rank (the 2c-chunk load balancing of mtds.cp.chunks).
 """
 from __future__ import annotations
 
@@ -48,13 +52,13 @@ def elementwise_time(bytes_moved: float, cluster: Cluster) -> float:
 
 
 def layer_forward(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> PassTimes:
-    """Forward time of one layer (cached: it depends only on t, b and sequence parallelism)."""
-    return _layer_forward(model, layout.tp, layout.microbatch, layout.sequence_parallel, work, cluster)
+    """Forward time of one layer (cached: it depends only on t, c, b and sequence parallelism)."""
+    return _layer_forward(model, layout.tp, layout.microbatch, layout.sequence_parallel, work, cluster, layout.cp)
 
 
 @lru_cache(maxsize=4096)
 def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, work: Workload,
-                   cluster: Cluster) -> PassTimes:
+                   cluster: Cluster, c: int = 1) -> PassTimes:
     """Forward time of one layer for one microbatch on one of the t tensor-parallel GPUs.
 
     GEMMs per layer (Megatron TP split, arXiv 1909.08053 Fig. 3): QKV [bs x h]@[h x (h + 2h_kv)/t]
@@ -68,10 +72,14 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
       bias + GeLU on the f/t intermediate: 4 bytes x s b f / t (SwiGLU reads gate and up: 6 bytes);
       QKV split/transposes and context transpose: 4 bytes x s b (2h + 2h_kv) / t;
       scale-mask-softmax (4 B) + dropout (5 B) on the b a/t s^2 scores: 9 bytes each.
+    Context parallelism (c ranks): every token count above is the rank's s/c; the scores and context are
+    (b a/t) x [s/c x e]@[e x s] and [s/c x s]@[s x e] (1/c of the whole sequence's work, as c blocks of
+    s/c keys each), and the softmax bytes 9 b a/t s^2 / c.
     """
     s, h, a, f = model.seq, model.hidden, model.heads, model.ffn
     w = work.bytes_per_value
-    tokens = s * b
+    sl = s / c                 # this rank's queries
+    tokens = sl * b
     q = model.q_width          # h, or a * head_dim (Qwen3)
     hd = q / a
     heads_local = b * a / t
@@ -81,13 +89,13 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
               + gemm_time(tokens, h, q / t, cluster, elem_bytes=w)
               + gemm_time(tokens, fc1_width / t, h, cluster, elem_bytes=w)
               + gemm_time(tokens, h, f / t, cluster, elem_bytes=w))
-    attn_gemm = (gemm_time(s, s, hd, cluster, batch=heads_local, elem_bytes=w)
-                 + gemm_time(s, hd, s, cluster, batch=heads_local, elem_bytes=w))
+    attn_gemm = (gemm_time(sl, s, hd, cluster, batch=heads_local, elem_bytes=w)
+                 + gemm_time(sl, hd, s, cluster, batch=heads_local, elem_bytes=w))
     scale = w / 2.0
     hidden_ops = 22.0 * tokens * h / (t if sequence_parallel else 1)
     ffn_ops = (6.0 if model.gated_mlp else 4.0) * tokens * f / t
     transposes = 4.0 * tokens * (2 * q + 2 * kv) / t
-    softmax_ops = 9.0 * heads_local * s * s
+    softmax_ops = 9.0 * heads_local * sl * s
     elem = elementwise_time(scale * (hidden_ops + ffn_ops + transposes), cluster)
     attn_elem = elementwise_time(scale * softmax_ops, cluster)
     core = attn_gemm + attn_elem
@@ -108,8 +116,9 @@ def output_layer_time(model: ModelSpec, layout: Candidate, work: Workload, clust
     """Logits GEMM [bs x h]@[h x V/t] forward + backward, and the fp32 vocab-parallel cross
     entropy over the b s V/t logits (mtds.tp.cross_entropy, as Megatron's): row max (read),
     shift, exp, softmax division (read + write each), sum (read), gradient scale (read + write):
-    10 passes of 4 bytes; 16-bit logits add the upcast and the gradient's downcast (12 bytes)."""
-    s, b, h, t = model.seq, layout.microbatch, model.hidden, layout.tp
+    10 passes of 4 bytes; 16-bit logits add the upcast and the gradient's downcast (12 bytes).
+    s is the rank's s/c tokens under context parallelism."""
+    s, b, h, t = layout.local_seq(model.seq), layout.microbatch, model.hidden, layout.tp
     v = model.padded_vocab(t) / t
     gemm = gemm_time(s * b, v, h, cluster, elem_bytes=work.bytes_per_value)
     loss_bytes = 40.0 + (12.0 if work.bytes_per_value == 2 else 0.0)
@@ -120,8 +129,9 @@ def embedding_time(model: ModelSpec, layout: Candidate, work: Workload, cluster:
     """Vocab-parallel embedding, forward + backward, memory bound: the row lookup (read + write) and the
     position add (read 2, write 1) move 5 values per output element in forward; the backward's
     scatter-add into the table and the position gradient twice that (the 1:2 ratio above). Every TP
-    rank produces the whole [s, b, h] output (masked lookup, then all-reduce), so t does not divide it."""
-    values = 5.0 * 3.0 * model.seq * layout.microbatch * model.hidden
+    rank produces the whole [s, b, h] output (masked lookup, then all-reduce), so t does not divide it
+    (c does: each rank of a context-parallel group embeds its s/c tokens)."""
+    values = 5.0 * 3.0 * layout.local_seq(model.seq) * layout.microbatch * model.hidden
     return elementwise_time(values * work.bytes_per_value, cluster)
 
 
@@ -129,7 +139,7 @@ def final_norm_time(model: ModelSpec, layout: Candidate, work: Workload, cluster
     """The final layer norm, forward + backward: 4 bytes per element per pass at 16 bits, as each of
     a layer's two norms in :func:`_layer_forward` (1/t of the sequence with sequence parallelism)."""
     t = layout.tp if layout.sequence_parallel else 1
-    forward = 4.0 * work.bytes_per_value / 2.0 * model.seq * layout.microbatch * model.hidden / t
+    forward = 4.0 * work.bytes_per_value / 2.0 * layout.local_seq(model.seq) * layout.microbatch * model.hidden / t
     return 3.0 * elementwise_time(forward, cluster)
 
 

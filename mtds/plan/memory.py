@@ -2,6 +2,11 @@
 
 Evaluated for the first pipeline stage (most activations in flight) and the last stage (output
 layer, logits); the larger total is reported.
+
+Context parallelism (c > 1, mtds.cp): every activation term sees the rank's s/c tokens (Korthikanti's
+formulas with s -> s/c), attention is flash-style whatever the calibration says (the ring and Ulysses
+kernels keep no s x s scores, only a per-row log-sum-exp), the ring adds its in-flight K/V block
+(:func:`cp_transient_bytes`), the logits are those of s/c tokens, and ZeRO partitions over d·c ranks.
 """
 from __future__ import annotations
 
@@ -74,13 +79,14 @@ def model_state_bytes(n_params: float, layout: Candidate, work: Workload,
 
     Mixed-precision Adam (Rajbhandari et al. 2020, ZeRO, arXiv 1910.02054 Section 3.1):
     2 bytes params + 2 bytes grads + K=12 bytes fp32 master/momentum/variance per parameter;
-    stage 1 shards the K part over d, stage 2 also the grads, stage 3 also the params.
+    stage 1 shards the K part over d, stage 2 also the grads, stage 3 also the params (d·c with
+    context parallelism: its ranks hold the same parameters and share the partitions).
     fp32 training: 4 + 4 + 8 (Adam m, v). With `main_grad_bytes` (the calibration's fp32
     accumulation buffer) the 2-byte gradient of stages 0-1 becomes 4 bytes (see grad_buffer_bytes).
     """
     w = work.bytes_per_value
     k = 8.0 if work.precision == "fp32" else 12.0
-    d, z = layout.dp, layout.zero_stage
+    d, z = layout.dp_cp, layout.zero_stage
     params = w * n_params / (d if z >= 3 else 1)
     grads = grad_buffer_bytes(layout, work, main_grad_bytes) * n_params / (d if z >= 2 else 1)
     opt = k * n_params / (d if z >= 1 else 1)
@@ -102,19 +108,41 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Candidate, work: Worklo
     attention="flash" (SDPA's flash / memory-efficient kernels): no 5 a s/(h t) term at all -- scores,
     softmax and dropout mask are recomputed in backward; only an fp32 logsumexp per (head, row) is kept,
     4 a s b / t bytes = 2 a/(h t) in these units. Selective recompute then saves nothing.
+    Context parallelism (c > 1): s is the rank's s/c tokens and attention is "flash" (the ring and Ulysses
+    keep only the log-sum-exp); Ulysses also keeps its local attention's output in head layout beside the
+    projection's input, 2 (s/c) b q / t bytes (2 q/(h t) in these units; q = h unless head_dim is set).
     """
-    s, b, h, a, t = model.seq, layout.microbatch, model.hidden, model.heads, layout.tp
+    s, b, h, a, t = layout.local_seq(model.seq), layout.microbatch, model.hidden, model.heads, layout.tp
     sbh = s * b * h
     scale = work.bytes_per_value / 2.0
     if attention not in ("math", "flash"):
         raise ValueError(f"attention kernel must be 'math' or 'flash', got {attention!r}")
+    if layout.cp > 1:
+        attention = "flash"
     attn = 5.0 * a * s / (h * t) if attention == "math" else 2.0 * a / (h * t)
     if stored and layout.recompute == "full":
         return scale * 2.0 * sbh / (t if layout.sequence_parallel else 1)
     linear = 34.0 / t if layout.sequence_parallel else 10.0 + 24.0 / t
     if stored and layout.recompute == "selective" and attention == "math":
         attn = 0.0
+    if layout.cp > 1 and layout.cp_comm_type == "a2a":
+        attn += 2.0 * model.q_width / (h * t)
     return scale * sbh * (linear + attn)
+
+
+def cp_transient_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> float:
+    """Bytes of the ring's blocks in flight (p2p, c > 1), held once per rank (by the layer computing).
+
+    Forward receives the next K/V block while it computes on the current one: 2 b (s/c) (h_kv/t) e values
+    (e = head_dim, h_kv the KV heads; the current block is the rank's own K/V or the previous arrival).
+    Backward sends the dK/dV accumulators one hop behind the K/V, so its peak is twice that:
+    4 b (s/c) (h_kv/t) e values. Ulysses (a2a) holds nothing beyond the activations (its gathered q/k/v
+    replace the local ones: same size)."""
+    if layout.cp == 1 or layout.cp_comm_type != "p2p":
+        return 0.0
+    kv_width = model.kv_width / layout.tp        # (h_kv / t) e
+    block = 2.0 * layout.microbatch * layout.local_seq(model.seq) * kv_width
+    return 2.0 * block * work.bytes_per_value
 
 
 def in_flight_layers(model: ModelSpec, layout: Candidate, work: Workload) -> float:
@@ -147,9 +175,10 @@ def predict_memory(model: ModelSpec, layout: Candidate, work: Workload, cluster:
         if layout.recompute != "none":
             # the layer being recomputed / back-propagated holds its full activations once
             act += activation_bytes_per_layer(model, layout, work, stored=False, attention=attention)
+        act += cp_transient_bytes(model, layout, work)
         if stage == "last" or layout.pp == 1:
-            # fp32 logits and their gradient for the vocab-parallel cross entropy: 2 x 4 s b V / t
-            act += 8.0 * model.seq * layout.microbatch * model.padded_vocab(t) / t
+            # fp32 logits and their gradient for the vocab-parallel cross entropy: 2 x 4 (s/c) b V / t
+            act += 8.0 * layout.local_seq(model.seq) * layout.microbatch * model.padded_vocab(t) / t
         other = cluster.calib.memory_reserve_gib * GIB
         other += cluster.calib.allocator_fragmentation * (params + grads + opt + act)
         if layout.zero_stage >= 3:

@@ -20,6 +20,9 @@ forward and 2 in the backward of every layer (Megatron, arXiv 1909.08053 Section
 when the forward is recomputed; sequence parallelism swaps each for an all-gather +
 reduce-scatter pair of the same volume (Korthikanti 2022 Section 4.2.2). Pipeline messages carry
 s b h values, divided by t with the scatter/gather optimisation (PTD-P Section 4.1).
+Context parallelism (c ranks, mtds.plan.cp_comm) adds its ring hops or all-to-alls to every layer
+(+ m * (l/p) * t_cp, exposed part only), every per-token size above becomes the rank's s/c, and the
+gradient reduction and ZeRO run over the d·c ranks at stride t that hold the same parameters.
 Data parallelism all-reduces 16-bit gradients once per step (ZeRO 1/2: reduce-scatter +
 all-gather, same volume); ZeRO-3 all-gathers parameters in forward and backward and
 reduce-scatters gradients for every microbatch: 3 Psi per microbatch (ZeRO, arXiv 1910.02054
@@ -29,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan import comm, compute, host_costs, pipeline, tp_comm
+from mtds.plan import comm, compute, cp_comm, host_costs, pipeline, tp_comm
 from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
-from mtds.plan.candidate import Candidate, Workload
+from mtds.plan.candidate import CP_COMM_TYPES, Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
 from mtds.plan.model_spec import ModelSpec
@@ -94,7 +97,8 @@ def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, clu
         out.append("all sizes must be >= 1")
         return out
     if layout.gpus != cluster.gpus:
-        out.append(f"t*p*d = {layout.gpus} != {cluster.gpus} GPUs")
+        sizes = "t*c*p*d" if layout.cp > 1 else "t*p*d"
+        out.append(f"{sizes} = {layout.gpus} != {cluster.gpus} GPUs")
     if model.heads % t or model.hidden % t or model.ffn % t:
         out.append(f"t={t} does not divide heads={model.heads} / hidden={model.hidden} / ffn={model.ffn}")
     if model.kv_heads and model.kv_heads % t:
@@ -120,6 +124,29 @@ def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, clu
         out.append(f"recompute must be one of {RECOMPUTE_MODES}")
     if layout.sequence_parallel and (t == 1 or model.seq % t):
         out.append("sequence parallelism needs t > 1 dividing the sequence length")
+    return out + context_parallel_problems(model, layout)
+
+
+def context_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
+    """What mtds.cp.checks refuses of the planner's knobs: s divisible by 2c (load-balanced chunks), with SP
+    the rank's s/c tokens divisible by t, a2a heads and KV heads per TP rank divisible by c, 1f1b pipelines."""
+    c, t = layout.cp, layout.tp
+    if c < 1:
+        return ["context parallel size must be >= 1"]
+    if layout.cp_comm_type not in CP_COMM_TYPES:
+        return [f"cp comm type must be one of {CP_COMM_TYPES}"]
+    if c == 1:
+        return []
+    out = []
+    if model.seq % (2 * c):
+        out.append(f"context parallelism c={c} needs the sequence length {model.seq} divisible by 2c={2 * c}")
+    elif layout.sequence_parallel and (model.seq // c) % t:
+        out.append(f"sequence parallelism with c={c} needs the {model.seq // c} tokens per rank divisible by t={t}")
+    kv = model.kv_heads or model.heads
+    if layout.cp_comm_type == "a2a" and ((model.heads // t) % c or (kv // t) % c):
+        out.append(f"a2a needs the {model.heads // t} query and {kv // t} KV heads per TP rank divisible by c={c}")
+    if layout.pp > 1 and layout.pipeline_schedule != "1f1b":
+        out.append("context parallelism with p > 1 runs the 1f1b schedule only (mtds.cp.checks)")
     return out
 
 
@@ -133,10 +160,11 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     rank sets the compute and the bubble (:func:`partition_times`); None: l/p blocks per rank, the LM
     head's rank critical (the uniform partition of a model whose l divides by p·v)."""
     reasons = structural_problems(model, layout, work, cluster, explicit_stages=stages is not None)
-    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
+    t, p, v = layout.tp, layout.pp, layout.virtual_stages
+    d = layout.dp_cp         # the ranks that sum gradients and share ZeRO partitions (d·c, stride t)
     w = work.bytes_per_value
     m = max(1, layout.microbatches(work.global_batch))
-    s, b, h = model.seq, layout.microbatch, model.hidden
+    s, b, h = layout.local_seq(model.seq), layout.microbatch, model.hidden
     layers_per_stage = model.layers / p
 
     t_layer = compute.layer_compute_time(model, layout, work, cluster)
@@ -146,7 +174,7 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
 
     # every microbatch adds its weight gradients into the (fp32) accumulation buffer; with
-    # ZeRO-2/3 only the local 1/d partition is accumulated
+    # ZeRO-2/3 only the local 1/d partition is accumulated (d·c with context parallelism)
     n_acc = n_local / (d if layout.zero_stage >= 2 else 1)
     t_acc = compute.grad_accumulation_time(n_acc, w, grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes),
                                            cluster)
@@ -155,11 +183,12 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     # the last stage's GPU (the LM head and loss; with p = 1 also the embedding): mtds.plan.tp_comm
     grad_bytes_tp = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
     tp_s = tp_comm.per_step_time(model, layout, work, cluster, "last" if p > 1 else "all", m, grad_bytes_tp)
+    cp_s = m * layers_per_stage * cp_comm.layer_time(model, layout, work, cluster)
     bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, v,
                                     *stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc))
     pp_s = 0.0
     if p > 1:
-        cross_node = t * d * p > cluster.per_node
+        cross_node = t * d * p > cluster.per_node       # d = d·c: the whole world
         # each of the t ranks sends its 1/t slice, the receiver all-gathers it over NVLink
         # (scatter/gather optimisation, PTD-P Section 4.1); with sequence parallelism the
         # activations between layers are already split along the sequence, so no all-gather
@@ -197,8 +226,9 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     if stages is not None and p > 1:
         compute_s, tp_s, bubble_s, stage_info = partition_times(model, layout, work, cluster, stages, m, t_acc,
                                                                 compute_s, t_tp_one)
+        cp_s = 0.0      # the critical rank's block costs carry it, as they carry the layers' TP collectives
     engine_s = host_costs.engine_overhead(model, layout.zero_stage, m, cluster, p)
-    step = compute_s + tp_s + bubble_s + pp_s + dp_s + engine_s
+    step = compute_s + tp_s + cp_s + bubble_s + pp_s + dp_s + engine_s
     mem = predict_memory(model, layout, work, cluster)
     capacity = cluster.gpu.hbm_gib
     fits = mem.total <= capacity * GIB
@@ -214,7 +244,7 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     return Prediction(
         layout=layout, step_time_s=step,
         time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s,
-                          "engine": engine_s},
+                          "engine": engine_s, **({"cp_comm": cp_s} if layout.cp > 1 else {})},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
         not_runnable=tuple(not_runnable(layout, work.precision)), stages=stage_info,
@@ -253,14 +283,14 @@ def partition_times(model: ModelSpec, layout: Candidate, work: Workload, cluster
 def stage_pass_times(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, t_tp_one: float,
                      t_acc: float) -> tuple[float, float, float]:
     """(F, B, W) seconds of one microbatch on one pipeline stage. F: forward compute + its 2 TP
-    collectives per layer; W: the weight-gradient GEMMs (same FLOPs as the forward's) + the
-    gradient-accumulation pass; B: the rest of the backward (input gradients, recomputation, the
-    backward TP collectives). F + B + W = the stage's whole per-microbatch time."""
+    collectives per layer (+ the exposed context-parallel traffic); W: the weight-gradient GEMMs (same FLOPs
+    as the forward's) + the gradient-accumulation pass; B: the rest of the backward (input gradients,
+    recomputation, the backward TP and CP traffic). F + B + W = the stage's whole per-microbatch time."""
     lps = model.layers / layout.pp
     fwd = compute.layer_forward(model, layout, work, cluster)
-    layer_tp = tp_comm.layer_time(model, layout, work, cluster)
-    stage = lps * (compute.layer_compute_time(model, layout, work, cluster) + layer_tp) + t_acc
-    f = lps * (fwd.forward + 2 * t_tp_one)
+    layer_comm = tp_comm.layer_time(model, layout, work, cluster) + cp_comm.layer_time(model, layout, work, cluster)
+    stage = lps * (compute.layer_compute_time(model, layout, work, cluster) + layer_comm) + t_acc
+    f = lps * (fwd.forward + 2 * t_tp_one + cp_comm.exposed_forward_time(model, layout, work, cluster))
     w_pass = lps * fwd.linear + t_acc
     return f, stage - f - w_pass, w_pass
 

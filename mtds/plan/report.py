@@ -36,8 +36,11 @@ def plan_dict(model, work, cluster, result: PlanResult, top: int | None, show_in
 
 
 def _split(pr: Prediction) -> str:
-    """Step-time split in percent: compute/tp/pp/dp/bubble."""
-    return "/".join(f"{100 * pr.time_breakdown_s[k] / pr.step_time_s:.0f}" for k in TIME_PARTS)
+    """Step-time split in percent: compute/tp/pp/dp/bubble (+ cp: context-parallel traffic, where c > 1)."""
+    split = "/".join(f"{100 * pr.time_breakdown_s[k] / pr.step_time_s:.0f}" for k in TIME_PARTS)
+    if "cp_comm" in pr.time_breakdown_s:
+        split += f" +cp {100 * pr.time_breakdown_s['cp_comm'] / pr.step_time_s:.0f}"
+    return split
 
 
 def _mem(pr: Prediction) -> str:
@@ -51,7 +54,7 @@ def render_table(model, work, cluster, predictions: list, title: str, console=No
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=title, caption="layout = t p d b(microbatch) v(virtual stages) z(ZeRO) recompute[+sp] "
+    table = Table(title=title, caption="layout = t [c/cp-comm (context parallel)] p d b(microbatch) v(virtual stages) z(ZeRO) recompute[+sp] "
                                        "schedule; * = train.py cannot run it yet (--json: not_runnable); "
                                        "TFLOP/s = hardware/model; time split % = compute/TP/PP/DP/bubble; "
                                        "memory GiB = total (params/grads/optimizer/activations)")

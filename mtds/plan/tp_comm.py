@@ -19,6 +19,9 @@ Per step with SP, the gradients of the parameters every TP rank holds whole (nor
 biases) are summed over TP: one flat all-reduce under ZeRO-0/1, one per tensor per micro-batch under
 ZeRO-2/3 (DeepSpeed reduces each gradient as backward produces it).
 
+With context parallelism (c > 1) every A and every per-token tensor is the rank's s/c tokens' (the
+context-parallel traffic itself is mtds.plan.cp_comm's).
+
 Bytes are those of the full tensor S (all-reduce: the buffer; all-gather: the gathered result;
 reduce-scatter: the input); what a ring moves per rank (mtds.parallel.ring: 2(n-1)/n S for an all-reduce,
 (n-1)/n S for the other two) is the "bus bytes" of mtds.observe.comm_trace.
@@ -50,7 +53,7 @@ class Collective:
 
 def layer_collectives(model: ModelSpec, layout: Candidate, work: Workload) -> list[Collective]:
     """One transformer layer, one micro-batch (see the module docstring)."""
-    activation = model.seq * layout.microbatch * model.hidden * work.bytes_per_value
+    activation = layout.local_seq(model.seq) * layout.microbatch * model.hidden * work.bytes_per_value
     recompute = 1 if layout.recompute == "full" else 0
     if not layout.sequence_parallel:
         return [Collective("all_reduce", activation, 4 + 2 * recompute)]
@@ -64,7 +67,7 @@ def layer_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Clu
     the input-gradient GEMM of the same linear (QKV, fc1) computes (mtds.tp.sequence_linear, as
     Megatron), so only what the GEMM does not cover is exposed."""
     total = 0.0
-    s, b, h, t = model.seq, layout.microbatch, model.hidden, layout.tp
+    s, b, h, t = layout.local_seq(model.seq), layout.microbatch, model.hidden, layout.tp
     w = work.bytes_per_value
     for c in layer_collectives(model, layout, work):
         one = c.time(t, cluster) / c.calls
@@ -80,7 +83,7 @@ def layer_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Clu
 def end_collectives(model: ModelSpec, layout: Candidate, work: Workload, stage: str) -> list[Collective]:
     """The embedding (stage "first"), the LM head and loss (stage "last"), or both ("all", p = 1);
     one micro-batch."""
-    s, b, h = model.seq, layout.microbatch, model.hidden
+    s, b, h = layout.local_seq(model.seq), layout.microbatch, model.hidden
     activation = s * b * h * work.bytes_per_value
     out = []
     if stage in ("first", "all"):
