@@ -54,7 +54,7 @@ def render_table(model, work, cluster, predictions: list, title: str, console=No
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=title, caption="layout = t [c/cp-comm (context parallel)] p d b(microbatch) v(virtual stages) z(ZeRO) recompute[+sp] "
+    table = Table(title=title, caption="layout = t c/cp-comm(context parallel, c > 1) p d b(microbatch) v(virtual stages) z(ZeRO) recompute[+sp] "
                                        "schedule; * = train.py cannot run it yet (--json: not_runnable); "
                                        "TFLOP/s = hardware/model; time split % = compute/TP/PP/DP/bubble; "
                                        "memory GiB = total (params/grads/optimizer/activations)")
