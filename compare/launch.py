@@ -42,6 +42,7 @@ def entry_args(scheme: Scheme, *, config: str, model: str, steps: int, seq_lengt
             "--steps", str(steps), "--seq-length", str(seq_length), "--log-jsonl", os.path.join(out_dir, "log.jsonl"),
             "--no-progress", "--eval-split", "0", "--lr-decay", "constant",
             *(["--sequence-parallel"] if scheme.sp else []),
+            *(["--cp", str(scheme.cp), "--cp-comm-type", scheme.comm] if scheme.cp > 1 else []),
             *(["--zero1-grad-reduce", scheme.grad_reduce] if scheme.grad_reduce != "reduce-scatter" else []),
             *(["--pipeline-schedule", scheme.schedule, "--virtual-stages", str(scheme.v)]
               if scheme.schedule != "1f1b" else []),

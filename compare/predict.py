@@ -47,7 +47,8 @@ def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, mic
     spec = resolve_model(model, seq=seq)
     layout = Candidate(scheme.tp, scheme.pp, scheme.data_parallel(world), micro_batch, zero_stage=scheme.zero_stage,
                     recompute="none", sequence_parallel=bool(scheme.sp), pipeline_schedule=scheme.schedule,
-                    virtual_stages=2 if scheme.schedule == "dualpipev" else scheme.v)
+                    virtual_stages=2 if scheme.schedule == "dualpipev" else scheme.v, cp=scheme.cp,
+                    cp_comm_type=scheme.comm)
     cluster = Cluster(gpu, world, gpus_per_node=ranks_per_node,
                       inter_gbps=link_bytes_per_s / 1e9 if link_bytes_per_s else None,
                       ranks_per_host=ranks_per_host or world)

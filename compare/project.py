@@ -52,13 +52,14 @@ def paper_rows(gpu: str = "A100-80GB", precision: str = "fp16") -> list[dict]:
 
 def scheme_rows(schemes, model_name: str, gpus: int, global_batch: int, microbatch: int, gpu: str,
                 precision: str) -> list[dict]:
-    """The user's schemes (tp/pp from the spec, d = gpus / (t p)) projected for one model."""
+    """The user's schemes (tp/pp/cp from the spec, d = gpus / (t c p)) projected for one model."""
     Candidate, Workload, Cluster, get_gpu, _, resolve_model, predict, _ = _planner()
     model = resolve_model(model_name)
     rows = []
     for s in schemes:
         layout = Candidate(tp=s.tp, pp=s.pp, dp=s.data_parallel(gpus), microbatch=microbatch,
-                        zero_stage=s.zero_stage, recompute="full", sequence_parallel=bool(s.sp))
+                        zero_stage=s.zero_stage, recompute="full", sequence_parallel=bool(s.sp), cp=s.cp,
+                        cp_comm_type=s.comm)
         pred = predict(model, layout, Workload(global_batch, precision), Cluster(get_gpu(gpu, precision), gpus))
         rows.append({"scheme": s.name, "gpus": gpus, "layout": layout.short(), "global_batch": global_batch,
                      "predicted_tflops": pred.tflops_per_gpu, "predicted_days": pred.days_to_train,

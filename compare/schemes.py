@@ -2,6 +2,7 @@
 
     ptdp:tp=2,pp=2            Megatron TP x DeepSpeed pipeline, ZeRO-1 (ds_configs/cpu_fp32.json)
     ptdp:tp=2,pp=2,sp=1       ... with sequence parallelism (train.py --sequence-parallel)
+    ptdp:tp=2,cp=2,comm=a2a   ... with context parallelism (train.py --cp, --cp-comm-type; comm= p2p default)
     ptdp:pp=2,schedule=interleaved,v=2
                               ... with another pipeline schedule (train.py --pipeline-schedule, --virtual-stages)
     zero3                     plain data parallelism with ZeRO-3 (ds_configs/cpu_zero3_fp32.json)
@@ -42,6 +43,8 @@ class Scheme:
     v: int = 1               # train.py --virtual-stages (interleaved)
     model: str = ""          # another model than the run's --model (an alias of MODEL_ALIASES, preset or file)
     grad_reduce: str = "reduce-scatter"   # train.py --zero1-grad-reduce (mtds's ZeRO-1 schemes)
+    cp: int = 1              # train.py --context-parallel-size (ptdp)
+    comm: str = "p2p"        # train.py --cp-comm-type (with cp > 1)
 
     @property
     def name(self) -> str:
@@ -63,7 +66,8 @@ class Scheme:
         if self.kind == "autotp":
             return f"autotp-t{self.tp}"
         schedule = "" if self.schedule == "1f1b" else f"-{self.schedule}" + (f"-v{self.v}" if self.v > 1 else "")
-        return f"ptdp-t{self.tp}p{self.pp}" + ("-sp" if self.sp else "") + schedule
+        cp = f"-c{self.cp}{self.comm}" if self.cp > 1 else ""
+        return f"ptdp-t{self.tp}p{self.pp}" + cp + ("-sp" if self.sp else "") + schedule
 
     @property
     def hf(self) -> bool:
@@ -75,9 +79,12 @@ class Scheme:
         return 3 if self.kind in ("zero3", "hf-zero3") else 1
 
     def data_parallel(self, world: int) -> int:
-        if world % (self.tp * self.pp):
-            raise ValueError(f"{self.name}: {world} ranks (--nproc, --gpus or nodes x ranks per node) are not divisible by tp x pp = {self.tp * self.pp}")
-        return world // (self.tp * self.pp)
+        """d = world / (t c p): the data-parallel ranks (the c ranks of a context group read the same data)."""
+        mp = self.tp * self.pp * self.cp
+        if world % mp:
+            what = "tp x cp x pp" if self.cp > 1 else "tp x pp"
+            raise ValueError(f"{self.name}: {world} ranks (--nproc, --gpus or nodes x ranks per node) are not divisible by {what} = {mp}")
+        return world // mp
 
 
 def parse_scheme(text: str) -> Scheme:
@@ -87,10 +94,14 @@ def parse_scheme(text: str) -> Scheme:
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("tp", "pp", "sp", "config", "schedule", "v", "model", "grad_reduce"):
-            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, schedule=NAME, v=V, "
-                             f"config=FILE, model=NAME|FILE or grad_reduce=reduce-scatter|all-reduce")
-        fields[key] = value if key in ("config", "schedule", "model", "grad_reduce") else int(value)
+        if not eq or key not in ("tp", "pp", "sp", "cp", "comm", "config", "schedule", "v", "model", "grad_reduce"):
+            raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, cp=C, comm=p2p|a2a, "
+                             f"schedule=NAME, v=V, config=FILE, model=NAME|FILE or grad_reduce=reduce-scatter|all-reduce")
+        fields[key] = value if key in ("config", "schedule", "model", "grad_reduce", "comm") else int(value)
+    if ("cp" in fields or "comm" in fields) and kind != "ptdp":
+        raise ValueError(f"{text!r}: cp= and comm= are context-parallel options of ptdp schemes")
+    if fields.get("comm", "p2p") not in ("p2p", "a2a") or fields.get("cp", 1) < 1:
+        raise ValueError(f"{text!r}: cp= is a positive size and comm= p2p or a2a")
     if fields.get("grad_reduce", "reduce-scatter") not in ("reduce-scatter", "all-reduce") or \
             ("grad_reduce" in fields and kind in ("zero3", "hf-zero3", "autotp")):
         raise ValueError(f"{text!r}: grad_reduce= is reduce-scatter or all-reduce, for mtds's ZeRO-1 schemes "

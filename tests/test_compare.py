@@ -25,8 +25,14 @@ def test_scheme_specs():
     assert args[args.index("--pipeline-schedule") + 1] == "interleaved" and args[args.index("--virtual-stages") + 1] == "2"
     assert "--pipeline-schedule" not in entry_args(s, config=s.config, model="gpt2-tiny", steps=1, seq_length=8,
                                                    out_dir="o")
+    cp = parse_scheme("ptdp:tp=2,cp=2,comm=a2a")
+    assert (cp.cp, cp.comm, cp.name, cp.data_parallel(8)) == (2, "a2a", "ptdp-t2p1-c2a2a", 2)
+    args = entry_args(cp, config=cp.config, model="gpt2-tiny", steps=1, seq_length=8, out_dir="o")
+    assert args[args.index("--cp") + 1] == "2" and args[args.index("--cp-comm-type") + 1] == "a2a"
+    assert "--cp" not in entry_args(s, config=s.config, model="gpt2-tiny", steps=1, seq_length=8, out_dir="o")
     for bad in ("zero3:tp=2", "fsdp", "ptdp:tq=2", "ptdp:tp=1,sp=1", "zero3:sp=1", "zero3:schedule=interleaved",
-                "ptdp:pp=1,schedule=interleaved,v=2", "ptdp:pp=2,schedule=zb-h1,v=2", "ptdp:pp=2,v=2"):
+                "ptdp:pp=1,schedule=interleaved,v=2", "ptdp:pp=2,schedule=zb-h1,v=2", "ptdp:pp=2,v=2",
+                "zero3:cp=2", "ptdp:cp=2,comm=ring", "ptdp:cp=0"):
         try:
             parse_scheme(bad)
         except ValueError:
