@@ -166,12 +166,34 @@ def test_two_ranks_match_transformers_and_packed_documents(tmp_path):
         assert loss < BF16_TOL["loss"] and norm < BF16_TOL["norm"], (f"bf16 c = 2 {comm}", loss, norm)
 
 
+def _schedule_configs():
+    """The other pipeline schedules with c = 2 x p = 2 (the stage boundary carries [b, s/c, h]), both comm
+    types, a 4-block Llama at seq 128, 4 steps, against d = 4 (ZeRO-1)."""
+    model = dataclasses.replace(llama(), num_layers=4)
+    ds = ds_config(zero=1, train_batch_size=4, train_micro_batch_size_per_gpu=1)
+    kw = dict(model=model, seq_length=128, deepspeed_config=ds, lr=LR, min_lr=LR / 10, steps=4)
+    return [train_config(**kw)] + [
+        train_config(context_parallel_size=2, pp=2, pipeline_schedule=name, virtual_stages=v, cp_comm_type=comm, **kw)
+        for name, v, comm in SCHEDULES]
+
+
+SCHEDULES = [("interleaved", 2, "p2p"), ("zb-h1", 1, "a2a"), ("dualpipev", 1, "p2p")]
+
+
 def test_four_ranks_match_transformers():
     """TP 2 + SP with c = 2, c = 4 with the ring recomputed, c = 2 x d = 2 (ZeRO-1 over d·c), a 1F1B
-    pipeline of 2 stages with c = 2: all against transformers at seq 1024."""
+    pipeline of 2 stages with c = 2: all against transformers at seq 1024; interleaved, zb-h1 and DualPipeV
+    with c = 2 against d = 4."""
     model = llama()
-    results = run_layouts(4, [_config(case, model) for case in CASES[4]])[0]
-    _assert_cases(4, results, model)
+    configs = [_config(case, model) for case in CASES[4]] + _schedule_configs()
+    per_rank = run_layouts(4, configs)
+    n = len(CASES[4])
+    _assert_cases(4, per_rank[0][:n], model)
+    last = per_rank[-1][n:]     # the last stage reports a pipeline's loss (DualPipeV: every rank)
+    plain = last[0]
+    for (name, _, comm), result in zip(SCHEDULES, last[1:]):
+        assert f"pp=2" in result.layout and "cp=2" in result.layout, (name, result.layout)
+        _assert_close(result, plain, f"{name} c = 2 {comm}")
 
 
 LLAMA_SHAPE = dict(num_heads=4, kv_heads=2)
@@ -186,14 +208,12 @@ LLAMA_SHAPE = dict(num_heads=4, kv_heads=2)
                                               "key/value heads per TP rank divisible by C=4: use --cp-comm-type p2p"),
     (dict(cp=2), dict(dropout=0.1), "--cp 2 with dropout (hidden 0.1, attention 0.1) is not supported yet"),
     (dict(cp=2), dict(reset_position_ids=True), "--reset-position-ids with --cp 2 is not supported yet"),
-    (dict(cp=2, pp=2), dict(pipeline_schedule="zb-h1"), "--cp 2 with --pp 2 runs on the 1f1b schedule only"),
 ])
 def test_refusals_are_one_line(layout, options, message):
     model = llama()
     if options.pop("dropout", None):
         model = dataclasses.replace(model, hidden_dropout=0.1, attention_dropout=0.1)
-    kw = dict(seq_length=1024, comm_type="p2p", sequence_parallel=False, reset_position_ids=False,
-              pipeline_schedule="1f1b")
+    kw = dict(seq_length=1024, comm_type="p2p", sequence_parallel=False, reset_position_ids=False)
     kw.update(options)
     shape = ParallelLayout(**layout)
     with pytest.raises(ContextParallelError) as err:

@@ -10,7 +10,7 @@ from mtds.cp.ulysses import check_ulysses_heads
 
 
 def check_context_parallel(layout, model_cfg, *, seq_length: int, comm_type: str, sequence_parallel: bool,
-                           reset_position_ids: bool, pipeline_schedule: str) -> None:
+                           reset_position_ids: bool) -> None:
     c, t = layout.cp, layout.tp
     if c == 1:
         return
@@ -32,6 +32,3 @@ def check_context_parallel(layout, model_cfg, *, seq_length: int, comm_type: str
                                    f"supported yet: use --cp 1 or --seq-length <= the window")
     if model_cfg.num_experts:
         raise ContextParallelError(f"mixture-of-experts models with --cp {c} are not supported yet: use --cp 1")
-    if layout.pp > 1 and pipeline_schedule != "1f1b":
-        raise ContextParallelError(f"--cp {c} with --pp {layout.pp} runs on the 1f1b schedule only so far: use "
-                                   f"--pipeline-schedule 1f1b")

@@ -145,8 +145,6 @@ def context_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
     kv = model.kv_heads or model.heads
     if layout.cp_comm_type == "a2a" and ((model.heads // t) % c or (kv // t) % c):
         out.append(f"a2a needs the {model.heads // t} query and {kv // t} KV heads per TP rank divisible by c={c}")
-    if layout.pp > 1 and layout.pipeline_schedule != "1f1b":
-        out.append("context parallelism with p > 1 runs the 1f1b schedule only (mtds.cp.checks)")
     return out
 
 

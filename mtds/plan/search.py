@@ -97,7 +97,7 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
                 bs = [b for b in _divisors(per_pipe) if b <= max_microbatch] if per_pipe else []
             vs = [fixed["virtual_stages"]] if fixed.get("virtual_stages") else (
                 _divisors(model.layers // p) if p > 1 and model.layers % p == 0 else [1])
-            schedules = _schedules(fixed.get("pipeline_schedule"), p, c)
+            schedules = _schedules(fixed.get("pipeline_schedule"), p)
             zs = [fixed["zero_stage"]] if fixed.get("zero_stage") is not None else (
                 [0] if d * c == 1 else [0, 1] if p > 1 else [0, 1, 2, 3])
             rs = [fixed["recompute"]] if fixed.get("recompute") else list(RECOMPUTE_MODES)
@@ -113,14 +113,13 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
                                     yield Candidate(t, p, d, b, v, z, r, sp, sched, cp=c, cp_comm_type=ct)
 
 
-def _schedules(fixed, p: int, c: int = 1) -> list[str]:
-    """Schedules to try: the fixed one(s), else all (1f1b alone with context parallelism, what train.py
-    runs); p = 1 has no pipeline (1f1b stands for none)."""
+def _schedules(fixed, p: int) -> list[str]:
+    """Schedules to try: the fixed one(s), else all; p = 1 has no pipeline (1f1b stands for none)."""
     if p == 1:
         return ["1f1b"]
     if fixed:
         return [fixed] if isinstance(fixed, str) else list(fixed)
-    return ["1f1b"] if c > 1 else list(PIPELINE_SCHEDULES)
+    return list(PIPELINE_SCHEDULES)
 
 
 def _chunks_fit(schedule: str, v: int) -> bool:

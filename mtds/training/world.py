@@ -70,8 +70,7 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
     if cfg.sequence_parallel:
         layout.check_sequence_parallel(cfg.seq_length)
     check_context_parallel(layout, model_cfg, seq_length=cfg.seq_length, comm_type=cfg.cp_comm_type,
-                           sequence_parallel=cfg.sequence_parallel, reset_position_ids=cfg.reset_position_ids,
-                           pipeline_schedule=cfg.pipeline_schedule)
+                           sequence_parallel=cfg.sequence_parallel, reset_position_ids=cfg.reset_position_ids)
     if cfg.pipeline_layout and layout.pp > 1:   # checked before any process group exists
         parse_layout(cfg.pipeline_layout, stages=layout.pp * layout.vp, num_layers=model_cfg.num_layers)
 
