@@ -192,7 +192,7 @@ def test_four_ranks_match_transformers():
     last = per_rank[-1][n:]     # the last stage reports a pipeline's loss (DualPipeV: every rank)
     plain = last[0]
     for (name, _, comm), result in zip(SCHEDULES, last[1:]):
-        assert f"pp=2" in result.layout and "cp=2" in result.layout, (name, result.layout)
+        assert "pp=2" in result.layout and "cp=2" in result.layout, (name, result.layout)
         _assert_close(result, plain, f"{name} c = 2 {comm}")
 
 
