@@ -48,6 +48,10 @@ def _engine_optimizers(paths):
     import deepspeed
     import torch
     from torch import nn
+
+    from mtds.training.distributed import init_distributed
+    # as mtds starts DeepSpeed: without it, DeepSpeed's comm start JIT-builds an inference-only op (~20 s)
+    init_distributed()
     found = []
     for path in paths:
         config = _prepared(path, "cpu")

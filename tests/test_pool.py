@@ -75,6 +75,7 @@ def _dirty_everything():
     from mtds.observe.comm_trace import CommTracer
     # An engine left alive: ZeRO-1's gradient hooks refer back to it from inside autograd (a cycle gc
     # cannot see), and it holds process groups the next body must not inherit the threads of.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False     # as mtds does: no inference-only JIT build
     deepspeed.initialize(model=torch.nn.Linear(4, 4), config={
         "train_batch_size": 2 * dist.get_world_size(), "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "zero_optimization": {"stage": 1}})
