@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from mtds.local_ranks import rank_setup
 from mtds.local_ranks import spawn as local_ranks
 from mtds.local_ranks.rank_setup import RankFailure, free_port
 from mtds.local_ranks.spawn import DEVICES
@@ -39,6 +40,9 @@ def use_pools(device: str = "cpu") -> None:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     _pool_device = device
     local_ranks.set_pool_runner(_run_on_pool)
+    # Each pooled rank imports every mtds module before its reset state is taken (~2 s a rank on two
+    # cores, at every start and restart of a pool): done once in the forkserver instead.
+    rank_setup.preload_also(["lab.testing.preload"])
 
 
 def close_pools() -> None:
@@ -50,6 +54,7 @@ def close_pools() -> None:
     _pools.clear()
     _pool_device = None
     local_ranks.set_pool_runner(None)
+    rank_setup.preload_also([])
 
 
 def pool_stats() -> dict[int, tuple[int, int]]:

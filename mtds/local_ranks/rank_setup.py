@@ -33,10 +33,17 @@ def rank_environment(rank: int, world: int, port: int, device: str) -> dict[str,
     return env
 
 
-# Imported once in the forkserver, so every rank it forks starts with them (pooled ranks import the
-# rest of mtds themselves before the state they are reset to is taken).
+# Imported once in the forkserver, so every rank it forks starts with them (the test pools add the rest
+# of mtds: preload_also).
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers",
            "mtds.training"]
+_also_preload: list[str] = []
+
+
+def preload_also(modules: list[str]) -> None:
+    """More modules for the forkserver to import (the test pools': every mtds module, so that no pooled
+    rank imports them itself), from its next start on; ``[]`` for :data:`PRELOAD` alone."""
+    _also_preload[:] = modules
 
 
 def start_context(dev: str):
@@ -46,7 +53,7 @@ def start_context(dev: str):
     if dev == "cuda":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD + _also_preload)
     _start_forkserver_without_gpus()
     return ctx
 
