@@ -46,14 +46,14 @@ class Case:
 
 
 # world -> cases; together both comm types at c = 2 and 4, TP 2 + SP, d = 2 with ZeRO-1 over d·c, a 1F1B
-# pipeline and the ring recomputed (selective)
+# pipeline, the ring recomputed (selective) and whole blocks with Ulysses inside recomputed (full)
 TRACED = (("trace_comm", True),)     # the world-2 cases also count their bytes (cp_bytes_per_step)
 CASES = {
     2: [Case(1, 2, 1, "p2p", switches=TRACED, world=2), Case(1, 2, 1, "a2a", zero=1, switches=TRACED, world=2)],
     4: [Case(2, 2, 1, "p2p", zero=1, switches=(("sequence_parallel", True),), world=4),
         Case(1, 4, 1, "p2p", switches=(("recompute", "selective"),), world=4),
         Case(1, 4, 1, "a2a", world=4),
-        Case(1, 2, 1, "a2a", zero=1, world=4),
+        Case(1, 2, 1, "a2a", zero=1, switches=(("recompute", "full"),), world=4),
         Case(1, 2, 2, "p2p", world=4)],
 }
 
@@ -184,7 +184,8 @@ SCHEDULES = [("interleaved", 2, "p2p"), ("zb-h1", 1, "a2a"), ("dualpipev", 1, "p
 
 
 def test_four_ranks_match_transformers():
-    """TP 2 + SP with c = 2, c = 4 with the ring recomputed, c = 2 x d = 2 (ZeRO-1 over d·c), a 1F1B
+    """TP 2 + SP with c = 2, c = 4 with the ring recomputed, c = 2 x d = 2 (ZeRO-1 over d·c, full
+    recomputation), a 1F1B
     pipeline of 2 stages with c = 2: all against transformers at seq 1024; interleaved, zb-h1 and DualPipeV
     with c = 2 against d = 4."""
     model = llama()

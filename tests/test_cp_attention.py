@@ -113,9 +113,33 @@ def _cp_worker():
                 out.backward(split_sequence(do, world, rank, dim=2).to(dev))
                 for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in mine)), ref):
                     results[f"{name}_{what}"] = _close(got, want[:, :, pos])
+    results.update(_tiled(q, k, v, do, group, dev, gen))
     if world == 2:
         results.update(_compiled(q, k, v, do, group, dev))
     return results, errors
+
+
+def _tiled(q, k, v, do, group, dev, gen):
+    """The ring with its blocks cut into tiles of one query row (mtds.cp.blocks.SCORE_ELEMENTS, which bounds
+    a block's scores at long sequences), causal and with documents, against the same dense reference."""
+    from mtds.cp import blocks
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pos, found, saved = local_positions(S, world, rank), {}, blocks.SCORE_ELEMENTS
+    blocks.SCORE_ELEMENTS = 1
+    try:
+        for docs in (False, True):
+            segments = _documents(gen) if docs else None
+            ref = _reference(q, k, v, do, segments)
+            mine = [split_sequence(t, world, rank, dim=2).to(dev).requires_grad_() for t in (q, k, v)]
+            local_segments = None if segments is None else split_sequence(segments, world, rank).to(dev)
+            assert len(blocks.row_tiles(mine[0].view(B, k.shape[1], -1, *mine[0].shape[2:]), 8)) == S // world
+            out = cp_attention("p2p", *mine, group=group, segments=local_segments)
+            out.backward(split_sequence(do, world, rank, dim=2).to(dev))
+            for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in mine)), ref):
+                found[f"tiled_p2p_{'docs' if docs else 'causal'}_{what}"] = _close(got, want[:, :, pos])
+    finally:
+        blocks.SCORE_ELEMENTS = saved
+    return found
 
 
 def _compiled(q, k, v, do, group, dev):
@@ -146,6 +170,7 @@ def test_cp_attention_matches_dense(world):
         expected = {f"{comm}_hkv{hkv}_{kind}_{what}" for comm in ("p2p", "a2a") for hkv in (4, 2)
                     for kind in ("causal", "docs") for what in ("out", "dq", "dk", "dv")
                     if not (comm == "a2a" and hkv == 2 and world == 4)}
+        expected |= {f"tiled_p2p_{kind}_{what}" for kind in ("causal", "docs") for what in ("out", "dq", "dk", "dv")}
         if world == 2:
             expected |= {f"compiled_{comm}_{what}" for comm in ("p2p", "a2a") for what in ("out", "dq", "dk", "dv")}
         assert set(results) == expected
