@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ def bytes_per_step(comm: str, c: int, seq: int, hidden: int, layers: int, b: int
 
 
 def launch(seq: int, c: int, comm: str, args, work: str) -> dict:
+    from benchmarks.bench_schedules import run_train
     from lab.testing import free_port
     case = os.path.join(work, f"s{seq}_c{c}_{comm}")
     os.makedirs(case, exist_ok=True)
@@ -74,15 +74,10 @@ def launch(seq: int, c: int, comm: str, args, work: str) -> dict:
            write_ds_config(os.path.join(case, "ds.json")), "--model", model, "--seq-length", str(seq),
            "--cp", str(c), "--cp-comm-type", comm, "--steps", str(args.steps), "--eval-split", "0",
            "--lr-decay", "constant", "--no-progress", "--log-jsonl", jsonl]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
-    with open(os.path.join(case, "stdout.txt"), "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        with open(os.path.join(case, "stdout.txt")) as f:
-            errors = [line.strip() for line in f if line.startswith("error:")]
-        return {"error": errors[0] if errors else f"train.py exit {proc.returncode}, see {case}/stdout.txt"}
+    error = run_train(cmd, case)
+    if error:
+        return {"error": error}
     with open(jsonl) as f:
         steps = [r for r in map(json.loads, f) if r.get("kind", "train") == "train" and "tokens_per_s" in r]
     rates = [r["tokens_per_s"] for r in steps if r["step"] >= 2]

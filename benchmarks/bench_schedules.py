@@ -44,6 +44,20 @@ def write_ds_config(path: str, m: int, micro: int) -> str:
     return path
 
 
+def run_train(cmd: list[str], case: str) -> str | None:
+    """Run a train.py launch from the repository root, its output in CASE/stdout.txt; None if it exited 0,
+    else its first ``error:`` line (or where to look)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    with open(os.path.join(case, "stdout.txt"), "w") as out:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode == 0:
+        return None
+    with open(os.path.join(case, "stdout.txt")) as f:
+        errors = [line.strip() for line in f if line.startswith("error:")]
+    return errors[0] if errors else f"train.py exit {proc.returncode}, see {case}/stdout.txt"
+
+
 def launch(args, name: str, v: int, m: int, model: str, work: str, extra: tuple = (), tag: str = "") -> dict:
     """One train.py run (v: chunks per rank, passed on for interleaved only; ``extra``: more train.py
     flags, ``tag`` names their case folder); returns per-step bubble records (steps 2..N), the timeline
@@ -59,15 +73,10 @@ def launch(args, name: str, v: int, m: int, model: str, work: str, extra: tuple 
            "--virtual-stages", str(v if name == "interleaved" else 1), "--model", model, "--seq-length", str(args.seq_length),
            "--steps", str(args.steps), "--eval-split", "0", "--lr-decay", "constant", "--no-progress",
            "--log-jsonl", jsonl, "--timeline", trace, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
-    with open(os.path.join(case, "stdout.txt"), "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        with open(os.path.join(case, "stdout.txt")) as f:
-            errors = [line.strip() for line in f if line.startswith("error:")]
-        return {"error": errors[0] if errors else f"train.py exit {proc.returncode}, see {case}/stdout.txt"}
+    error = run_train(cmd, case)
+    if error:
+        return {"error": error}
     with open(jsonl) as f:
         steps = [r for r in map(json.loads, f) if r.get("kind", "train") == "train" and "bubble" in r]
     return {"steps": [r for r in steps if r["step"] >= 2], "png": os.path.splitext(trace)[0] + ".png",

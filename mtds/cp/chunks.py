@@ -69,3 +69,12 @@ def held_order(seq_length: int, cp: int, device=None) -> torch.Tensor:
     """Inverse of :func:`gather_order`: ``natural[..., held, ...]`` is the ranks' parts concatenated
     (``held[j]`` = global position of the j-th token of that concatenation)."""
     return torch.cat([local_positions(seq_length, cp, r, device=device) for r in range(cp)])
+
+
+def check_attention_shapes(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [b, hq, sl, d] and k, v [b, hkv, sl, d] with hq a multiple of hkv (GQA), as both kernels take them."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ContextParallelError(f"{name} needs q [b, hq, sl, d] and k, v [b, hkv, sl, d], got "
+                                   f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ContextParallelError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")

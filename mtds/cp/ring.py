@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mtds.cp.blocks import block_backward, block_forward, merge
-from mtds.cp.chunks import ContextParallelError, check_cp_sequence, local_positions
+from mtds.cp.chunks import ContextParallelError, check_attention_shapes, check_cp_sequence, local_positions
 from mtds.cp.exchange import RingHop
 
 _ALL = slice(None)
@@ -141,11 +141,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     ids of the local tokens (a token attends to earlier-or-same-position tokens of its own document);
     ``scale`` defaults to 1/√d. Returns [b, hq, sl, d] in q's dtype. No dropout.
     """
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ContextParallelError(f"ring_attention needs q [b, hq, sl, d] and k, v [b, hkv, sl, d], got "
-                                   f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ContextParallelError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    check_attention_shapes("ring_attention", q, k, v)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     check_cp_sequence(q.shape[2] * size, size)
     if segments is not None and segments.shape != (q.shape[0], q.shape[2]):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mtds.cp.chunks import ContextParallelError, check_cp_sequence, gather_order, held_order
+from mtds.cp.chunks import ContextParallelError, check_attention_shapes, check_cp_sequence, gather_order, held_order
 
 
 def check_ulysses_heads(q_heads: int, kv_heads: int, cp: int) -> None:
@@ -89,11 +89,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     ``segments`` [b, sl] int64 document ids, ``scale`` default 1/√d; returns [b, hq, sl, d].
     Needs hq and hkv divisible by C.
     """
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ContextParallelError(f"ulysses_attention needs q [b, hq, sl, d] and k, v [b, hkv, sl, d], got "
-                                   f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ContextParallelError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    check_attention_shapes("ulysses_attention", q, k, v)
     cp = dist.get_world_size(group) if dist.is_initialized() else 1
     check_ulysses_heads(q.shape[1], k.shape[1], cp)
     if scale is None:
