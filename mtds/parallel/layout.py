@@ -138,7 +138,7 @@ class ParallelLayout:
         return [(t, c, d, p) for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)
                 for t in range(self.tp)]
 
-    def _groups(self, varying: str) -> list[list[int]]:
+    def _axis_groups(self, varying: str) -> list[list[int]]:
         """The groups of ranks that differ only in the axes named in ``varying`` (letters of "tcdp")."""
         out: dict[tuple, list[int]] = {}
         for coords in self._ranks():
@@ -148,26 +148,26 @@ class ParallelLayout:
         return list(out.values())
 
     def tp_groups(self) -> list[list[int]]:
-        return self._groups("t")
+        return self._axis_groups("t")
 
     def cp_groups(self) -> list[list[int]]:
         """Context-parallel groups: the c ranks that split one sequence (same t, d and p coordinates)."""
-        return self._groups("c")
+        return self._axis_groups("c")
 
     def dp_groups(self) -> list[list[int]]:
         """Data-parallel groups (d ranks; the data loader's)."""
-        return self._groups("d")
+        return self._axis_groups("d")
 
     def dp_cp_groups(self) -> list[list[int]]:
         """The d·c ranks that sum their gradients (DeepSpeed's data-parallel group); the dp groups when c = 1."""
-        return self._groups("cd")
+        return self._axis_groups("cd")
 
     def pp_groups(self) -> list[list[int]]:
-        return self._groups("p")
+        return self._axis_groups("p")
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups (tensor x pipeline): all ranks that hold one model replica."""
-        return self._groups("tp")
+        return self._axis_groups("tp")
 
     def topology(self):
         """DeepSpeed's topology for this layout (same rank order as :meth:`coords`): its data axis is d·c."""
