@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mtds.parallel.choices import CP_COMM_TYPES
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = {"ptdp": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
                    "zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json"),
@@ -100,7 +102,7 @@ def parse_scheme(text: str) -> Scheme:
         fields[key] = value if key in ("config", "schedule", "model", "grad_reduce", "comm") else int(value)
     if ("cp" in fields or "comm" in fields) and kind != "ptdp":
         raise ValueError(f"{text!r}: cp= and comm= are context-parallel options of ptdp schemes")
-    if fields.get("comm", "p2p") not in ("p2p", "a2a") or fields.get("cp", 1) < 1:
+    if fields.get("comm", "p2p") not in CP_COMM_TYPES or fields.get("cp", 1) < 1:
         raise ValueError(f"{text!r}: cp= is a positive size and comm= p2p or a2a")
     if fields.get("grad_reduce", "reduce-scatter") not in ("reduce-scatter", "all-reduce") or \
             ("grad_reduce" in fields and kind in ("zero3", "hf-zero3", "autotp")):

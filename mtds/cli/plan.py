@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
-from mtds.plan.candidate import CP_COMM_TYPES, Workload
+from mtds.parallel.choices import CP_COMM_TYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.plan.candidate import Workload
 from mtds.plan.hardware import DEFAULT_PROFILE, Cluster, get_gpu, gpu_names
 from mtds.plan.model_spec import ModelSpec, resolve_model
 

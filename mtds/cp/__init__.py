@@ -12,8 +12,9 @@ from mtds.cp.chunks import (ContextParallelError, check_cp_sequence, gather_orde
                             split_sequence)
 from mtds.cp.ring import ring_attention
 from mtds.cp.ulysses import check_ulysses_heads, ulysses_attention
+from mtds.parallel.choices import CP_COMM_TYPES
 
-COMM_TYPES = {"p2p": ring_attention, "a2a": ulysses_attention}
+COMM_TYPES = dict(zip(CP_COMM_TYPES, (ring_attention, ulysses_attention)))     # p2p: ring, a2a: Ulysses
 
 
 def cp_attention(comm_type: str, q, k, v, *, group=None, segments=None, scale=None):

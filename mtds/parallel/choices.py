@@ -9,3 +9,6 @@ OWN_ENGINE = ("interleaved", "zb-h1")
 
 # --recompute: none, selective (the attention core), full (whole blocks, --recompute-interval at a time)
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+# --cp-comm-type: p2p = ring attention (mtds.cp.ring), a2a = Ulysses all-to-all (mtds.cp.ulysses)
+CP_COMM_TYPES = ("p2p", "a2a")

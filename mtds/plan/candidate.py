@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mtds.parallel.layout import ParallelLayout
 
-# --cp-comm-type: ring attention (point-to-point K/V hops) or Ulysses (all-to-alls); train.py's choices
-CP_COMM_TYPES = ("p2p", "a2a")
 
 
 @dataclass(frozen=True)

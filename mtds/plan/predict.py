@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mtds.plan import comm, compute, cp_comm, host_costs, pipeline, tp_comm
-from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
-from mtds.plan.candidate import CP_COMM_TYPES, Candidate, Workload
+from mtds.parallel.choices import CP_COMM_TYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
 from mtds.plan.model_spec import ModelSpec

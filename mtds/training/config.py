@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from mtds.parallel.choices import RECOMPUTE_MODES
+from mtds.parallel.choices import CP_COMM_TYPES, RECOMPUTE_MODES
 from mtds.training.options import check_ranges, opt
 
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
-CP_COMM_TYPES = ("p2p", "a2a")
 LR_DECAYS = ("cosine", "linear", "constant")
 ON_NAN = ("stop", "skip")
 PIPELINE_BALANCES = ("uniform", "cost")
