@@ -417,13 +417,14 @@ def test_unbuilt_layouts_are_refused(layout, expert_ffn, needle):
 
 
 @pytest.mark.parametrize("flag, value, words", [
-    ("--expert-model-parallel-size", "2", "expert parallelism is not built yet"),
+    ("--expert-tensor-parallel-size", "2", "expert TP = TP"),
     ("--moe-expert-capacity-factor", "1.25", "dropless"),
     ("--moe-shared-expert-intermediate-size", "64", "shared experts"),
 ])
 def test_megatron_moe_flags_say_what_is_built(flag, value, words, capsys):
     """Megatron's MoE flags: one error line with what mtds does instead (expert parallelism and a
-    capacity factor cannot be asked for, so neither is ever silently ignored)."""
+    capacity factor cannot be asked for, so neither is ever silently ignored). Megatron's
+    --expert-model-parallel-size is train.py's own flag (alias --ep)."""
     from mtds.training.cli import build_parser
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["--deepspeed_config", "ds_configs/cpu_fp32.json", flag, value])

@@ -104,6 +104,11 @@ CAPABILITIES = (
         Target(ENGINE, "clip_fp32_gradients", M),
         Target(ENGINE, "_take_model_step", ("lr_kwargs",)),
         Target(ENGINE, "_global_grad_norm", A, instance=True))),
+    Capability("keep rank-unique parameters out of the start-up broadcast", (
+        Target(ENGINE, "_broadcast_model", M),)),
+    Capability("reduce expert-parallel gradients apart from DeepSpeed's data-parallel reduction", (
+        Target(ENGINE, "buffered_allreduce_fallback", ("grads", "elements_per_buffer")),
+        Target(ENGINE, "allreduce_gradients", ("bucket_size",)))),
     Capability("sum sequence-parallel gradients before the data-parallel reduction", (
         Target(ENGINE, "allreduce_gradients", M),
         Target(BF16, "__init__", A))),

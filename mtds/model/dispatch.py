@@ -1,30 +1,49 @@
-"""Token dispatch: which rows go to which expert, and back. Kept apart from the expert compute so expert
-parallelism can replace it (an all-to-all of the sorted rows, counts first, to the ranks that own the
-experts; the same inverse on the way back) without touching the router or the experts.
+"""Token dispatch: which rows go to which expert, and back, kept apart from the router and the experts.
 
-This increment is local: every rank holds every expert, so dispatch is a stable sort of the N·k
-(token, slot) assignments by expert and an ``index_select`` of the token rows; combine multiplies each
-expert output row by its routing weight and ``index_add``s it into its token. Dropless: every assignment
-is computed (no capacity, as transformers).
+:class:`LocalDispatcher` (every rank holds every expert): a stable sort of the N·k (token, slot)
+assignments by expert and an ``index_select`` of the token rows; combine multiplies each expert output row
+by its routing weight and ``index_add``s it into its token. Dropless: every assignment is computed (no
+capacity, as transformers).
+
+:class:`AllToAllDispatcher` (expert parallelism, e ranks each holding E/e consecutive experts): the same
+sort, then the rows of rank j's experts (consecutive after the sort) go to rank j by one all-to-all with
+uneven splits, the per-expert counts exchanged first (an all-to-all of E integers; their host copy sizes
+the exchange, one sync per block as in Megatron's alltoall dispatcher). A rank receives its experts' rows
+grouped by source rank, regroups them by expert for the expert loop, and sends the outputs back by the
+inverse exchange; the routing weight is applied on the token's own rank, after the return trip, so the
+router's gradient never crosses ranks. Bytes per block and direction: the rows leaving this rank, (N·k -
+own rows)·h·bytes, the same again on the way back, and as much again in backward.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mtds.model.router import Routing
+from mtds.tp import all_to_all
 
 
 @dataclass
 class Dispatched:
     """Rows grouped by expert: ``rows`` [N·k, h] sorted by expert (stable: token order within one),
     ``counts`` [E] rows per expert (a CPU list: the expert loop splits by it), ``token`` [N·k] the token
-    each row came from, ``order`` [N·k] its flat (token, slot) position in the routing."""
+    each row came from, ``order`` [N·k] its flat (token, slot) position in the routing. With expert
+    parallelism ``rows`` / ``counts`` are the rows this rank's experts received (counts per local expert)
+    and ``exchange`` what the return trip needs."""
     rows: torch.Tensor
     counts: list[int]
     token: torch.Tensor
     order: torch.Tensor
+    exchange: "_Exchange | None" = None
+
+
+@dataclass
+class _Exchange:
+    sent: list[int]          # rows this rank sent to each rank of the group
+    received: list[int]      # rows it received from each
+    by_expert: torch.Tensor  # received rows (grouped by source) in local-expert order: rows = received[by_expert]
 
 
 class LocalDispatcher:
@@ -46,3 +65,43 @@ class LocalDispatcher:
         weighted = (outputs * weights.unsqueeze(-1)).to(outputs.dtype)
         out = outputs.new_zeros(num_tokens, outputs.shape[-1])
         return out.index_add(0, sent.token, weighted)
+
+
+class AllToAllDispatcher(LocalDispatcher):
+    """Expert parallelism over ``group`` (e ranks; rank j holds experts [j·E/e, (j+1)·E/e))."""
+
+    def __init__(self, num_experts: int, group):
+        super().__init__(num_experts)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.local = num_experts // self.world
+
+    def dispatch(self, tokens: torch.Tensor, routing: Routing) -> Dispatched:
+        k, e, L = routing.experts.shape[-1], self.world, self.local
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = torch.div(order, k, rounding_mode="floor")
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        incoming = torch.empty_like(counts)     # [source j, local expert]: rows j sends to each of my experts
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        both = torch.stack([counts, incoming]).view(2, e, L).tolist()     # one host sync for both
+        sent, incoming = [sum(row) for row in both[0]], both[1]
+        received = [sum(row) for row in incoming]
+        rows = all_to_all(tokens.index_select(0, token), self.group, received, sent)
+        # received rows are grouped by source, each source's by expert: regroup by expert, then source
+        starts = [0]
+        for row in incoming[:-1]:
+            starts.append(starts[-1] + sum(row))
+        device = rows.device
+        by_expert = torch.cat([torch.arange(starts[j] + sum(incoming[j][:x]), starts[j] + sum(incoming[j][:x + 1]),
+                                            device=device) for x in range(L) for j in range(e)])
+        per_expert = [sum(incoming[j][x] for j in range(e)) for x in range(L)]
+        return Dispatched(rows.index_select(0, by_expert), per_expert, token, order,
+                          _Exchange(sent, received, by_expert))
+
+    def combine(self, outputs: torch.Tensor, routing: Routing, sent: Dispatched, num_tokens: int) -> torch.Tensor:
+        x = sent.exchange
+        # back to source order, then home: the rows return in the order this rank sent them
+        in_source_order = outputs.new_empty(outputs.shape).index_copy(0, x.by_expert, outputs)
+        home = all_to_all(in_source_order, self.group, x.sent, x.received)
+        return super().combine(home, routing, sent, num_tokens)

@@ -1,36 +1,64 @@
 """The experts of one MoE block, each a SwiGLU MLP tensor-parallel like the dense one (Megatron's
 expert-tensor-parallel size = t): gate|up column-parallel, down row-parallel, its partial sums
 all-reduced over the TP group. Stored as transformers' 3-D tensors, ``gate_up`` [E, 2F, h] (each
-expert's [gate | up] split separately over TP, dim 1) and ``down`` [E, h, F] (split on dim 2), so a
-grouped GEMM and expert parallelism (a slice of dim 0) can come later without another layout.
+expert's [gate | up] split separately over TP, dim 1) and ``down`` [E, h, F] (split on dim 2).
+
+Expert parallelism (e ranks): this rank holds experts [j·E/e, (j+1)·E/e) of both tensors (j its expert
+shard), dim 0 sliced; their values are those of the same experts at e = 1 (the init draws the full tensor's
+sequence and keeps this rank's rows). Such parameters carry ``expert_parallel`` (their gradient is summed
+over the expert-data-parallel group only, and the global norm sums their squares over the EP group) and
+``expert_rows`` (the slice of dim 0 they hold, for loading full tensors).
 
 The local experts run as a loop, one pair of GEMMs per expert that got rows (no grouped GEMM yet).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from mtds.model.config import ModelConfig
-from mtds.tp import reduce_from_tensor_parallel_region
-from mtds.tp.layers import sharded_parameter
+from mtds.tp import mark_tensor_parallel, reduce_from_tensor_parallel_region
+from mtds.tp.init_shard import build_shard
+from mtds.tp.layers import tp_world_and_rank
 
 from mtds.model.init import normal_init, output_init
 
 
+def expert_range(num_experts: int, ep_group) -> tuple[int, int]:
+    """The experts [a, b) this rank holds."""
+    if ep_group is None:
+        return 0, num_experts
+    e, j = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    local = num_experts // e
+    return j * local, (j + 1) * local
+
+
+def _expert_parameter(shape, dim, tp_group, init, segments, rows: tuple[int, int], expert_parallel: bool):
+    t, rank = tp_world_and_rank(tp_group)
+    param = nn.Parameter(build_shard(shape, dim, t, rank, init, segments, rows=rows).to(torch.get_default_dtype()))
+    mark_tensor_parallel(param, dim, segments)
+    if expert_parallel:
+        param.expert_parallel = True
+        param.expert_rows = rows
+    return param
+
+
 class TensorParallelExperts(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, ep_group=None):
         super().__init__()
         E, ffn, h = cfg.num_experts, cfg.moe_ffn_size, cfg.hidden_size
         self.group = tp_group
-        self.gate_up = sharded_parameter((E, 2 * ffn, h), 1, tp_group, normal_init(cfg.init_std), (ffn, ffn),
-                                          None, None)
-        self.down = sharded_parameter((E, h, ffn), 2, tp_group, output_init(cfg), None, None, None)
+        rows = expert_range(E, ep_group)
+        split = ep_group is not None
+        self.gate_up = _expert_parameter((E, 2 * ffn, h), 1, tp_group, normal_init(cfg.init_std), (ffn, ffn), rows,
+                                         split)
+        self.down = _expert_parameter((E, h, ffn), 2, tp_group, output_init(cfg), None, rows, split)
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` [sum(counts), h] grouped by expert (``counts[e]`` rows for expert e), replicated over
-        TP and entered into the region by the caller; the full outputs, same order."""
+        """``rows`` [sum(counts), h] grouped by local expert (``counts[e]`` rows for expert e), replicated
+        over TP and entered into the region by the caller; the full outputs, same order."""
         outputs = []
         for e, x in enumerate(rows.split(counts)):
             if not counts[e]:

@@ -25,7 +25,8 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None,
                  sequence_parallel: bool = False, recompute_attention: bool = False,
-                 documents: DocumentMasking | None = None, context: ContextParallel | None = None):
+                 documents: DocumentMasking | None = None, context: ContextParallel | None = None,
+                 ep_group=None):
         super().__init__()
         if not 1 <= layer_number <= cfg.num_layers:
             raise ValueError(f"layer_number {layer_number} outside 1..{cfg.num_layers} (global index)")
@@ -38,8 +39,10 @@ class TransformerLayer(nn.Module):
                                            sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
                                            documents=documents, context=context)
             self.post_attention_norm = make_norm(cfg, sp_group)
-            mlp = MoEBlock if cfg.is_moe_layer(layer_number) else MLP
-            self.mlp = mlp(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            if cfg.is_moe_layer(layer_number):     # ep_group: the experts split over expert-parallel ranks
+                self.mlp = MoEBlock(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group)
+            else:
+                self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         # Residual-stream dropout: without sequence parallelism it acts on replicated activations
         # (after the row-parallel all-reduce), and the default generator, seeded alike on all TP
         # ranks, drops the same elements everywhere. With it, each rank holds a different sequence

@@ -12,6 +12,11 @@ per rank's expert shard, reduce-scattered back), the routing decisions are all-g
 gradient is the same on every rank: each keeps its slice's, no sum), and each rank keeps its slice of the
 combined output.
 
+Expert parallelism (``ep_group``, e ranks): the experts are split over the group and the dispatch becomes
+an all-to-all (:class:`~mtds.model.dispatch.AllToAllDispatcher`); with tensor parallelism each TP rank
+exchanges with the same TP rank of its EP peers (the rows are the same on every TP rank of a replica), and
+the experts' TP all-reduce follows as at e = 1.
+
 During training the block keeps what transformers' ``load_balancing_loss_func`` needs of it
 (:mod:`mtds.model.aux_loss`), summed over the sequence slices, for the model to collect after the forward.
 """
@@ -28,21 +33,22 @@ from mtds.tp import (copy_to_tensor_parallel_region, gather_from_sequence_parall
 from mtds.tp.layers import tp_world_and_rank
 
 from mtds.model.aux_loss import RouterStats
-from mtds.model.dispatch import LocalDispatcher
+from mtds.model.dispatch import AllToAllDispatcher, LocalDispatcher
 from mtds.model.experts import TensorParallelExperts
 from mtds.model.router import Routing, TopKRouter
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False, ep_group=None):
         super().__init__()
         self.group = tp_group
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.router = TopKRouter(cfg)
         if self.sequence_parallel:
             mark_sequence_parallel(self.router.weight)
-        self.experts = TensorParallelExperts(cfg, tp_group=tp_group)
-        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        self.experts = TensorParallelExperts(cfg, tp_group=tp_group, ep_group=ep_group)
+        self.dispatcher = LocalDispatcher(cfg.num_experts) if ep_group is None else \
+            AllToAllDispatcher(cfg.num_experts, ep_group)
         self.stats: RouterStats | None = None   # this forward's, until the model collects it
         self.tokens_seen = 0      # [E] assignments collected since the step log last reset it (0: none yet)
 

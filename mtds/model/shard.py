@@ -20,7 +20,11 @@ VOCAB_PARAMS = ("word_embeddings.weight", "weight")
 
 
 def shard_of(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
-    """This rank's piece of ``full`` for ``param`` (zero-padding the vocab dim when needed)."""
+    """This rank's piece of ``full`` for ``param`` (zero-padding the vocab dim when needed; only this rank's
+    experts of an expert-parallel tensor, ``expert_rows``)."""
+    rows = getattr(param, "expert_rows", None)
+    if rows is not None:
+        full = full[rows[0]:rows[1]]
     if not getattr(param, "tensor_model_parallel", False):
         return full
     t, rank = tp_world_and_rank(group)

@@ -12,6 +12,12 @@ coordinate ``dp_rank * cp + cp_rank``, as Megatron's data-parallel group "with c
 its gradient reduction, ZeRO partitions and loss averaging run over those d·c ranks; only the data loader
 and the batch arithmetic count d alone.
 
+Expert parallelism (e) splits a mixture-of-experts model's experts over e of the d data-parallel ranks:
+data ranks d_r = q·e + j form expert-parallel groups of e consecutive data ranks (j = d_r mod e, the expert
+shard this rank holds) and expert-data-parallel groups of the d/e ranks with the same j (they hold the same
+experts and sum their gradients). This is DeepSpeed's own arrangement (``deepspeed.utils.groups.
+_get_expert_parallel_ranks``, data before expert off), so its tools read mtds's expert groups alike.
+
 Everything else in mtds asks this module for groups and coordinates instead of doing arithmetic.
 """
 from __future__ import annotations
@@ -35,25 +41,31 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor (t), pipeline (p), data (d), context (c) parallel sizes and virtual pipeline stages (v)."""
+    """Tensor (t), pipeline (p), data (d), context (c) parallel sizes, virtual pipeline stages (v) and
+    expert parallel size (e, a divisor of d: the experts of an MoE model split over e data ranks)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vp", "cp"):
+        for name in ("tp", "pp", "dp", "vp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         if self.vp > 1 and self.pp == 1:
             raise LayoutError(f"virtual stages (vp={self.vp}) need pipeline parallelism: set pp > 1 or vp = 1")
+        if self.dp % self.ep:
+            raise LayoutError(f"--expert-model-parallel-size {self.ep} does not divide the data-parallel size "
+                              f"{self.dp}: the experts are split over data-parallel ranks; choose it from "
+                              f"{_divisors(self.dp)}")
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vp: int = 1,
-                  cp: int = 1) -> "ParallelLayout":
+                  cp: int = 1, ep: int = 1) -> "ParallelLayout":
         """Build a layout for ``world_size`` ranks, deriving d = world / (t*c*p) when not given."""
         if tp < 1 or pp < 1:
             raise LayoutError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
@@ -67,7 +79,7 @@ class ParallelLayout:
                     f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}: "
                     f"launch a multiple of {tp * pp * cp} ranks or change {flags}")
             dp = world_size // (tp * pp * cp)
-        layout = cls(tp=tp, pp=pp, dp=dp, vp=vp, cp=cp)
+        layout = cls(tp=tp, pp=pp, dp=dp, vp=vp, cp=cp, ep=ep)
         if layout.world_size != world_size:
             raise LayoutError(
                 f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}: "
@@ -90,6 +102,7 @@ class ParallelLayout:
     def __str__(self) -> str:
         extra = f", vp={self.vp}" if self.vp > 1 else ""
         extra += f", cp={self.cp}" if self.cp > 1 else ""
+        extra += f", ep={self.ep}" if self.ep > 1 else ""
         return f"(tp={self.tp}, pp={self.pp}, dp={self.dp}{extra})"
 
     # ---- validation against a model ------------------------------------------------------------
@@ -162,6 +175,20 @@ class ParallelLayout:
         """The d·c ranks that sum their gradients (DeepSpeed's data-parallel group); the dp groups when c = 1."""
         return self._axis_groups("cd")
 
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: e consecutive data ranks (same t, c, p) that split the experts between them."""
+        return self._expert_groups(lambda d: d // self.ep)
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Expert-data-parallel groups: the d/e data ranks (same t, c, p) holding the same experts."""
+        return self._expert_groups(lambda d: d % self.ep)
+
+    def _expert_groups(self, key) -> list[list[int]]:
+        out: dict[tuple, list[int]] = {}
+        for t, c, d, p in self._ranks():
+            out.setdefault((t, c, p, key(d)), []).append(self.rank_of(t, d, p, c))
+        return list(out.values())
+
     def pp_groups(self) -> list[list[int]]:
         return self._axis_groups("p")
 
@@ -199,10 +226,13 @@ class ParallelLayout:
         dp_group = mine(self.dp_groups())
         # with c = 1 the d·c group is the dp group: no second group (nor its gloo threads)
         cp_group, dp_cp_group = (mine(self.cp_groups()), mine(self.dp_cp_groups())) if self.cp > 1 else (None, dp_group)
+        ep_group, expert_dp_group = (mine(self.ep_groups()), mine(self.expert_dp_groups())) if self.ep > 1 else \
+            (None, None)
         return ParallelGroups(layout=self, rank=rank, coords=c,
                               tp_group=mine(self.tp_groups()), dp_group=dp_group,
                               pp_group=mine(self.pp_groups()), mp_group=mine(self.mp_groups()),
-                              cp_group=cp_group, dp_cp_group=dp_cp_group)
+                              cp_group=cp_group, dp_cp_group=dp_cp_group,
+                              ep_group=ep_group, expert_dp_group=expert_dp_group)
 
 
 @dataclass(frozen=True)
@@ -222,6 +252,8 @@ class ParallelGroups:
     mp_group: Any = field(repr=False)
     cp_group: Any = field(default=None, repr=False)     # None when c = 1
     dp_cp_group: Any = field(default=None, repr=False)  # gradient replicas, d·c ranks (the dp group when c = 1)
+    ep_group: Any = field(default=None, repr=False)     # e ranks splitting the experts (None when e = 1)
+    expert_dp_group: Any = field(default=None, repr=False)  # d/e ranks holding the same experts (None when e = 1)
 
     @property
     def tp_rank(self) -> int:
@@ -239,6 +271,11 @@ class ParallelGroups:
     @property
     def dp_rank(self) -> int:
         return self.coords.dp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        """Which of the e expert shards this rank holds."""
+        return self.coords.dp_rank % self.layout.ep
 
     @property
     def pp_rank(self) -> int:

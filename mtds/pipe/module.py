@@ -44,7 +44,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
     from mtds.deepspeed_compat.explicit_parts import ExplicitPartsDualPipeV, ExplicitPartsModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
-                            documents=documents, context=context)
+                            documents=documents, context=context, ep_group=groups.ep_group)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \
         (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
     if dualpipev:
@@ -77,7 +77,7 @@ class SequentialGPT(nn.Module):
         super().__init__()
         specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                                 sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
-                                documents=documents, context=context)
+                                documents=documents, context=context, ep_group=groups.ep_group)
         self.embedding = specs[0].build()
         self.layers = nn.ModuleList(spec.build() for spec in specs[1:-2])
         self.final_norm = specs[-2].build()

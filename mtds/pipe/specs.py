@@ -30,12 +30,13 @@ def tied_lm_logits(embedding: GPTEmbedding, hidden):
 
 def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False,
                     recompute_attention: bool = False, documents: DocumentMasking | None = None,
-                    context: ContextParallel | None = None) -> list:
+                    context: ContextParallel | None = None, ep_group=None) -> list:
     """With ``sequence_parallel`` every activation between layers (and pipeline stages) is this
     TP rank's slice of the sequence, [b, s/t, h]. ``recompute_attention``: selective recomputation.
     ``documents`` (resets on): the activation is (hidden, segment ids [b, s]) up to the final norm.
     ``context`` (context parallelism): the embedding takes this rank's s/c tokens, the blocks exchange
-    K/V over the group; activations are [b, s/c, h] (s/(c t) with sequence parallelism)."""
+    K/V over the group; activations are [b, s/c, h] (s/(c t) with sequence parallelism). ``ep_group``: an
+    MoE model's experts split over these expert-parallel ranks."""
     common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel,
                   documents=documents, context=context)
     if cfg.tie_word_embeddings:
@@ -45,7 +46,8 @@ def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, seque
     else:
         first = LayerSpec(GPTEmbedding, cfg, **common)
         last = LayerSpec(LMHead, cfg, tp_group=tp_group, seed=seed, sequence_parallel=sequence_parallel)
-    blocks = [LayerSpec(TransformerLayer, cfg, i, recompute_attention=recompute_attention, **common)
+    blocks = [LayerSpec(TransformerLayer, cfg, i, recompute_attention=recompute_attention, ep_group=ep_group,
+                        **common)
               for i in range(1, cfg.num_layers + 1)]
     final_norm = LayerSpec(FinalNorm, cfg, seed=seed, tp_group=tp_group, sequence_parallel=sequence_parallel)
     return [first, *blocks, final_norm, last]

@@ -3,7 +3,7 @@ from mtds.tp.cross_entropy import gather_vocab_parallel_logits, vocab_parallel_c
 from mtds.tp.init_shard import shard_rows
 from mtds.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tensor_parallel,
                      padded_vocab_size, parallel_lm_logits, unshard_rows)
-from mtds.tp.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+from mtds.tp.mappings import (all_to_all, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
@@ -16,7 +16,7 @@ __all__ = [
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "padded_vocab_size", "mark_tensor_parallel",
     "shard_rows", "unshard_rows", "shared_by_sequence_shards", "mark_sequence_parallel",
     "allreduce_sequence_parallel_grads",
-    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
+    "all_to_all", "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "seed_parallel_streams", "checkpoint",

@@ -92,21 +92,29 @@ def _local_row(kept: list[tuple[int, int]], row: int) -> int:
 
 
 def build_shard(shape: Sequence[int], dim: int, world: int, rank: int, init, segments: Sequence[int] | None = None,
-                valid_rows: int | None = None, chunk_elements: int | None = None) -> torch.Tensor:
+                valid_rows: int | None = None, chunk_elements: int | None = None,
+                rows: tuple[int, int] | None = None) -> torch.Tensor:
     """This rank's float32 shard (``dim`` split ``world`` ways, each segment separately) of the tensor
     that ``init(full)`` would fill, where rows ``valid_rows:`` of dim 0 are zero and not drawn (the
-    vocabulary padding). Bit-identical to filling the full tensor and slicing, for every ``world``."""
+    vocabulary padding). Bit-identical to filling the full tensor and slicing, for every ``world``.
+    ``rows`` (with ``dim`` > 0): keep only dim 0's rows [a, b) as well (expert parallelism: this rank's
+    experts of an [E, ...] tensor)."""
     shape = tuple(shape)
-    rows = shape[0]
-    valid = rows if valid_rows is None else valid_rows
+    n_rows = shape[0]
+    valid = n_rows if valid_rows is None else valid_rows
+    if rows is not None and dim == 0:
+        raise ValueError("rows= selects dim 0 of a tensor split on another dim")
     row_elements = math.prod(shape[1:])
     if not isinstance(init, NormalInit) or valid * row_elements < _GROUP:
         full = torch.zeros(shape, dtype=torch.float32)
         init(full[:valid])        # what the full-tensor path always did
+        if rows is not None:
+            full = full[rows[0]:rows[1]]
         return shard_rows(full, dim, world, rank, segments)
-    kept = kept_row_ranges(rows, world, rank, segments) if dim == 0 else [(0, rows)]
+    kept = kept_row_ranges(n_rows, world, rank, segments) if dim == 0 else [rows or (0, n_rows)]
     local_shape = list(shape)
     local_shape[dim] //= world
+    local_shape[0] = sum(b - a for a, b in kept) if dim != 0 else local_shape[0]
     out = torch.zeros(local_shape, dtype=torch.float32)
     pieces = _chunks(valid, row_elements, chunk_elements or DEFAULT_CHUNK_ELEMENTS)
     for index, (r0, r1) in enumerate(pieces):
@@ -118,12 +126,10 @@ def build_shard(shape: Sequence[int], dim: int, world: int, rank: int, init, seg
             continue
         chunk = torch.empty((r1 - r0, *shape[1:]), dtype=torch.float32)
         init(chunk)
-        if dim != 0:
-            out[r0:r1] = shard_rows(chunk, dim, world, rank, segments)
-            continue
         for a, b in overlaps:
             start = _local_row(kept, a)
-            out[start:start + (b - a)] = chunk[a - r0:b - r0]
+            piece = chunk[a - r0:b - r0]
+            out[start:start + (b - a)] = shard_rows(piece, dim, world, rank, segments) if dim != 0 else piece
     return out
 
 

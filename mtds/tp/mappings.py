@@ -213,3 +213,28 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) ->
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """All-gather sequence chunks (``f`` with sequence parallelism); backward reduce-scatters."""
     return x if _world(group) == 1 else _GatherFromSequence.apply(x, group, dim % x.dim())
+
+
+def _all_to_all_rows(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        return _all_to_all_rows(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_rows(grad, ctx.group, in_splits, out_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Rows ``x`` [sum(in_splits), ...]: ``in_splits[j]`` consecutive rows go to rank j of ``group``, and
+    ``out_splits[j]`` rows come from it, in rank order (uneven splits: expert parallelism's token
+    exchange). Backward is the same exchange with the splits swapped."""
+    return x if _world(group) == 1 else _AllToAll.apply(x, group, list(out_splits), list(in_splits))

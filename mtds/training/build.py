@@ -13,6 +13,7 @@ import torch.distributed as dist
 from mtds.deepspeed_compat import check_engine
 from mtds.model.documents import DocumentMasking
 from mtds.pipe import build_model
+from mtds.pipe.moe_layout import refuse_unbuilt_expert_parallel
 from mtds.pipe.select import OWN_ENGINE
 from mtds.safety.numerics import LocalNonFinite
 from mtds.safety.startup import BuildLockWatchdog
@@ -127,6 +128,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     prec, zero = precision(ds_config), zero_stage(ds_config)
     tf32 = configure_matmul_precision(world.device, prec)
     layout, groups = world.layout, world.groups
+    refuse_unbuilt_expert_parallel(layout, prec, zero, checkpoints=bool(cfg.save or cfg.load))
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
@@ -134,6 +136,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
                         tensorboard_dir=cfg.tensorboard, progress=cfg.progress)
     sp = " + sequence parallel" if cfg.sequence_parallel else ""
     sp += f" + context parallel ({cfg.cp_comm_type})" if layout.cp > 1 else ""
+    sp += " + expert parallel (all-to-all)" if layout.ep > 1 else ""
     sp += f", {cfg.pipeline_schedule} schedule" if layout.pp > 1 else ""
     logger.info(f"mtds: layout {layout}{sp} on {world.size} {world.device.type} rank(s) [{world.backend}], {prec}"
                 f"{' (TF32 matmuls)' if tf32 else ''}, "

@@ -11,6 +11,7 @@ from typing import Callable
 from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
 from mtds.deepspeed_compat.bf16_flat import install_flat_bf16
+from mtds.deepspeed_compat.rank_unique import keep_out_of_startup_broadcast
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
@@ -18,6 +19,7 @@ from mtds.pipe.select import OWN_ENGINE
 
 from mtds.training.config import TrainConfig
 from mtds.training.ds_config import BatchPlan
+from mtds.training.expert_grads import expert_parameters, install_expert_reduction
 from mtds.training.grad_norm import install_fp32_clipping, mark_sharded_gradients
 from mtds.training.schedule import build_scheduler
 from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
@@ -38,6 +40,7 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     import deepspeed
     scheduler = _lr_scheduler(cfg, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    keep_out_of_startup_broadcast(expert_parameters(model))   # each EP rank keeps its own experts
     layout, groups = world.layout, world.groups
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
@@ -77,6 +80,7 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
     install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
     if precision == "fp32" and zero_stage == 0:
         install_fp32_clipping(engine, groups)
+        install_expert_reduction(engine, groups)    # e > 1 (refused elsewhere until built: build.py)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
     if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":

@@ -5,7 +5,8 @@ The global norm counts each distinct parameter once:
   - TP-replicated parameters (norms, row-parallel biases) only on TP rank 0,
   - pipeline-tied copies (``ds_pipe_replicated``, set by DeepSpeed on the non-owning stage) never,
 then sums squares over the model-parallel group (tensor x pipeline). Data-parallel replicas hold the
-same averaged gradients, so they need no reduction.
+same averaged gradients, so they need no reduction; expert-parallel ranks hold different experts, so the
+squares of expert parameters (``expert_parallel``) are first summed over the EP group.
 
 DeepSpeed's own path for fp32 without ZeRO (``clip_grad_norm_``) decides "TP rank 0" with the
 pipeline grid's model-parallel rank, which spans pipe x tensor, and so drops replicated parameters
@@ -24,16 +25,23 @@ from mtds.parallel.layout import ParallelGroups
 
 
 def global_grad_norm(parameters: Iterable[torch.Tensor], groups: ParallelGroups) -> float:
-    squares = None
+    parameters = list(parameters)
+    squares, expert = None, None
     for p in parameters:
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue
         if getattr(p, "tensor_model_parallel", False) or groups.tp_rank == 0:
             s = p.grad.detach().float().pow(2).sum()
-            squares = s if squares is None else squares + s
-    if squares is None:
-        squares = torch.zeros((), device=_device(parameters))
+            if getattr(p, "expert_parallel", False):
+                expert = s if expert is None else expert + s
+            else:
+                squares = s if squares is None else squares + s
+    squares = torch.zeros((), device=_device(parameters)) if squares is None else squares
     squares = squares.reshape(1).clone()
+    if groups.ep_group is not None:
+        expert = torch.zeros_like(squares) if expert is None else expert.reshape(1).clone()
+        dist.all_reduce(expert, group=groups.ep_group)
+        squares += expert
     if groups.layout.model_parallel_size > 1:
         dist.all_reduce(squares, group=groups.mp_group)
     return math.sqrt(squares.item())

@@ -32,13 +32,10 @@ EQUIVALENTS = {
     "--recompute-activations": "--recompute selective",
     "--use-flash-attn": "mtds calls torch's scaled_dot_product_attention, which picks flash attention itself",
     "--num-layers-per-virtual-pipeline-stage": "--pipeline-schedule interleaved --virtual-stages V",
-    "--context-parallel-size": "context parallelism is not in mtds yet; use --sequence-parallel with --tp",
     # mixture of experts (docs/moe.md): the model's MoE settings come from its HF config (Mixtral, Qwen3-MoE)
     **{flag: _MODEL + "; an MoE model's experts, top-k and expert width come from its HF config (docs/moe.md)"
        for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size")},
     "--moe-aux-loss-coeff": "the load-balancing loss weight is the HF config's router_aux_loss_coef (docs/moe.md)",
-    "--expert-model-parallel-size": "expert parallelism is not built yet (docs/moe.md): an MoE model's experts are "
-                                    "split over the tensor-parallel ranks, --tp",
     "--expert-tensor-parallel-size": "an MoE model's experts are split over --tp (expert TP = TP, docs/moe.md)",
     "--moe-expert-capacity-factor": "mtds's MoE is dropless, as HF's: no capacity factor yet (docs/moe.md)",
     "--moe-z-loss-coeff": "no router z-loss yet (docs/moe.md)",

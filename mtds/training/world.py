@@ -15,6 +15,7 @@ import torch.distributed as dist
 from mtds.observe.comm_trace import CommTracer
 from mtds.checkpoint.complete import LoadPlan, plan_load
 from mtds.cp.checks import check_context_parallel
+from mtds.pipe.moe_layout import check_expert_parallel
 from mtds.model.config import ModelConfig, differing_weight_fields
 from mtds.hf.resolve import resolve_model_config
 from mtds.training.cpu_allocator import tune_cpu_allocator
@@ -61,12 +62,13 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
 
     dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
     layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages,
-                                      cp=cfg.context_parallel_size)
+                                      cp=cfg.context_parallel_size, ep=cfg.expert_model_parallel_size)
     load = _plan_load(cfg.load) if cfg.load else None
     model_cfg = run_model_config(cfg, load)
     layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
                        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
                        num_layers=model_cfg.num_layers)
+    check_expert_parallel(model_cfg, layout)
     if cfg.sequence_parallel:
         layout.check_sequence_parallel(cfg.seq_length)
     check_context_parallel(layout, model_cfg, seq_length=cfg.seq_length, comm_type=cfg.cp_comm_type,
@@ -76,7 +78,8 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
 
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:
-        for name in ("tp", "dp", "pp", "mp") + (("cp", "dp_cp") if layout.cp > 1 else ()):
+        for name in ("tp", "dp", "pp", "mp") + (("cp", "dp_cp") if layout.cp > 1 else ()) + \
+                (("ep", "expert_dp") if layout.ep > 1 else ()):
             tracer.name_group(getattr(groups, f"{name}_group"), name)
     rng = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
     return World(device=device, backend=backend, size=size, layout=layout, model_cfg=model_cfg, groups=groups,
