@@ -363,23 +363,81 @@ def test_tensor_parallel():
     row-parallel, all-reduced per expert) against t = 1, without and with sequence parallelism, output and
     every gradient (aux term included); then training parity of Mixtral at (2,1,1) with --recompute full
     (the blocks' router statistics come out of a non-reentrant checkpoint with their gradient), Qwen3-MoE
-    at (2,1,1) with --sequence-parallel, and Mixtral at (1,1,2) against transformers; both ranks report the
-    same numbers."""
+    at (2,1,1) with --sequence-parallel, and Mixtral at (1,1,2) without and with expert parallelism (e = 2)
+    against transformers; both ranks report the same numbers."""
     from tests.dist import spawn
-    from tests.training_helpers import train_config
+    from tests.training_helpers import ds_config, train_config
     models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
     lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10)
     configs = [train_config(model=models[0][1], tp=2, recompute="full", **lr),
                train_config(model=models[1][1], tp=2, sequence_parallel=True, **lr),
-               train_config(model=models[0][1], **lr)]    # (1,1,2): each rank's micro-batches, their aux terms
+               train_config(model=models[0][1], **lr),    # (1,1,2): each rank's micro-batches, their aux terms
+               # e = d = 2: each rank holds 2 of the 4 experts, tokens exchanged by all-to-all
+               train_config(model=models[0][1], expert_model_parallel_size=2, deepspeed_config=ds_config(zero=0),
+                            **lr)]
     per_rank = spawn(_tp_body, 2, configs, timeout=600)
     blocks, results = per_rank[0]
     print("t = 2 blocks against t = 1, max rel diff:", blocks)
     assert all(err < REL_TOL for err in blocks.values()), blocks
-    assert [r.layout[:len("(tp=2, pp=1, dp=1")] for r in results] == \
-        ["(tp=2, pp=1, dp=1", "(tp=2, pp=1, dp=1", "(tp=1, pp=1, dp=2"], [r.layout for r in results]
-    _parity(results, models + models[:1], "(2,1,1) (2,1,1)+sp (1,1,2)")
+    assert [r.layout for r in results] == ["(tp=2, pp=1, dp=1)", "(tp=2, pp=1, dp=1)", "(tp=1, pp=1, dp=2)",
+                                           "(tp=1, pp=1, dp=2, ep=2)"], [r.layout for r in results]
+    _parity(results, models + models[:1] * 2, "(2,1,1) (2,1,1)+sp (1,1,2) (1,1,2)e2")
     assert [(r.losses, r.grad_norms) for r in per_rank[1][1]] == [(r.losses, r.grad_norms) for r in results]
+
+
+def test_expert_parallel_four_ranks():
+    """Expert parallelism on 4 ranks, fp32 ZeRO-0, 10 clipped AdamW steps against transformers: Mixtral at
+    (1,1,4) with e = 2 (each expert on two data ranks: its gradient summed over that pair, the expert-data-
+    parallel group, and over no other rank) and Qwen3-MoE at (2,1,2) e = 2 with --sequence-parallel (each TP
+    rank exchanges with the same TP rank of its EP peer; the experts' TP all-reduce as at e = 1)."""
+    from tests.training_helpers import ds_config, run_layouts, train_config
+    models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
+    common = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10, expert_model_parallel_size=2, deepspeed_config=ds_config(zero=0))
+    configs = [train_config(model=models[0][1], **common),
+               train_config(model=models[1][1], tp=2, sequence_parallel=True, **common)]
+    per_rank = run_layouts(4, configs)
+    results = per_rank[0]
+    assert [r.layout for r in results] == ["(tp=1, pp=1, dp=4, ep=2)", "(tp=2, pp=1, dp=2, ep=2)"]
+    _parity(results, models, "(1,1,4)e2 (2,1,2)e2+sp")
+    assert all([(r.losses, r.grad_norms) for r in other] == [(r.losses, r.grad_norms) for r in results]
+               for other in per_rank[1:])
+
+
+def test_expert_groups_are_deepspeeds():
+    """mtds's expert-parallel and expert-data-parallel groups are the ones DeepSpeed's own MoE builds for the
+    same (t, p, d, e) with an mpu (so DeepSpeed's tools read mtds's expert layout alike)."""
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+    from mtds.parallel.layout import ParallelLayout
+    for tp, pp, dp, ep in ((1, 1, 4, 2), (2, 1, 4, 2), (2, 2, 4, 4), (1, 2, 8, 2)):
+        layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+        theirs = _get_expert_parallel_ranks(layout.world_size, tp, ep, pp)
+        assert (sorted(layout.ep_groups()), sorted(layout.expert_dp_groups())) == tuple(map(sorted, theirs)), layout
+
+
+def test_expert_parallel_refusals():
+    """One line each: e not dividing d or the experts, e on a dense model, what e > 1 does not build yet."""
+    from mtds.parallel.layout import LayoutError, ParallelLayout
+    from mtds.pipe.moe_layout import check_expert_parallel, refuse_unbuilt_expert_parallel
+    from tests.training_helpers import TINY
+    mixtral = _training_model("mixtral")       # 4 experts
+    with pytest.raises(LayoutError) as e:
+        ParallelLayout.for_world(6, ep=4)
+    assert "does not divide the data-parallel size 6" in _one_line(e)
+    cases = [(mixtral, ParallelLayout(dp=6, ep=3), "does not divide the model's 4 experts"),
+             (TINY, ParallelLayout(dp=2, ep=2), "needs a mixture-of-experts model")]
+    for cfg, layout, needle in cases:
+        with pytest.raises(LayoutError) as e:
+            check_expert_parallel(cfg, layout)
+        assert needle in _one_line(e)
+    check_expert_parallel(mixtral, ParallelLayout(dp=4, ep=4))
+    layout = ParallelLayout(dp=2, ep=2)
+    for args, needle in ((("bf16", 0, False), "asked bf16, ZeRO-0"), (("fp32", 1, False), "asked fp32, ZeRO-1"),
+                         (("fp32", 0, True), "checkpoints of expert-parallel runs")):
+        with pytest.raises(LayoutError) as e:
+            refuse_unbuilt_expert_parallel(layout, *args)
+        assert needle in _one_line(e)
+    refuse_unbuilt_expert_parallel(layout, "fp32", 0, False)
+    refuse_unbuilt_expert_parallel(ParallelLayout(dp=2), "bf16", 1, True)
 
 
 def _one_line(excinfo) -> str:
