@@ -374,7 +374,7 @@ def test_tensor_parallel():
                train_config(model=models[0][1], **lr),    # (1,1,2): each rank's micro-batches, their aux terms
                # e = d = 2: each rank holds 2 of the 4 experts, tokens exchanged by all-to-all
                train_config(model=models[0][1], expert_model_parallel_size=2, deepspeed_config=ds_config(zero=0),
-                            **lr)]
+                            trace_comm=True, **lr)]
     per_rank = spawn(_tp_body, 2, configs, timeout=600)
     blocks, results = per_rank[0]
     print("t = 2 blocks against t = 1, max rel diff:", blocks)
@@ -382,7 +382,23 @@ def test_tensor_parallel():
     assert [r.layout for r in results] == ["(tp=2, pp=1, dp=1)", "(tp=2, pp=1, dp=1)", "(tp=1, pp=1, dp=2)",
                                            "(tp=1, pp=1, dp=2, ep=2)"], [r.layout for r in results]
     _parity(results, models + models[:1] * 2, "(2,1,1) (2,1,1)+sp (1,1,2) (1,1,2)e2")
+    _assert_all_to_all_bytes([rank[1][3].comm for rank in per_rank], models[0][1])
     assert [(r.losses, r.grad_norms) for r in per_rank[1][1]] == [(r.losses, r.grad_norms) for r in results]
+
+
+def _assert_all_to_all_bytes(comms, cfg, e=2, d=2):
+    """The collective tracer's all-to-all bytes on the EP group in the last step = the formula, summed over
+    the group (each rank's share depends on its routing, the sum does not). Per MoE block and micro-batch a
+    rank sends its E counts (int64), its N·k rows out and the R rows its experts received back, and in
+    backward the same two exchanges reversed: 8E + 4h(2Nk + 2R) bytes; over the e ranks ΣR = e·N·k, so
+    e·8E + 16·h·e·N·k."""
+    from tests.training_helpers import BATCH, SEQ
+    micro = BATCH["train_micro_batch_size_per_gpu"]
+    n_tokens, micro_batches = micro * SEQ, BATCH["train_batch_size"] // (micro * d)
+    blocks = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
+    want = blocks * micro_batches * (e * 8 * cfg.num_experts + 16 * cfg.hidden_size * e * n_tokens * cfg.moe_top_k)
+    got = [comm["all_to_all/ep"] for comm in comms]
+    assert sum(c["bytes"] for c in got) == want and all(c["group_size"] == e for c in got), (got, want)
 
 
 def test_expert_parallel_four_ranks():
