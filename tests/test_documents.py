@@ -131,7 +131,7 @@ def test_recomputation_keeps_the_document_ids():
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     results = []
     for extra in ({}, {"recompute_interval": 1}, {"recompute_attention": True}):
-        model = SequentialGPT(cfg, SimpleNamespace(tp_group=None), seed=5, rng_tracker=None, documents=docs, **extra)
+        model = SequentialGPT(cfg, SimpleNamespace(tp_group=None, ep_group=None), seed=5, rng_tracker=None, documents=docs, **extra)
         loss = model.train()(ids, labels)
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters()]))
