@@ -39,7 +39,8 @@ EQUIVALENTS = {
     "--expert-tensor-parallel-size": "an MoE model's experts are split over --tp (expert TP = TP, docs/moe.md)",
     "--moe-expert-capacity-factor": "mtds's MoE is dropless, as HF's: no capacity factor yet (docs/moe.md)",
     "--moe-z-loss-coeff": "no router z-loss yet (docs/moe.md)",
-    "--moe-grouped-gemm": "the local experts run as a loop; no grouped GEMM yet (docs/moe.md)",
+    "--moe-grouped-gemm": "mtds runs the local experts as a grouped GEMM by itself where torch has one for the device "
+                          "(docs/moe.md)",
     "--moe-shared-expert-intermediate-size": "shared experts are not built (docs/moe.md)",
     "--ckpt-format": "mtds writes DeepSpeed's checkpoint format (mtds-convert turns it into HF's)",
 }
