@@ -19,6 +19,7 @@ OUT_OF_RANGE = {
     "pp": (["--pipeline-model-parallel-size", "-1"], "--pp must be >= 1, got -1"),
     "virtual_stages": (["--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
     "context_parallel_size": (["--context-parallel-size", "0"], "--cp must be >= 1, got 0"),
+    "expert_model_parallel_size": (["--expert-model-parallel-size", "0"], "--ep must be >= 1, got 0"),
     "recompute_interval": (["--recompute", "full", "--recompute-num-layers", "0"],
                            "--recompute-interval must be >= 1, got 0"),
     "seed": (["--seed", "-1"], "--seed must be >= 0, got -1"),

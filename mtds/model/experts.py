@@ -19,6 +19,8 @@ the CUDA kernel (bf16, Hopper) is taken by the same probe and has not been run b
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -88,7 +90,7 @@ class TensorParallelExperts(nn.Module):
         if not rows.shape[0]:
             return rows.new_zeros(0, rows.shape[-1])
         if self.grouped(rows):
-            ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)
+            ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
             gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
             y = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
             # one all-reduce for every expert's rows; before the routing weight multiplies them (as below)
