@@ -104,11 +104,19 @@ CAPABILITIES = (
         Target(ENGINE, "clip_fp32_gradients", M),
         Target(ENGINE, "_take_model_step", ("lr_kwargs",)),
         Target(ENGINE, "_global_grad_norm", A, instance=True))),
-    Capability("keep rank-unique parameters out of the start-up broadcast", (
-        Target(ENGINE, "_broadcast_model", M),)),
-    Capability("reduce expert-parallel gradients apart from DeepSpeed's data-parallel reduction", (
-        Target(ENGINE, "buffered_allreduce_fallback", ("grads", "elements_per_buffer")),
-        Target(ENGINE, "allreduce_gradients", ("bucket_size",)))),
+    Capability("DeepSpeed's expert handling for mtds's MoE blocks (expert_groups.py)", (
+        Target("deepspeed.moe.layer:MoE", "set_deepspeed_parallelism", ("use_data_before_expert_parallel_",)),
+        Target("deepspeed.utils.groups", "_create_expert_data_and_model_parallel",
+               ("expert_parallel_size_", "mpu", "use_data_before_expert_parallel_")),
+        Target("deepspeed.utils.groups", "_get_expert_parallel_group_dict", M),
+        Target("deepspeed.utils.groups", "_get_expert_parallel_group_ranks", ("group_name",)),
+        Target("deepspeed.utils.groups", "_get_expert_data_parallel_group_ranks", ("group_name",)),
+        *(Target("deepspeed.utils.groups", name, A) for name in (
+            "_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+            "_EXPERT_DATA_PARALLEL_GROUP_RANKS")),
+        Target("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer",
+               ("param_groups", "max_group_size")),
+        Target(ENGINE, "has_moe_layers", A, instance=True))),
     Capability("sum sequence-parallel gradients before the data-parallel reduction", (
         Target(ENGINE, "allreduce_gradients", M),
         Target(BF16, "__init__", A))),

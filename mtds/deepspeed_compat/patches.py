@@ -75,35 +75,6 @@ def before_gradient_reduction(engine, hook: Callable[[], None]) -> None:
     engine.allreduce_gradients = allreduce_gradients
 
 
-def reduce_apart(engine, apart: list, reduce_apart_grads: Callable[[list], None]) -> None:
-    """DeepSpeed's ZeRO-0 data-parallel reduction (``buffered_allreduce_fallback``, called by
-    ``allreduce_gradients`` at the accumulation boundary) for every gradient except those of ``apart``;
-    ``reduce_apart_grads`` gets theirs. DeepSpeed's own MoE split of that routine recognises only its
-    ``deepspeed.moe.layer.MoE`` modules, so mtds hands it the other gradients through its ``grads`` argument."""
-    import torch
-    name = "DeepSpeedEngine.buffered_allreduce_fallback"
-    book = ledger(engine)
-    book.expect(name)
-    fallback = engine.buffered_allreduce_fallback
-    apart_ids = {id(p) for p in apart}
-
-    def buffered_allreduce_fallback(grads=None, elements_per_buffer=500000000):
-        if grads is not None:
-            return fallback(grads=grads, elements_per_buffer=elements_per_buffer)
-        book.mark(name)
-        own, others = [], []
-        for p in engine.module.parameters():
-            if not p.requires_grad or p.numel() == 0:
-                continue
-            if p.grad is None:      # as DeepSpeed: every rank reduces the same tensors
-                p.grad = torch.zeros_like(p)
-            (others if id(p) in apart_ids else own).append(p.grad.data)
-        fallback(grads=own, elements_per_buffer=elements_per_buffer)
-        reduce_apart_grads(others)
-
-    engine.buffered_allreduce_fallback = buffered_allreduce_fallback
-
-
 def gradients_wait_in_param_grad(engine) -> bool:
     """Whether every micro-batch's gradient stays in ``param.grad`` until the accumulation boundary:
     ZeRO-0/1 with fp32/fp16 and no bucket overlap. Not so for ZeRO-2/3 and ZeRO-1 with ``overlap_comm``

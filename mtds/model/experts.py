@@ -5,9 +5,10 @@ expert's [gate | up] split separately over TP, dim 1) and ``down`` [E, h, F] (sp
 
 Expert parallelism (e ranks): this rank holds experts [j·E/e, (j+1)·E/e) of both tensors (j its expert
 shard), dim 0 sliced; their values are those of the same experts at e = 1 (the init draws the full tensor's
-sequence and keeps this rank's rows). Such parameters carry ``expert_parallel`` (their gradient is summed
-over the expert-data-parallel group only, and the global norm sums their squares over the EP group) and
-``expert_rows`` (the slice of dim 0 they hold, for loading full tensors).
+sequence and keeps this rank's rows). Such parameters carry ``expert_parallel`` (DeepSpeed reduces their
+gradient over the expert-data-parallel group only, mtds.deepspeed_compat.expert_groups, and the global
+norm sums their squares over the EP group) and ``expert_rows`` (the slice of dim 0 they hold, for loading
+full tensors).
 
 The local experts run as one grouped GEMM per projection (``torch.nn.functional.grouped_mm``: every
 expert's rows against its own weight in one call, then one TP all-reduce for all of them) where torch has
@@ -46,6 +47,11 @@ def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
         except (RuntimeError, NotImplementedError, AttributeError):
             _GROUPED[key] = False
     return _GROUPED[key]
+
+
+def expert_parallel_parameters(module: nn.Module) -> list:
+    """The parameters of ``module`` split over expert-parallel ranks (each rank holds other values)."""
+    return [p for p in module.parameters() if getattr(p, "expert_parallel", False)]
 
 
 def expert_range(num_experts: int, ep_group) -> tuple[int, int]:

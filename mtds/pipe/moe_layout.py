@@ -22,20 +22,22 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
 
 def refuse_unbuilt_expert_parallel(layout: ParallelLayout, precision: str, zero_stage: int,
                                    checkpoints: bool) -> None:
-    """What expert parallelism does not build yet (docs/moe.md): its gradient reduction is mtds's own on
-    DeepSpeed's fp32 ZeRO-0 path only, and DeepSpeed's checkpoint writer keeps the data-parallel rank 0's
-    parameters, i.e. one expert shard of e."""
+    """What expert parallelism does not do yet, or not correctly on DeepSpeed's side (docs/moe.md)."""
     if layout.ep == 1:
         return
     e = f"--expert-model-parallel-size {layout.ep}"
-    if precision != "fp32" or zero_stage != 0:
-        raise LayoutError(f"{e} trains in fp32 with ZeRO-0 for now (asked {precision}, ZeRO-{zero_stage}): the "
-                          f"expert gradients' own reduction is not built for DeepSpeed's 16-bit and ZeRO optimizers; "
-                          f"use a config like ds_configs/cpu_zero0_fp32.json, or --expert-model-parallel-size 1")
+    if zero_stage == 3:
+        raise LayoutError(f"{e} with ZeRO-3 is not built: ZeRO-3 would partition each rank's own experts as if "
+                          f"every data rank held them; use ZeRO-0, 1 or 2")
+    if precision != "fp32" and zero_stage == 0:
+        # deepspeed/runtime/fp16/unfused_optimizer.py step(): the expert half of
+        # split_params_grads_into_shared_and_expert_params is dropped from the norm that clipping uses
+        raise LayoutError(f"{e} with {precision} needs ZeRO-1 or 2: at ZeRO-0 DeepSpeed's unfused {precision} "
+                          f"optimizer leaves the expert gradients out of the global norm it clips by")
     if checkpoints:
         raise LayoutError(f"{e}: checkpoints of expert-parallel runs are not built yet (each rank holds other "
-                          f"experts; DeepSpeed writes data-parallel rank 0's); train without --save/--load, or at "
-                          f"--expert-model-parallel-size 1")
+                          f"experts, which mtds's checkpoint files and readers do not record); train without "
+                          f"--save/--load, or at --expert-model-parallel-size 1")
 
 
 def refuse_unbuilt_moe(cfg: ModelConfig, layout: ParallelLayout) -> None:

@@ -11,7 +11,8 @@ from typing import Callable
 from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
 from mtds.deepspeed_compat.bf16_flat import install_flat_bf16
-from mtds.deepspeed_compat.rank_unique import keep_out_of_startup_broadcast
+from mtds.deepspeed_compat.expert_groups import expert_groups_module, mark_expert_parameters
+from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
@@ -19,7 +20,6 @@ from mtds.pipe.select import OWN_ENGINE
 
 from mtds.training.config import TrainConfig
 from mtds.training.ds_config import BatchPlan
-from mtds.training.expert_grads import expert_parameters, install_expert_reduction
 from mtds.training.grad_norm import install_fp32_clipping, mark_sharded_gradients
 from mtds.training.schedule import build_scheduler
 from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
@@ -40,7 +40,9 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     import deepspeed
     scheduler = _lr_scheduler(cfg, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    keep_out_of_startup_broadcast(expert_parameters(model))   # each EP rank keeps its own experts
+    if world.layout.ep > 1:        # DeepSpeed's own expert handling (mtds.deepspeed_compat.expert_groups)
+        mark_expert_parameters(expert_parallel_parameters(model), world.layout.ep)
+        model.add_module("deepspeed_expert_groups", expert_groups_module(world.model_cfg.num_experts, world.layout))
     layout, groups = world.layout, world.groups
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
@@ -80,7 +82,6 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
     install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
     if precision == "fp32" and zero_stage == 0:
         install_fp32_clipping(engine, groups)
-        install_expert_reduction(engine, groups)    # e > 1 (refused elsewhere until built: build.py)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
     if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":

@@ -1,0 +1,76 @@
+"""DeepSpeed's own expert-parallel machinery for mtds's MoE blocks (docs/moe.md).
+
+DeepSpeed's engine handles experts -- their gradients reduced over the expert-data-parallel group
+(``_reduce_expert_gradients``), their own optimizer groups partitioned over that group by ZeRO-1/2 and the
+BF16 optimizer (``split_params_into_different_moe_groups_for_optimizer``), their start-up broadcast within
+it -- once two things hold: the model holds an instance of ``deepspeed.moe.layer.MoE`` (the engine's
+``has_moe_layers``) and each expert parameter carries its markers ``allreduce = False`` and ``group_name``.
+mtds's MoE block keeps transformers' routing, so it is not that class (GShard gating with capacity);
+:class:`ExpertGroups` is an instance of it with no parameters and no forward, registered on the model to
+turn the engine's handling on, and its ``set_deepspeed_parallelism`` (which the engine calls on every
+module that has one) creates DeepSpeed's expert groups from the mpu, as the class itself would with expert
+tensor parallelism (experts split over the TP group inside, as mtds's), and holds them equal to mtds's
+layout. DeepSpeed keeps its groups in module globals for the life of the process, under a name that holds
+only E (``ep_size_E``): a second run in the same process (a library user, the test pool) with another t or
+d would silently get the first run's groups, so groups of that name with other ranks are dropped first.
+
+Checked against DeepSpeed 0.19.8 (capabilities: "DeepSpeed's expert groups for mtds's MoE blocks").
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def group_name(ep: int) -> str:
+    return f"ep_size_{ep}"      # DeepSpeed's naming (deepspeed.moe.layer.MoE.expert_group_name)
+
+
+def mark_expert_parameters(params, ep: int) -> None:
+    for p in params:
+        p.allreduce = False
+        p.group_name = group_name(ep)
+
+
+def expert_groups_module(num_experts: int, layout) -> nn.Module:
+    from deepspeed.moe.layer import MoE
+    ep = layout.ep
+
+    class ExpertGroups(MoE):
+        """An instance of DeepSpeed's MoE class that only declares E experts split over ``ep`` ranks."""
+
+        def __init__(self):
+            nn.Module.__init__(self)     # not MoE.__init__: no gate, no experts of its own
+            self.num_experts, self.ep_size = num_experts, ep
+            self.num_local_experts = num_experts // ep
+            self.expert_group_name = group_name(ep)
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            import torch.distributed as dist
+            from deepspeed.utils import groups
+            name, rank = self.expert_group_name, dist.get_rank()
+            if name in groups._get_expert_parallel_group_dict() and _theirs(name) != _mine(layout, rank):
+                for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                              groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+                    table.pop(name, None)
+            if name not in groups._get_expert_parallel_group_dict():
+                # mtds's rank order is DeepSpeed's "E + M + D" arrangement (data before expert off)
+                groups._create_expert_data_and_model_parallel(self.ep_size, mpu=groups.mpu,
+                                                              use_data_before_expert_parallel_=False)
+            if _theirs(name) != _mine(layout, rank):
+                raise RuntimeError(f"DeepSpeed's expert groups {_theirs(name)} are not mtds's "
+                                   f"{_mine(layout, rank)} for rank {rank}")
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("ExpertGroups only declares the experts to DeepSpeed; it has no forward")
+
+    return ExpertGroups()
+
+
+def _theirs(name: str) -> tuple[list[int], list[int]]:
+    from deepspeed.utils import groups
+    return (list(groups._get_expert_parallel_group_ranks(name)),
+            list(groups._get_expert_data_parallel_group_ranks(name)))
+
+
+def _mine(layout, rank: int) -> tuple[list[int], list[int]]:
+    return tuple(list(next(g for g in gs if rank in g)) for gs in (layout.ep_groups(), layout.expert_dp_groups()))
