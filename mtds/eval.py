@@ -1,7 +1,8 @@
-"""`mtds-eval`: mean next-token loss of an mtds checkpoint or HF model under any (t, p, d) layout.
+"""`mtds-eval`: mean next-token loss of an mtds checkpoint or HF model under any (t, c, p, d) layout.
 
     torchrun --nproc_per_node 4 -m mtds.eval --ckpt CK --tp 2 --pp 2 --data rows.jsonl
     deepspeed --num_gpus 2 --module mtds.eval --hf DIR --tp 2 --data book.txt --tokenizer DIR
+    torchrun --nproc_per_node 4 -m mtds.eval --hf DIR --tp 2 --cp 2 --cp-comm-type a2a --data long.jsonl
 
 --data is jsonl with an ``input_ids`` list per row, or text (tokenized with --tokenizer, else the
 tokenizer recorded in the checkpoint / found in the HF dir, cut into --seq-length windows).
@@ -10,6 +11,11 @@ Prints one JSON line on rank 0: {"loss": mean over all predicted tokens, "tokens
 Weights load straight into this rank's layers and shards from the checkpoint's logical tensors, so
 the evaluation layout need not match the saved one. The pipeline runs stage by stage with point-to-
 point sends (no DeepSpeed engine: evaluation needs no optimizer or batch-size arithmetic).
+
+With --cp C > 1 every row is split over the C ranks of a context-parallel group as training splits it
+(2C load-balanced chunks, docs/long_context.md). A row whose length is not a multiple of 2C is padded at its
+end with positions that have no label: under the causal mask no real token sees them, so the loss is the
+same as at C = 1.
 """
 from __future__ import annotations
 
@@ -30,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--hf", metavar="DIR", help="HuggingFace model directory")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size [1]")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages [1]")
+    from mtds.training.config import TrainConfig
+    from mtds.training.options import add_flag
+    add_flag(ap, TrainConfig, "context_parallel_size",
+             help="context parallel size c: every row is split over c ranks as in training (2c chunks, rank i "
+                  "holding chunks i and 2c-1-i); a row whose length is not a multiple of 2c is padded at its "
+                  "end with positions that have no loss. Layout (t, c, p, d), world = t*c*p*d [1]")
+    add_flag(ap, TrainConfig, "cp_comm_type")
     ap.add_argument("--data", required=True, metavar="FILE", help="jsonl with input_ids rows, or a text file")
     ap.add_argument("--tokenizer", help="tokenizer for text data (default: from the checkpoint / HF dir)")
     ap.add_argument("--seq-length", type=int, help="window length for text data [max positions, at most 1024]")
@@ -66,15 +79,17 @@ def read_rows(path: str, *, tokenizer: str | None, seq_length: int) -> list[list
 
 
 # ---- model ----------------------------------------------------------------------------------------
-def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None, device=None):
+def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = None, device=None,
+                     cp_comm_type: str = "p2p"):
     """This rank's layers with weights from a checkpoint or HF dir, in eval mode, on ``device`` (default: the
-    process group's -- this rank's GPU under NCCL, else the host)."""
+    process group's -- this rank's GPU under NCCL, else the host); ``cp_comm_type``: attention across the
+    context-parallel ranks when ``groups.layout.cp`` > 1."""
     from mtds.hf.init import load_hf_into_stages
     from mtds.pipe import build_model
     from mtds.checkpoint.reshard_load import load_checkpoint_into_stages
     from mtds.tp import model_parallel_seed
     tracker = model_parallel_seed(0, groups.tp_rank)
-    model = build_model(cfg, groups, seed=0, rng_tracker=tracker)
+    model = build_model(cfg, groups, seed=0, rng_tracker=tracker, cp_comm_type=cp_comm_type)
     if ckpt is not None:
         load_checkpoint_into_stages(model, ckpt, cfg, groups.tp_group)
     else:
@@ -83,9 +98,37 @@ def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = N
     return model.to(device if device is not None else group_device()).eval()
 
 
+def padded_length(length: int, cp: int) -> int:
+    """``length`` rounded up to the 2C equal chunks context parallelism cuts a row into (C = 1: unchanged)."""
+    chunks = 2 * cp if cp > 1 else 1
+    return -(-length // chunks) * chunks
+
+
+def check_eval_context_parallel(layout, cfg, rows: list[list[int]], comm_type: str) -> None:
+    """What train.py refuses of context parallelism (mtds.cp.checks), one line, for the longest row once
+    padded. Dropout is not: evaluation runs without it."""
+    if layout.cp == 1:
+        return
+    import dataclasses
+    from mtds.cp import ContextParallelError
+    from mtds.cp.checks import check_context_parallel
+    longest = padded_length(max(len(row) for row in rows), layout.cp)
+    check_context_parallel(layout, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0),
+                           seq_length=longest, comm_type=comm_type, sequence_parallel=False,
+                           reset_position_ids=False)
+    if cfg.position_embedding == "learned" and longest > cfg.max_position_embeddings:
+        chunks = 2 * layout.cp
+        raise ContextParallelError(
+            f"--cp {layout.cp} pads rows to a multiple of 2*C = {chunks}: a row of {longest} tokens exceeds the "
+            f"model's {cfg.max_position_embeddings} learned positions: use --seq-length "
+            f"{cfg.max_position_embeddings // chunks * chunks} or a --cp whose 2*C divides "
+            f"{cfg.max_position_embeddings}")
+
+
 @torch.no_grad()
 def stage_forward(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor | None:
-    """Run the pipeline on one batch; the last stage returns vocab-sharded logits, others None."""
+    """Run the pipeline on one batch (with context parallelism: the whole rows, a multiple of 2C long); the last
+    stage returns vocab-sharded logits (this rank's s/C positions in its load-balanced order), others None."""
     layout = groups.layout
     input_ids = input_ids.to(next(model.parameters()).device)     # the caller's batch may be on the host
     if layout.pp == 1:
@@ -95,39 +138,61 @@ def stage_forward(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor |
         x = input_ids
     else:
         dtype = next(model.parameters()).dtype
-        x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=input_ids.device)
-        dist.recv(x, src=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank - 1))
+        x = torch.empty(b, s // layout.cp, cfg.hidden_size, dtype=dtype, device=input_ids.device)
+        dist.recv(x, src=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank - 1, groups.cp_rank))
     out = model(x)
     if not groups.is_last_stage:
-        dist.send(out.contiguous(), dst=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank + 1))
+        dist.send(out.contiguous(),
+                  dst=layout.rank_of(groups.tp_rank, groups.dp_rank, groups.pp_rank + 1, groups.cp_rank))
         return None
     return out
 
 
 def full_logits(model, input_ids: torch.Tensor, cfg, groups) -> torch.Tensor | None:
-    """Unsharded logits [b, s, V] on the last stage (None elsewhere); for parity checks."""
+    """Unsharded logits [b, s, V] in natural order on the last stage (None elsewhere); for parity checks.
+    With context parallelism the rows are padded as :func:`evaluation_totals` pads them and the C ranks'
+    parts gathered."""
     from mtds.model import gather_logits
+    cp, s = groups.layout.cp, input_ids.shape[1]
+    if cp > 1:
+        pad = padded_length(s, cp) - s
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], pad)], dim=1)
     shard = stage_forward(model, input_ids, cfg, groups)
-    return None if shard is None else gather_logits(cfg, shard, groups.tp_group)
+    if shard is None:
+        return None
+    logits = gather_logits(cfg, shard, groups.tp_group)
+    if cp > 1:
+        from mtds.cp import gather_order
+        parts = [torch.empty_like(logits) for _ in range(cp)]
+        dist.all_gather(parts, logits.contiguous(), group=groups.cp_group)
+        order = gather_order(input_ids.shape[1], cp, device=logits.device)
+        logits = torch.cat(parts, dim=1).index_select(1, order)[:, :s]
+    return logits
 
 
 @torch.no_grad()
 def evaluation_totals(model, rows: list[list[int]], cfg, groups, device) -> torch.Tensor:
     """[sum of next-token losses, tokens] over ``rows`` (split over data-parallel ranks), summed over all
     ranks, on ``device``: no host sync per row."""
+    from mtds.cp import split_sequence
     from mtds.tp import vocab_parallel_cross_entropy
+    cp = groups.layout.cp
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for row in rows[groups.dp_rank::groups.layout.dp]:
-        ids = torch.tensor([row], device=device)
+    for row in rows[groups.dp_rank::groups.layout.dp]:     # the C ranks of a CP group share a dp rank: same rows
+        n = len(row)
+        # padding at the end: under the causal mask no real token attends to it, and its labels are ignored
+        ids = torch.tensor([row + [0] * (padded_length(n, cp) - n)], device=device)
         logits = stage_forward(model, ids, cfg, groups)
         if logits is None:
             continue
-        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        labels = torch.full_like(ids, -100)
+        labels[:, :n - 1] = ids[:, 1:n]
+        labels = split_sequence(labels, cp, groups.cp_rank)     # this rank's positions, as its logits
         loss = vocab_parallel_cross_entropy(logits.float(), labels, groups.tp_group, vocab_size=cfg.vocab_size,
                                             reduction="sum")
         if groups.tp_rank == 0:            # every TP rank holds the same loss: count it once
             totals[0] += loss.double()
-            totals[1] += len(row) - 1
+            totals[1] += (labels != -100).sum()     # this rank's share of the row's n - 1 targets
     dist.all_reduce(totals)                # only last-stage TP-rank-0 ranks contributed
     return totals
 
@@ -158,17 +223,18 @@ def run(args) -> dict:
     from mtds.training.distributed import init_distributed
     device, _ = init_distributed()
     cfg, tokenizer = _model_config_and_tokenizer(args)
-    layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, pp=args.pp)
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, pp=args.pp, cp=args.context_parallel_size)
     layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                        ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
-    groups = layout.build_groups()
     seq = args.seq_length or min(cfg.max_position_embeddings, 1024)
     if seq > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {seq} exceeds the model's {cfg.max_position_embeddings} positions")
     rows = read_rows(args.data, tokenizer=tokenizer, seq_length=seq)
     if not rows:
         raise ValueError(f"{args.data}: no row with at least 2 tokens")
-    model = build_eval_model(cfg, groups, ckpt=args.ckpt, hf=args.hf, device=device)
+    check_eval_context_parallel(layout, cfg, rows, args.cp_comm_type)     # before any process group exists
+    groups = layout.build_groups()
+    model = build_eval_model(cfg, groups, ckpt=args.ckpt, hf=args.hf, device=device, cp_comm_type=args.cp_comm_type)
     return evaluate(model, rows, cfg, groups, device)
 
 

@@ -1,6 +1,9 @@
 """mtds logits and `mtds-eval` loss equal HF's (fp32, 1e-5) for GPT-2, GPT-NeoX and Llama at
 (t, p) in {(1,1), (2,1), (1,2), (2,2), (4,1)}, from HF weights and from mtds checkpoints saved at another
 layout. The vocabulary (250) is not divisible by 128*t and each of the 2 stages holds 1 (odd) block.
+Context parallelism (--cp 2) on the Llamas at c = 2 and t = 2 x c = 2 (both comm types) and c = 2 x p = 2 (a2a):
+rows of 5, 17, 9 and 2 tokens are padded to a multiple of 2c = 4, and the loss and the gathered logits still
+equal HF's.
 """
 import json
 import os
@@ -19,6 +22,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # world size -> layouts; llama_t4 (8 heads, 4 kv heads) where t = 4 must divide the kv heads.
 LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
 NAMES = {1: ("gpt2", "neox", "llama"), 2: ("gpt2", "neox", "llama"), 4: ("gpt2", "neox", "llama_t4")}
+# world -> (t, c, p, comm, source) evaluated on the Llama of that world (a2a: its heads per TP rank divide by c)
+CP_LAYOUTS = {1: [], 2: [(1, 2, 1, "p2p", "hf"), (1, 2, 1, "a2a", "ckpt")],
+              4: [(2, 2, 1, "p2p", "ckpt"), (2, 2, 1, "a2a", "hf"), (1, 2, 2, "a2a", "ckpt")]}
 
 
 def rows():
@@ -85,6 +91,14 @@ def _rank_parity(root: str, world: int):
                 out[(name, t, p, source)] = {
                     "logits": None if logits is None else float((logits.cpu() - ref_logits).abs().max()),
                     "loss": abs(result["loss"] - ref_loss), "tokens": (result["tokens"], ref_tokens)}
+        for t, c, p, comm, source in CP_LAYOUTS[world] if name.startswith("llama") else ():
+            groups = ParallelLayout.for_world(world, tp=t, pp=p, cp=c).build_groups()
+            model = build_eval_model(cfg, groups, cp_comm_type=comm, **{source: hf_dir if source == "hf" else ck_dir})
+            logits = full_logits(model, ids, cfg, groups)
+            result = evaluate(model, data, cfg, groups)
+            out[(name, t, f"p{p} cp{c} {comm}", source)] = {
+                "logits": None if logits is None else float((logits.cpu() - ref_logits).abs().max()),
+                "loss": abs(result["loss"] - ref_loss), "tokens": (result["tokens"], ref_tokens)}
     return out
 
 
@@ -100,6 +114,35 @@ def test_logits_and_loss_match_hf(tmp_path, world):
                 assert r["logits"] < TOL, (key, r)
                 checked_logits.add(key)
     assert len(checked_logits) == len(per_rank[0])   # every case compared its logits somewhere
+
+
+def test_eval_cp_flags_and_refusals():
+    """--cp/--context-parallel-size and --cp-comm-type as train.py spells them; what check_context_parallel
+    refuses, one line, for the longest row once padded; dropout (off in evaluation) is not refused."""
+    from mtds.cp import ContextParallelError
+    from mtds.eval import build_parser, check_eval_context_parallel, padded_length
+    from mtds.model.config import ModelConfig
+    from mtds.parallel.layout import ParallelLayout
+    base = ["--hf", "d", "--data", "x"]
+    args = build_parser().parse_args(base)
+    assert (args.context_parallel_size, args.cp_comm_type) == (1, "p2p")
+    args = build_parser().parse_args(base + ["--context-parallel-size", "4", "--cp-comm-type", "a2a"])
+    assert (args.context_parallel_size, args.cp_comm_type) == (4, "a2a")
+    assert [padded_length(n, 2) for n in (2, 5, 8, 9)] == [4, 8, 8, 12] and padded_length(5, 1) == 5
+    llama = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        position_embedding="rotary", max_position_embeddings=32, hidden_dropout=0.1)
+    gpt2 = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=30)
+    rows_ = [[1] * 30, [2] * 5]
+    check_eval_context_parallel(ParallelLayout(cp=2), llama, rows_, "a2a")      # dropout: no refusal
+    check_eval_context_parallel(ParallelLayout(cp=3), gpt2, rows_, "p2p")       # 30 needs no padding at 2c = 6
+    for layout, cfg, comm, message in [
+            (ParallelLayout(cp=4), llama, "a2a", "--cp-comm-type a2a needs the 4 query heads per TP rank and 2 "
+                                                 "key/value heads per TP rank divisible by C=4"),
+            (ParallelLayout(cp=2), gpt2, "p2p", "--cp 2 pads rows to a multiple of 2*C = 4: a row of 32 tokens "
+                                                "exceeds the model's 30 learned positions: use --seq-length 28")]:
+        with pytest.raises(ContextParallelError) as err:
+            check_eval_context_parallel(layout, cfg, rows_, comm)
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 def test_eval_cli_under_torchrun(tmp_path):

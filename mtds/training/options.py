@@ -74,6 +74,18 @@ def add_flags(parser: argparse.ArgumentParser, cls,
             after(group, f.name)
 
 
+def add_flag(parser: argparse.ArgumentParser, cls, name: str, *, help: str | None = None) -> None:
+    """Field ``name``'s flag on another command's parser (mtds-eval's --cp as train.py declares it): the same
+    spellings, choices and metavar, the field's default, and ``help`` where the command means less than
+    train.py does."""
+    f = next(f for f in flag_fields(cls) if f.name == name)
+    kw = _argparse_kw(f)
+    kw["default"] = f.default
+    if help is not None:
+        kw["help"] = help
+    parser.add_argument(*f.metadata["flags"], **kw)
+
+
 def given_values(args: argparse.Namespace, cls) -> dict[str, Any]:
     """``cls`` keyword arguments from parsed flags: those given (not None), a list (nargs) as a tuple."""
     values = {f.name: getattr(args, f.name) for f in flag_fields(cls)}
