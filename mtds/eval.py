@@ -99,9 +99,11 @@ def build_eval_model(cfg, groups, *, ckpt: str | None = None, hf: str | None = N
 
 
 def padded_length(length: int, cp: int) -> int:
-    """``length`` rounded up to the 2C equal chunks context parallelism cuts a row into (C = 1: unchanged)."""
-    chunks = 2 * cp if cp > 1 else 1
-    return -(-length // chunks) * chunks
+    """``length`` rounded up to the 2C equal chunks context parallelism cuts a row into (C = 1: unchanged;
+    evaluation has no sequence parallelism to split them further)."""
+    from mtds.parallel.cp_rules import sequence_multiple
+    multiple = sequence_multiple(cp)
+    return -(-length // multiple) * multiple
 
 
 def check_eval_context_parallel(layout, cfg, rows: list[list[int]], comm_type: str) -> None:
@@ -112,12 +114,13 @@ def check_eval_context_parallel(layout, cfg, rows: list[list[int]], comm_type: s
     import dataclasses
     from mtds.cp import ContextParallelError
     from mtds.cp.checks import check_context_parallel
+    from mtds.parallel.cp_rules import sequence_multiple
     longest = padded_length(max(len(row) for row in rows), layout.cp)
     check_context_parallel(layout, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0),
                            seq_length=longest, comm_type=comm_type, sequence_parallel=False,
                            reset_position_ids=False)
     if cfg.position_embedding == "learned" and longest > cfg.max_position_embeddings:
-        chunks = 2 * layout.cp
+        chunks = sequence_multiple(layout.cp)
         raise ContextParallelError(
             f"--cp {layout.cp} pads rows to a multiple of 2*C = {chunks}: a row of {longest} tokens exceeds the "
             f"model's {cfg.max_position_embeddings} learned positions: use --seq-length "

@@ -3,23 +3,21 @@ to change. Each refusal is a feature not built yet (docs/long_context.md lists t
 different model."""
 from __future__ import annotations
 
-import math
-
-from mtds.cp.chunks import ContextParallelError, check_cp_sequence
-from mtds.cp.ulysses import check_ulysses_heads
+from mtds.cp.chunks import ContextParallelError
+from mtds.parallel.cp_rules import cp_shape_problems
 
 
 def check_context_parallel(layout, model_cfg, *, seq_length: int, comm_type: str, sequence_parallel: bool,
                            reset_position_ids: bool) -> None:
-    c, t = layout.cp, layout.tp
+    c = layout.cp
     if c == 1:
         return
-    check_cp_sequence(seq_length, c)
-    if sequence_parallel and (seq_length // c) % t:
-        raise ContextParallelError(f"--sequence-parallel with --cp {c} splits each rank's {seq_length // c} tokens "
-                                   f"over --tp {t}: use a --seq-length divisible by {math.lcm(2 * c, c * t)}")
-    if comm_type == "a2a":
-        check_ulysses_heads(model_cfg.num_heads // t, model_cfg.kv_heads // t, c)
+    # the shape rules the planner applies too (mtds.parallel.cp_rules): the first one broken
+    problems = cp_shape_problems(cp=c, tp=layout.tp, seq_length=seq_length, comm_type=comm_type,
+                                 sequence_parallel=sequence_parallel, num_heads=model_cfg.num_heads,
+                                 kv_heads=model_cfg.kv_heads)
+    if problems:
+        raise ContextParallelError(problems[0].train_message())
     if model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0:
         raise ContextParallelError(
             f"--cp {c} with dropout (hidden {model_cfg.hidden_dropout}, attention {model_cfg.attention_dropout}) "

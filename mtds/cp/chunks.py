@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from mtds.parallel.cp_rules import chunks_problem
+
 
 class ContextParallelError(ValueError):
     """A context-parallel setting that cannot work; the message says what to change."""
@@ -24,12 +26,9 @@ def check_cp_sequence(seq_length: int, cp: int) -> None:
     """Refuse a sequence that does not cut into 2·C equal chunks (nothing to check at C = 1)."""
     if cp < 1:
         raise ContextParallelError(f"--context-parallel-size must be at least 1, got {cp}")
-    if cp == 1:
-        return
-    if seq_length % (2 * cp) != 0:
-        raise ContextParallelError(
-            f"--context-parallel-size {cp} needs --seq-length divisible by 2*C = {2 * cp} (causal load "
-            f"balancing: 2·C chunks), got {seq_length}: use a multiple of {2 * cp}")
+    problem = chunks_problem(seq_length, cp)
+    if problem is not None:
+        raise ContextParallelError(problem.train_message())
 
 
 def local_positions(seq_length: int, cp: int, rank: int, device=None) -> torch.Tensor:

@@ -33,14 +33,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mtds.cp.chunks import ContextParallelError, check_attention_shapes, check_cp_sequence, gather_order, held_order
+from mtds.parallel.cp_rules import heads_problem
 
 
 def check_ulysses_heads(q_heads: int, kv_heads: int, cp: int) -> None:
     """Refuse head counts the all-to-all cannot split evenly."""
-    if q_heads % cp != 0 or kv_heads % cp != 0:
-        raise ContextParallelError(
-            f"--cp-comm-type a2a needs the {q_heads} query heads per TP rank and {kv_heads} key/value heads per "
-            f"TP rank divisible by C={cp}: use --cp-comm-type p2p or a C dividing both")
+    problem = heads_problem(q_heads, kv_heads, cp)
+    if problem is not None:
+        raise ContextParallelError(problem.train_message())
 
 
 def _document_causal_mask(segments: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from mtds.plan import comm, compute, cp_comm, host_costs, pipeline, tp_comm
 from mtds.parallel.choices import CP_COMM_TYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.parallel.cp_rules import cp_shape_problems
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
@@ -128,24 +129,18 @@ def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, clu
 
 
 def context_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
-    """What mtds.cp.checks refuses of the planner's knobs: s divisible by 2c (load-balanced chunks), with SP
-    the rank's s/c tokens divisible by t, a2a heads and KV heads per TP rank divisible by c, 1f1b pipelines."""
-    c, t = layout.cp, layout.tp
+    """What mtds.cp.checks refuses of the planner's knobs, by the same rules (mtds.parallel.cp_rules): s divisible
+    by 2c (load-balanced chunks), with SP the rank's s/c tokens divisible by t, a2a heads and KV heads per TP rank
+    divisible by c."""
+    c = layout.cp
     if c < 1:
         return ["context parallel size must be >= 1"]
     if layout.cp_comm_type not in CP_COMM_TYPES:
         return [f"cp comm type must be one of {CP_COMM_TYPES}"]
-    if c == 1:
-        return []
-    out = []
-    if model.seq % (2 * c):
-        out.append(f"context parallelism c={c} needs the sequence length {model.seq} divisible by 2c={2 * c}")
-    elif layout.sequence_parallel and (model.seq // c) % t:
-        out.append(f"sequence parallelism with c={c} needs the {model.seq // c} tokens per rank divisible by t={t}")
-    kv = model.kv_heads or model.heads
-    if layout.cp_comm_type == "a2a" and ((model.heads // t) % c or (kv // t) % c):
-        out.append(f"a2a needs the {model.heads // t} query and {kv // t} KV heads per TP rank divisible by c={c}")
-    return out
+    problems = cp_shape_problems(cp=c, tp=layout.tp, seq_length=model.seq, comm_type=layout.cp_comm_type,
+                                 sequence_parallel=layout.sequence_parallel, num_heads=model.heads,
+                                 kv_heads=model.kv_heads or model.heads)
+    return [problem.plan_message() for problem in problems]
 
 
 def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages=None,

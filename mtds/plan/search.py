@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from mtds.parallel.cp_rules import chunks_problem, heads_problem
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, predict_memory
@@ -59,7 +60,7 @@ def context_sizes(model: ModelSpec, cluster: Cluster, fixed: dict, long_only: bo
     ``long_only`` -- the retry when nothing at c = 1 fits -- every c dividing the GPU count with s % 2c == 0)."""
     if fixed.get("cp"):
         return [fixed["cp"]]
-    longer = [c for c in _divisors(cluster.gpus) if c > 1 and model.seq % (2 * c) == 0]
+    longer = [c for c in _divisors(cluster.gpus) if c > 1 and chunks_problem(model.seq, c) is None]
     if long_only:
         return longer
     return [1] + (longer if model.seq >= LONG_SEQUENCE else [])
@@ -72,7 +73,7 @@ def _comm_types(model: ModelSpec, fixed: dict, t: int, c: int) -> list[str]:
     if c == 1:
         return ["p2p"]
     kv = model.kv_heads or model.heads
-    return ["p2p"] + (["a2a"] if (model.heads // t) % c == 0 and (kv // t) % c == 0 else [])
+    return ["p2p"] + (["a2a"] if heads_problem(model.heads // t, kv // t, c) is None else [])
 
 
 def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed: dict, max_microbatch: int = 64,
