@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 51200)")
     m.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
     m.add_argument("--ffn-hidden", type=int, default=None, help="MLP width (default 4*hidden)")
+    m.add_argument("--num-experts", type=int, default=None, help="MoE: experts per MoE block (0: dense)")
+    m.add_argument("--moe-top-k", type=int, default=None, help="MoE: experts per token [2]")
+    m.add_argument("--moe-ffn-hidden", type=int, default=None, help="MoE: width of one SwiGLU expert [--ffn-hidden]")
+    m.add_argument("--moe-layers", type=int, default=None, help="MoE: how many blocks hold experts [all]")
     c = ap.add_argument_group("cluster")
     c.add_argument("--gpu", default="A100-80GB", help=f"one of {', '.join(gpu_names())}")
     c.add_argument("--gpus", type=int, help="total GPUs")
@@ -50,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "c > 1 is searched for sequences >= 32768 or when nothing fits at c = 1")
     lay.add_argument("--cp-comm-type", choices=CP_COMM_TYPES,
                      help="context-parallel attention (train.py --cp-comm-type): p2p ring or a2a Ulysses")
+    lay.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int,
+                     help="expert-parallel size e (train.py --ep), a divisor of d and of the experts; left out, "
+                          "an MoE model's search tries each such divisor (train.py runs e > 1 in fp32 ZeRO-0 only)")
     lay.add_argument("--microbatch", type=int)
     lay.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved: v > 1)")
     lay.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
@@ -79,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model(args) -> ModelSpec:
     sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
-             "seq": args.seq, "ffn_hidden": args.ffn_hidden}
+             "seq": args.seq, "ffn_hidden": args.ffn_hidden, "num_experts": args.num_experts,
+             "moe_top_k": args.moe_top_k, "moe_ffn_hidden": args.moe_ffn_hidden, "moe_layers": args.moe_layers}
     if args.model:
         spec = resolve_model(args.model, seq=args.seq)
         return ModelSpec(**{**spec.__dict__, **{k: v for k, v in sizes.items() if v is not None}})
@@ -87,7 +95,9 @@ def _model(args) -> ModelSpec:
     if missing:
         raise SystemExit(f"mtds-plan: give --model or all of --layers/--hidden/--heads (missing {missing})")
     return ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab or 51200,
-                     seq=args.seq or 2048, ffn_hidden=args.ffn_hidden)
+                     seq=args.seq or 2048, ffn_hidden=args.ffn_hidden,
+                     **{k: sizes[k] for k in ("num_experts", "moe_top_k", "moe_ffn_hidden", "moe_layers")
+                        if sizes[k] is not None})
 
 
 def _cluster(args, precision: str) -> Cluster:
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
     work = Workload(args.global_batch, precision, args.tokens)
     knobs = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage",
                                            "recompute", "sequence_parallel", "pipeline_schedule", "cp",
-                                           "cp_comm_type")}
+                                           "cp_comm_type", "ep")}
     runnable_only = not args.include_unrunnable
 
     from mtds.plan import report

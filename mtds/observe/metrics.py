@@ -114,8 +114,15 @@ def active_ffn_width(cfg) -> float:
     if not getattr(cfg, "num_experts", 0):
         return float(cfg.ffn_size)
     moe = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
-    per_moe = cfg.moe_top_k * cfg.moe_ffn_size + cfg.num_experts / 3
-    return ((cfg.num_layers - moe) * cfg.ffn_size + moe * per_moe) / cfg.num_layers
+    return moe_active_ffn_width(cfg.num_layers, cfg.ffn_size, moe, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_size)
+
+
+def moe_active_ffn_width(layers: int, ffn: float, moe_layers: int, num_experts: int, top_k: int,
+                         moe_ffn: float) -> float:
+    """:func:`active_ffn_width` from the sizes alone (the planner's ModelSpec has no ModelConfig): ``moe_layers``
+    of the ``layers`` blocks run k experts of width ``moe_ffn`` and a router over ``num_experts``."""
+    per_moe = top_k * moe_ffn + num_experts / 3
+    return ((layers - moe_layers) * ffn + moe_layers * per_moe) / layers
 
 
 def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> float:

@@ -35,7 +35,10 @@ class Candidate:
 
     Context parallelism (``cp`` = c, docs/long_context.md): world = t·c·p·d; the c ranks of a group split
     every sequence, so gradients are summed and ZeRO partitions over d·c ranks (:attr:`dp_cp`), while the
-    global batch counts d only: B = b · m · d. ``cp_comm_type``: "p2p" (ring) or "a2a" (Ulysses)."""
+    global batch counts d only: B = b · m · d. ``cp_comm_type``: "p2p" (ring) or "a2a" (Ulysses).
+
+    Expert parallelism (``ep`` = e, docs/moe.md): the experts of an MoE model split over e of the d data ranks
+    (consecutive data ranks form a group); e divides d and the number of experts. It adds no ranks."""
 
     tp: int
     pp: int
@@ -48,6 +51,7 @@ class Candidate:
     pipeline_schedule: str = ""
     cp: int = 1
     cp_comm_type: str = "p2p"
+    ep: int = 1
 
     def __post_init__(self):
         if not self.pipeline_schedule:
@@ -57,13 +61,14 @@ class Candidate:
     def of_layout(cls, layout, *, microbatch: int, **knobs) -> "Candidate":
         """The candidate a running job is: its :class:`~mtds.parallel.layout.ParallelLayout` plus the knobs."""
         return cls(tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatch=microbatch, virtual_stages=layout.vp,
-                   cp=layout.cp, **knobs)
+                   cp=layout.cp, ep=layout.ep, **knobs)
 
     @property
     def grid(self) -> "ParallelLayout":
         """The rank grid as the trainer builds it (validated there: a grid it refuses raises LayoutError)."""
         from mtds.parallel.layout import ParallelLayout
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vp=self.virtual_stages, cp=self.cp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, vp=self.virtual_stages, cp=self.cp,
+                              ep=self.ep)
 
     @property
     def gpus(self) -> int:
@@ -91,5 +96,6 @@ class Candidate:
         sp = "+sp" if self.sequence_parallel else ""
         sched = f" {self.pipeline_schedule}" if self.pp > 1 else ""
         cp = f" c{self.cp}/{self.cp_comm_type}" if self.cp > 1 else ""
-        return (f"t{self.tp}{cp} p{self.pp} d{self.dp} b{self.microbatch} v{self.virtual_stages} "
+        ep = f" e{self.ep}" if self.ep > 1 else ""
+        return (f"t{self.tp}{cp} p{self.pp} d{self.dp}{ep} b{self.microbatch} v{self.virtual_stages} "
                 f"z{self.zero_stage} {self.recompute}{sp}{sched}")

@@ -5,6 +5,8 @@ mtds.parallel.ring.link_bytes / B + mtds.parallel.ring.steps x alpha:
     all-reduce      2 (n-1)/n * S / B + 2 (n-1) alpha
     all-gather      (n-1)/n * S / B + (n-1) alpha     (S = gathered size)
     reduce-scatter  (n-1)/n * S / B + (n-1) alpha     (S = input size)
+    all-to-all      (n-1)/n * S / B + (n-1) alpha     (S = the tensor each rank holds; a pairwise exchange,
+                                                       (n-1)/n of it leaves the rank, one latency per peer)
 B is the effective link bandwidth from Cluster.link_gbps (datasheet x efficiency). Which link a
 group uses follows from the rank order (tensor innermost, then data, then pipeline): a group of
 n ranks with stride k spans n*k consecutive GPUs.
@@ -36,6 +38,14 @@ def all_gather(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
 
 def reduce_scatter(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
     return ring_time("reduce_scatter", nbytes, n, stride, cluster)
+
+
+def all_to_all(nbytes: float, n: int, stride: int, cluster: Cluster) -> float:
+    """One all-to-all of a tensor of ``nbytes`` per rank over n ranks (context parallelism's Ulysses, expert
+    parallelism's dispatch and return)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / _bw(cluster, n, stride) + (n - 1) * cluster.calib.hop_latency_s
 
 
 def p2p(nbytes: float, cross_node: bool, cluster: Cluster) -> float:

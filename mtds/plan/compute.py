@@ -53,12 +53,13 @@ def elementwise_time(bytes_moved: float, cluster: Cluster) -> float:
 
 def layer_forward(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> PassTimes:
     """Forward time of one layer (cached: it depends only on t, c, b and sequence parallelism)."""
-    return _layer_forward(model, layout.tp, layout.microbatch, layout.sequence_parallel, work, cluster, layout.cp)
+    return _layer_forward(model, layout.tp, layout.microbatch, layout.sequence_parallel, work, cluster, layout.cp,
+                          layout.ep)
 
 
 @lru_cache(maxsize=4096)
 def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, work: Workload,
-                   cluster: Cluster, c: int = 1) -> PassTimes:
+                   cluster: Cluster, c: int = 1, ep: int = 1) -> PassTimes:
     """Forward time of one layer for one microbatch on one of the t tensor-parallel GPUs.
 
     GEMMs per layer (Megatron TP split, arXiv 1909.08053 Fig. 3): QKV [bs x h]@[h x (h + 2h_kv)/t]
@@ -75,6 +76,11 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     Context parallelism (c ranks): every token count above is the rank's s/c; the scores and context are
     (b a/t) x [s/c x e]@[e x s] and [s/c x s]@[s x e] (1/c of the whole sequence's work, as c blocks of
     s/c keys each), and the softmax bytes 9 b a/t s^2 / c.
+    MoE blocks (a share moe_fraction of the l blocks; the result is the average block): the MLP becomes the
+    router [bs x h]@[h x E] and the experts. With balanced load a rank's E/e experts get b s k rows in all
+    (b s k e / E each): per expert [rows x h]@[h x 2F/t] and [rows x F/t]@[F/t x h], batched over the E/e
+    local experts (one grouped GEMM per projection); SwiGLU's 6 bytes x rows F / t element-wise. The
+    all-to-all's permutations are not counted.
     """
     s, h, a, f = model.seq, model.hidden, model.heads, model.ffn
     w = work.bytes_per_value
@@ -85,15 +91,26 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     heads_local = b * a / t
     kv = model.kv_width
     fc1_width = f * (model.mlp_matrices - 1)
+    moe = model.moe_fraction
+    dense_mlp = (gemm_time(tokens, fc1_width / t, h, cluster, elem_bytes=w)
+                 + gemm_time(tokens, h, f / t, cluster, elem_bytes=w))
+    ffn_ops = (6.0 if model.gated_mlp else 4.0) * tokens * f / t
+    if moe:
+        big_e, fe = model.num_experts, model.moe_ffn
+        rows = tokens * model.moe_top_k * ep / big_e      # per local expert
+        experts = big_e / ep
+        moe_mlp = (gemm_time(tokens, big_e, h, cluster, elem_bytes=w)
+                   + gemm_time(rows, 2 * fe / t, h, cluster, batch=experts, elem_bytes=w)
+                   + gemm_time(rows, h, fe / t, cluster, batch=experts, elem_bytes=w))
+        dense_mlp = (1.0 - moe) * dense_mlp + moe * moe_mlp
+        ffn_ops = (1.0 - moe) * ffn_ops + moe * 6.0 * tokens * model.moe_top_k * fe / t
     linear = (gemm_time(tokens, (q + 2 * kv) / t, h, cluster, elem_bytes=w)
               + gemm_time(tokens, h, q / t, cluster, elem_bytes=w)
-              + gemm_time(tokens, fc1_width / t, h, cluster, elem_bytes=w)
-              + gemm_time(tokens, h, f / t, cluster, elem_bytes=w))
+              + dense_mlp)
     attn_gemm = (gemm_time(sl, s, hd, cluster, batch=heads_local, elem_bytes=w)
                  + gemm_time(sl, hd, s, cluster, batch=heads_local, elem_bytes=w))
     scale = w / 2.0
     hidden_ops = 22.0 * tokens * h / (t if sequence_parallel else 1)
-    ffn_ops = (6.0 if model.gated_mlp else 4.0) * tokens * f / t
     transposes = 4.0 * tokens * (2 * q + 2 * kv) / t
     softmax_ops = 9.0 * heads_local * sl * s
     elem = elementwise_time(scale * (hidden_ops + ffn_ops + transposes), cluster)

@@ -23,7 +23,7 @@ one latency, an all-to-all c − 1 (a pairwise exchange).
 """
 from __future__ import annotations
 
-from mtds.plan import compute
+from mtds.plan import comm, compute
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.model_spec import ModelSpec
@@ -77,8 +77,7 @@ def hop_time(nbytes: float, layout: Candidate, cluster: Cluster) -> float:
 
 def all_to_all_time(nbytes: float, layout: Candidate, cluster: Cluster) -> float:
     """One all-to-all of a tensor of ``nbytes`` per rank over the group: (c − 1)/c of it leaves each rank."""
-    c = layout.cp
-    return (c - 1) / c * nbytes / _link_bytes_per_s(layout, cluster) + (c - 1) * cluster.calib.hop_latency_s
+    return comm.all_to_all(nbytes, layout.cp, layout.tp, cluster)
 
 
 def exposed_forward_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:

@@ -47,9 +47,11 @@ def stage_params(model: ModelSpec, layout: Candidate, stage: str) -> float:
     norms are replicated (Megatron, arXiv 1909.08053 Section 3; ModelSpec.sharded_params_per_layer).
     The word embedding (padded vocab, split t ways) lives on the first stage; the last stage holds
     the LM head: a tied copy of it when p > 1, or its own matrix when the head is untied.
+    MoE: the experts (:func:`stage_expert_params`) are included; the router is replicated.
     """
     t, p, h = layout.tp, layout.pp, model.hidden
-    per_layer = model.sharded_params_per_layer() / t + model.replicated_params_per_layer()
+    per_layer = (model.sharded_params_per_layer() / t + model.replicated_params_per_layer()
+                 + model.expert_params_per_layer() / (t * layout.ep))
     embed = model.padded_vocab(t) * h / t
     n = per_layer * model.layers / p
     if stage == "first":
@@ -58,6 +60,13 @@ def stage_params(model: ModelSpec, layout: Candidate, stage: str) -> float:
         head = embed if (p > 1 or model.untied_head) else 0.0
         n += model.norm_params + head  # final norm; the head (tied copy on a separate stage, or untied)
     return n
+
+
+def stage_expert_params(model: ModelSpec, layout: Candidate) -> float:
+    """Expert parameters one GPU holds (part of :func:`stage_params`): its l/p blocks' experts, split t ways
+    inside each expert and over the e ranks of its expert-parallel group, E x 3 h F / (t e) per MoE block
+    (MoE blocks spread evenly over the stages)."""
+    return model.expert_params_per_layer() / (layout.tp * layout.ep) * model.layers / layout.pp
 
 
 def grad_buffer_bytes(layout: Candidate, work: Workload, main_grad_bytes: float | None) -> float:
@@ -74,7 +83,7 @@ def grad_buffer_bytes(layout: Candidate, work: Workload, main_grad_bytes: float 
 
 
 def model_state_bytes(n_params: float, layout: Candidate, work: Workload,
-                      main_grad_bytes: float | None = None) -> tuple[float, float, float]:
+                      main_grad_bytes: float | None = None, ranks: int | None = None) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU under ZeRO stage 0-3.
 
     Mixed-precision Adam (Rajbhandari et al. 2020, ZeRO, arXiv 1910.02054 Section 3.1):
@@ -83,10 +92,11 @@ def model_state_bytes(n_params: float, layout: Candidate, work: Workload,
     context parallelism: its ranks hold the same parameters and share the partitions).
     fp32 training: 4 + 4 + 8 (Adam m, v). With `main_grad_bytes` (the calibration's fp32
     accumulation buffer) the 2-byte gradient of stages 0-1 becomes 4 bytes (see grad_buffer_bytes).
+    ``ranks``: the ranks sharing the partitions, if not d·c (experts: d·c / e, the expert-data-parallel group).
     """
     w = work.bytes_per_value
     k = 8.0 if work.precision == "fp32" else 12.0
-    d, z = layout.dp_cp, layout.zero_stage
+    d, z = ranks or layout.dp_cp, layout.zero_stage
     params = w * n_params / (d if z >= 3 else 1)
     grads = grad_buffer_bytes(layout, work, main_grad_bytes) * n_params / (d if z >= 2 else 1)
     opt = k * n_params / (d if z >= 1 else 1)
@@ -165,7 +175,13 @@ def predict_memory(model: ModelSpec, layout: Candidate, work: Workload, cluster:
     attention = cluster.calib.attention_kernel
     for stage in ("first", "last") if layout.pp > 1 else ("first",):
         n = stage_params(model, layout, stage)
-        params, grads, opt = model_state_bytes(n, layout, work, cluster.calib.main_grad_bytes)
+        # experts partition over their expert-data-parallel group (d·c / e ranks), the rest over d·c
+        ne = stage_expert_params(model, layout)
+        params, grads, opt = model_state_bytes(n - ne, layout, work, cluster.calib.main_grad_bytes)
+        if ne:
+            expert = model_state_bytes(ne, layout, work, cluster.calib.main_grad_bytes,
+                                       ranks=max(1, layout.dp_cp // layout.ep))
+            params, grads, opt = params + expert[0], grads + expert[1], opt + expert[2]
         act = 0.0
         if stage == "first":
             act += in_flight_layers(model, layout, work) * activation_bytes_per_layer(model, layout, work,

@@ -21,6 +21,12 @@ class ModelSpec:
     projection a d -> h), ``qk_norm`` a head_dim-wide norm on Q and on K per layer.
     FLOPs for all of them come from the same count as the step log (metrics.training_flops_per_iteration);
     the activation-memory formulas (Korthikanti et al.) stay the GPT ones.
+
+    Mixture of experts (docs/moe.md, docs/planner.md "Mixture of experts"): ``num_experts`` E > 0 makes
+    ``moe_layers`` of the l blocks (None: all of them) route each token to ``moe_top_k`` k of E bias-free SwiGLU
+    experts of width ``moe_ffn_hidden`` F (None: f), three h x F matrices each, through an h x E router; the
+    other blocks keep the dense MLP. Which blocks are MoE is not kept, only how many: the planner spreads them
+    evenly over the pipeline stages (per-layer sizes below are averages over the l blocks).
     """
 
     layers: int
@@ -41,6 +47,10 @@ class ModelSpec:
     head_dim: int | None = None          # None: h / a
     out_proj_bias: bool | None = None    # None: as linear_bias
     qk_norm: bool = False
+    num_experts: int = 0                 # 0: dense
+    moe_top_k: int = 2
+    moe_ffn_hidden: int | None = None    # None: ffn
+    moe_layers: int | None = None        # None: every block (when num_experts > 0)
 
     @classmethod
     def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
@@ -51,11 +61,42 @@ class ModelSpec:
                    gated_mlp=cfg.activation == "swiglu", untied_head=not cfg.tie_word_embeddings,
                    rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
                    rmsnorm=cfg.normalization == "rmsnorm", head_dim=cfg.kv_channels,
-                   out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm)
+                   out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm, **_moe_fields(cfg))
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def moe_ffn(self) -> int:
+        """Width F of one expert."""
+        return self.moe_ffn_hidden or self.ffn
+
+    @property
+    def moe_blocks(self) -> int:
+        """How many blocks hold experts (0 for a dense model)."""
+        if not self.num_experts:
+            return 0
+        return self.layers if self.moe_layers is None else self.moe_layers
+
+    @property
+    def moe_fraction(self) -> float:
+        """Share of the blocks that are MoE: per-layer averages weight the MoE block by it."""
+        return self.moe_blocks / self.layers
+
+    def expert_params_per_layer(self) -> float:
+        """Expert parameters of one layer, averaged over the l blocks: E x 3 h F per MoE block (bias-free SwiGLU).
+        They are split t ways (inside each expert) and ep ways (experts over data ranks)."""
+        return self.moe_fraction * self.num_experts * 3 * self.hidden * self.moe_ffn
+
+    @property
+    def active_ffn(self) -> float:
+        """The per-block width whose FLOPs equal what the blocks compute per token (k active experts + the
+        router): the step log's count (metrics.active_ffn_width), f for a dense model."""
+        if not self.moe_blocks:
+            return float(self.ffn)
+        return metrics.moe_active_ffn_width(self.layers, self.ffn, self.moe_blocks, self.num_experts,
+                                            self.moe_top_k, self.moe_ffn)
 
     @property
     def q_width(self) -> float:
@@ -103,20 +144,23 @@ class ModelSpec:
         (q = h unless head_dim is set) and bias, the projection weight q h, the MLP matrices (2 or 3) x h f
         and the column-parallel MLP biases (f each for fc1 and, gated, the gate)."""
         h, f = self.hidden, self.ffn
+        dense = 1.0 - self.moe_fraction        # MoE blocks have experts (expert_params_per_layer) instead
         qkv = self.q_width + 2 * self.kv_width
-        bias = (qkv if self.qkv_bias else 0.0) + ((self.mlp_matrices - 1) * f if self.linear_bias else 0.0)
-        return h * qkv + self.q_width * h + self.mlp_matrices * h * f + bias
+        bias = (qkv if self.qkv_bias else 0.0) + ((self.mlp_matrices - 1) * f * dense if self.linear_bias else 0.0)
+        return h * qkv + self.q_width * h + dense * self.mlp_matrices * h * f + bias
 
     def replicated_params_per_layer(self) -> float:
         """Parameters of one layer every TP rank holds whole: two norms, the row-parallel biases
-        (projection and fc2, h each) and the q/k norms."""
-        biases = (self.hidden if self.has_out_proj_bias else 0) + (self.hidden if self.linear_bias else 0)
-        return 2 * self.norm_params + biases + self.qk_norm_params
+        (projection and fc2, h each), the q/k norms and, in MoE blocks, the h x E router."""
+        dense = 1.0 - self.moe_fraction
+        biases = (self.hidden if self.has_out_proj_bias else 0) + (self.hidden * dense if self.linear_bias else 0)
+        router = self.moe_fraction * self.hidden * self.num_experts
+        return 2 * self.norm_params + biases + self.qk_norm_params + router
 
     def params_per_layer(self) -> float:
         """Sharded + replicated (= 12h^2 + 13h for the GPT shape: QKV 3h^2+3h, projection h^2+h,
-        MLP 2hf+f+h, two layer norms 4h at f = 4h)."""
-        return self.sharded_params_per_layer() + self.replicated_params_per_layer()
+        MLP 2hf+f+h, two layer norms 4h at f = 4h) + experts."""
+        return self.sharded_params_per_layer() + self.replicated_params_per_layer() + self.expert_params_per_layer()
 
     def model_flops(self, batch: int) -> float:
         """Model FLOPs per iteration: PTD-P eq. 3 without recompute for the GPT shape; for other shapes
@@ -128,7 +172,7 @@ class ModelSpec:
         """Executed FLOPs including recomputation: the count the step log uses too
         (metrics.training_flops_per_iteration; equals metrics.hardware_flops_per_iteration at f = 4h)."""
         return metrics.training_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab,
-                                                    ffn_hidden=self.ffn, num_heads=self.heads,
+                                                    ffn_hidden=self.active_ffn, num_heads=self.heads,
                                                     num_kv_heads=self.kv_heads, gated_mlp=self.gated_mlp,
                                                     head_dim=self.head_dim, recompute=recompute)
 
@@ -136,9 +180,21 @@ class ModelSpec:
         tag = f"{self.name} " if self.name else ""
         extra = "".join([f" kv={self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else "",
                          " swiglu" if self.gated_mlp else "", f" d={self.head_dim}" if self.head_dim else "",
-                         " qk-norm" if self.qk_norm else ""])
+                         " qk-norm" if self.qk_norm else "",
+                         f" moe E={self.num_experts} k={self.moe_top_k} F={self.moe_ffn} x{self.moe_blocks}"
+                         if self.moe_blocks else ""])
         return (f"{tag}l={self.layers} h={self.hidden} a={self.heads} V={self.vocab} s={self.seq}{extra} "
                 f"({self.params / 1e9:.1f}B params)")
+
+
+def _moe_fields(cfg) -> dict:
+    """The MoE sizes of a ModelConfig (an older or dense config without them: none)."""
+    experts = getattr(cfg, "num_experts", 0)
+    if not experts:
+        return {}
+    moe = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
+    return {"num_experts": experts, "moe_top_k": cfg.moe_top_k, "moe_ffn_hidden": cfg.moe_ffn_size,
+            "moe_layers": moe}
 
 
 def resolve_model(name_or_path, *, seq: int | None = None, **overrides) -> ModelSpec:

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtds.plan import comm, compute, cp_comm, host_costs, pipeline, tp_comm
+from mtds.plan import comm, compute, cp_comm, ep_comm, host_costs, pipeline, tp_comm
 from mtds.parallel.choices import CP_COMM_TYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES
 from mtds.parallel.cp_rules import cp_shape_problems
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
-from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_params
+from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_expert_params, stage_params
 from mtds.plan.model_spec import ModelSpec
 from mtds.plan.runnable import not_runnable
 
@@ -125,7 +125,23 @@ def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, clu
         out.append(f"recompute must be one of {RECOMPUTE_MODES}")
     if layout.sequence_parallel and (t == 1 or model.seq % t):
         out.append("sequence parallelism needs t > 1 dividing the sequence length")
-    return out + context_parallel_problems(model, layout)
+    return out + context_parallel_problems(model, layout) + expert_parallel_problems(model, layout)
+
+
+def expert_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
+    """What mtds.pipe.moe_layout refuses of the model and e (one line each): e > 1 on a dense model, e not dividing
+    the experts, t not dividing the expert width. (e not dividing d: the grid's own check, above.)"""
+    e, t = layout.ep, layout.tp
+    if e < 1:
+        return ["expert parallel size must be >= 1"]
+    if not model.moe_blocks:
+        return [f"expert parallelism e={e} needs a mixture-of-experts model"] if e > 1 else []
+    out = []
+    if model.num_experts % e:
+        out.append(f"expert parallel size e={e} does not divide the {model.num_experts} experts")
+    if model.moe_ffn % t:
+        out.append(f"t={t} does not divide the expert FFN size {model.moe_ffn}")
+    return out
 
 
 def context_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
@@ -177,6 +193,7 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     grad_bytes_tp = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
     tp_s = tp_comm.per_step_time(model, layout, work, cluster, "last" if p > 1 else "all", m, grad_bytes_tp)
     cp_s = m * layers_per_stage * cp_comm.layer_time(model, layout, work, cluster)
+    ep_s = m * layers_per_stage * ep_comm.layer_time(model, layout, work, cluster)
     bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, v,
                                     *stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc))
     pp_s = 0.0
@@ -194,12 +211,18 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
         embedding_grad = model.padded_vocab(t) / t * h * grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
         pp_s = pipeline.p2p_messages(layout.pipeline_schedule, p, v, m) * t_p2p + comm.all_reduce(embedding_grad, 2, t * d * (p - 1), cluster)
 
-    grad_bytes = n_local * w
+    # experts' gradients are summed over their expert-data-parallel group (d·c / e ranks), the rest over d·c
+    n_expert = stage_expert_params(model, layout)
+    grad_bytes = (n_local - n_expert) * w
+    # (d_expert 1 on a dense model: no expert collective, not even its latency)
+    expert_grad_bytes, d_expert = n_expert * w, max(1, d // layout.ep) if n_expert else 1
     if layout.zero_stage >= 3:
         if cluster.calib.collective_backend == "gloo":   # persistent parameters, gloo's reduce-scatter
             per_mb = host_costs.zero3_traffic(model, d, t, w, cluster, "gloo")
         else:
-            per_mb = (2 * comm.all_gather(grad_bytes, d, t, cluster) + comm.reduce_scatter(grad_bytes, d, t, cluster))
+            per_mb = (2 * comm.all_gather(grad_bytes, d, t, cluster) + comm.reduce_scatter(grad_bytes, d, t, cluster)
+                      + 2 * comm.all_gather(expert_grad_bytes, d_expert, t * layout.ep, cluster)
+                      + comm.reduce_scatter(expert_grad_bytes, d_expert, t * layout.ep, cluster))
         z = m * per_mb / cluster.calib.zero3_comm_efficiency
         busy = compute_s + tp_s
         # prefetching overlaps gathers with compute, but both contend for SMs and HBM: the
@@ -211,7 +234,9 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
         # ZeRO-1 reduce-scatter is its own ring of sends, mtds/parallel/dp_reduce.py, not gloo's reduce_scatter, which
         # all-reduces -- that one is ZeRO-3's, host_costs.zero3_traffic); DeepSpeed's own ZeRO-1 all-reduces
         # the gradients and then all-gathers the updated parameters
-        dp_s = (1.0 - cluster.calib.dp_overlap) * comm.all_reduce(grad_bytes, d, t, cluster)
+        dp_s = (1.0 - cluster.calib.dp_overlap) * (comm.all_reduce(grad_bytes, d, t, cluster)
+                                                    + comm.all_reduce(expert_grad_bytes, d_expert, t * layout.ep,
+                                                                      cluster))
         if layout.zero_stage in (1, 2) and zero1_grad_reduce == "all-reduce":
             dp_s += (1.0 - cluster.calib.dp_overlap) * comm.all_gather(grad_bytes, d, t, cluster)
 
@@ -219,9 +244,9 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     if stages is not None and p > 1:
         compute_s, tp_s, bubble_s, stage_info = partition_times(model, layout, work, cluster, stages, m, t_acc,
                                                                 compute_s, t_tp_one)
-        cp_s = 0.0      # the critical rank's block costs carry it, as they carry the layers' TP collectives
+        cp_s = ep_s = 0.0   # the critical rank's block costs carry them, as they carry the layers' TP collectives
     engine_s = host_costs.engine_overhead(model, layout.zero_stage, m, cluster, p)
-    step = compute_s + tp_s + cp_s + bubble_s + pp_s + dp_s + engine_s
+    step = compute_s + tp_s + cp_s + ep_s + bubble_s + pp_s + dp_s + engine_s
     mem = predict_memory(model, layout, work, cluster)
     capacity = cluster.gpu.hbm_gib
     fits = mem.total <= capacity * GIB
@@ -237,10 +262,11 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     return Prediction(
         layout=layout, step_time_s=step,
         time_breakdown_s={"compute": compute_s, "tp_comm": tp_s, "pp_comm": pp_s, "dp_comm": dp_s, "bubble": bubble_s,
-                          "engine": engine_s, **({"cp_comm": cp_s} if layout.cp > 1 else {})},
+                          "engine": engine_s, **({"cp_comm": cp_s} if layout.cp > 1 else {}),
+                        **({"ep_comm": ep_s} if layout.ep > 1 else {})},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
-        not_runnable=tuple(not_runnable(layout, work.precision)), stages=stage_info,
+        not_runnable=tuple(not_runnable(layout, work.precision, moe=bool(model.moe_blocks))), stages=stage_info,
     )
 
 
@@ -281,9 +307,11 @@ def stage_pass_times(model: ModelSpec, layout: Candidate, work: Workload, cluste
     recomputation, the backward TP and CP traffic). F + B + W = the stage's whole per-microbatch time."""
     lps = model.layers / layout.pp
     fwd = compute.layer_forward(model, layout, work, cluster)
-    layer_comm = tp_comm.layer_time(model, layout, work, cluster) + cp_comm.layer_time(model, layout, work, cluster)
+    layer_comm = (tp_comm.layer_time(model, layout, work, cluster) + cp_comm.layer_time(model, layout, work, cluster)
+                  + ep_comm.layer_time(model, layout, work, cluster))
     stage = lps * (compute.layer_compute_time(model, layout, work, cluster) + layer_comm) + t_acc
-    f = lps * (fwd.forward + 2 * t_tp_one + cp_comm.exposed_forward_time(model, layout, work, cluster))
+    f = lps * (fwd.forward + 2 * t_tp_one + cp_comm.exposed_forward_time(model, layout, work, cluster)
+               + ep_comm.forward_time(model, layout, work, cluster))
     w_pass = lps * fwd.linear + t_acc
     return f, stage - f - w_pass, w_pass
 

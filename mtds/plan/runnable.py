@@ -22,9 +22,15 @@ TRAIN_PY_RUNS = {
 FP32_ONLY_SCHEDULES: tuple[str, ...] = ()
 
 
-def not_runnable(layout, precision: str | None = None) -> list[str]:
-    """Why train.py cannot run ``layout`` (empty list: it can) at ``precision`` (None: not checked)."""
+def not_runnable(layout, precision: str | None = None, moe: bool = False) -> list[str]:
+    """Why train.py cannot run ``layout`` (empty list: it can) at ``precision`` (None: not checked); ``moe``: the
+    model has experts (mtds.pipe.moe_layout's refusals, docs/moe.md)."""
     out = []
+    if moe and layout.pp > 1:
+        out.append(f"train.py trains MoE models at --pp 1 for now (asked {layout.pp})")
+    if getattr(layout, "ep", 1) > 1 and ((precision not in (None, "fp32")) or layout.zero_stage != 0):
+        out.append(f"train.py runs expert parallelism (--ep {layout.ep}) in fp32 with ZeRO-0 only, not "
+                   f"{precision or 'this precision'} ZeRO-{layout.zero_stage}")
     schedule = layout.pipeline_schedule if layout.pp > 1 else "1f1b"
     if not TRAIN_PY_RUNS["pipeline_schedule"].get(schedule, False):
         out.append(f"train.py cannot run --pipeline-schedule {schedule} yet")

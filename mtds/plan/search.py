@@ -33,7 +33,7 @@ from mtds.plan.predict import Prediction, predict, structural_problems
 from mtds.plan.runnable import not_runnable
 
 KNOBS = ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
-         "pipeline_schedule", "cp", "cp_comm_type")
+         "pipeline_schedule", "cp", "cp_comm_type", "ep")
 
 # Sequences from this length on are "long": context parallelism is searched beside c = 1 (see above).
 LONG_SEQUENCE = 32768
@@ -105,13 +105,24 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
             sps = [fixed["sequence_parallel"]] if fixed.get("sequence_parallel") is not None else (
                 [False, True] if t > 1 else [False])
             comms = _comm_types(model, fixed, t, c)
+            eps = _expert_sizes(model, fixed, d)
             for b in bs:
                 for v, sched in ((v, sc) for sc in schedules for v in vs if _chunks_fit(sc, v)):
                     for z in zs:
                         for r in rs:
                             for sp in sps:
-                                for ct in comms:
-                                    yield Candidate(t, p, d, b, v, z, r, sp, sched, cp=c, cp_comm_type=ct)
+                                for ct, e in ((ct, e) for ct in comms for e in eps):
+                                    yield Candidate(t, p, d, b, v, z, r, sp, sched, cp=c, cp_comm_type=ct, ep=e)
+
+
+def _expert_sizes(model: ModelSpec, fixed: dict, d: int) -> list[int]:
+    """Expert-parallel sizes to try: the fixed one; for an MoE model the divisors of d that divide the experts;
+    1 for a dense model."""
+    if fixed.get("ep"):
+        return [fixed["ep"]]
+    if not model.moe_blocks:
+        return [1]
+    return [e for e in _divisors(d) if model.num_experts % e == 0]
 
 
 def _schedules(fixed, p: int) -> list[str]:
@@ -156,7 +167,7 @@ def _rank(model, work, cluster, fixed: dict, max_microbatch: int, keep_infeasibl
     for layout in candidate_layouts(model, work, cluster, fixed, max_microbatch, cps):
         problems = structural_problems(model, layout, work, cluster)
         if runnable_only:
-            problems += not_runnable(layout, work.precision)
+            problems += not_runnable(layout, work.precision, moe=bool(model.moe_blocks))
         if problems:
             if keep_infeasible:
                 result.infeasible.append((layout, problems))
@@ -193,6 +204,6 @@ def evaluate(model: ModelSpec, work: Workload, cluster: Cluster, runnable_only: 
                      fixed.get("virtual_stages", 1), fixed.get("zero_stage", 0),
                      fixed.get("recompute", "full"), fixed.get("sequence_parallel", False),
                      fixed.get("pipeline_schedule", "") if isinstance(fixed.get("pipeline_schedule", ""), str) else "",
-                     cp=c, cp_comm_type=fixed.get("cp_comm_type", "p2p"))
+                     cp=c, cp_comm_type=fixed.get("cp_comm_type", "p2p"), ep=fixed.get("ep", 1))
         return predict(model, lay, work, cluster)
     return min(tried, key=lambda pr: (len(pr.reasons), len(pr.not_runnable), pr.step_time_s))

@@ -1,0 +1,55 @@
+"""What expert parallelism (docs/moe.md, mtds.model.dispatch) sends, per MoE block and micro-batch.
+
+Each rank routes its b · (s/c) tokens to k experts each; the dispatcher sends every assignment's row (h values)
+to the rank holding its expert and the expert's output back (dropless: every assignment travels). Every TP rank
+of a replica exchanges the whole rows with the same TP rank of its EP peers (the experts are TP-split inside,
+their input whole). With the experts' load balanced, (e − 1)/e of the b · (s/c) · k rows leave the rank:
+
+  one all-to-all      b · (s/c) · k · h · w bytes held, (e − 1)/e of them sent (w bytes per value)
+  per block           forward 2 (dispatch, return), backward 2 (the same exchanges reversed),
+                      + 2 when full recomputation reruns the forward.
+
+The group is e consecutive data ranks: stride t·c, spanning e·t·c GPUs (mtds.parallel.layout, DeepSpeed's
+arrangement), timed by comm.all_to_all. Nothing overlaps it. Not modelled: the per-block exchange of the E expert
+counts (E integers) and load imbalance (a hot expert's rank receives more than the average).
+"""
+from __future__ import annotations
+
+from mtds.plan import comm
+from mtds.plan.candidate import Candidate, Workload
+from mtds.plan.hardware import Cluster
+from mtds.plan.model_spec import ModelSpec
+
+
+def a2a_tensor_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> float:
+    """The rows one rank holds for one all-to-all: b (s/c) k h w bytes."""
+    return (layout.microbatch * layout.local_seq(model.seq) * model.moe_top_k * model.hidden
+            * work.bytes_per_value)
+
+
+def a2a_sent_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> float:
+    """Bytes leaving one rank in one all-to-all: (e − 1)/e of the rows (0 at e = 1 or on a dense model)."""
+    e = layout.ep
+    if e == 1 or not model.moe_blocks:
+        return 0.0
+    return (e - 1) / e * a2a_tensor_bytes(model, layout, work)
+
+
+def exchanges_per_block(layout: Candidate) -> int:
+    """All-to-alls per MoE block and micro-batch: 2 forward + 2 backward, + 2 under full recomputation."""
+    return 6 if layout.recompute == "full" else 4
+
+
+def layer_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
+    """Seconds of one layer (averaged over the l blocks: only moe_fraction of them are MoE) and micro-batch."""
+    if layout.ep == 1 or not model.moe_blocks:
+        return 0.0
+    one = comm.all_to_all(a2a_tensor_bytes(model, layout, work), layout.ep, layout.tp * layout.cp, cluster)
+    return model.moe_fraction * exchanges_per_block(layout) * one
+
+
+def forward_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster) -> float:
+    """The forward's share of :func:`layer_time` (dispatch and return)."""
+    if layout.ep == 1 or not model.moe_blocks:
+        return 0.0
+    return layer_time(model, layout, work, cluster) * 2 / exchanges_per_block(layout)

@@ -1,0 +1,124 @@
+"""The planner's mixture-of-experts model (issue 33): expert memory ∝ 1/(t·e), the EP all-to-all's bytes,
+FLOPs from the step log's count, the one-line refusals and the CLI knob. Single process, no torch."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from mtds.model.config import ModelConfig
+from mtds.observe import metrics
+from mtds.plan import Candidate, Cluster, ModelSpec, Workload, comm, ep_comm, get_gpu, predict
+from mtds.plan.memory import predict_memory, stage_expert_params
+from mtds.plan.predict import structural_problems
+from mtds.plan.runnable import not_runnable
+
+# Mixtral-8x7B's shape: 8 experts of width 14336, top-2, every block MoE
+MIXTRAL = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, ffn_hidden=14336, kv_heads=8,
+                    gated_mlp=True, untied_head=True, rotary=True, qkv_bias=False, linear_bias=False, rmsnorm=True,
+                    num_experts=8, moe_top_k=2, name="mixtral")
+WORK32 = Workload(global_batch=64, precision="fp32")
+H100_16 = Cluster(get_gpu("H100"), 16)
+
+
+def _lay(e, *, t=2, d=8, microbatch=1, **kw):
+    kw = {"zero_stage": 0, "recompute": "none", **kw}
+    return Candidate(t, 1, d, microbatch, ep=e, **kw)
+
+
+def test_mixtral_parameter_count():
+    assert MIXTRAL.params == pytest.approx(46.70e9, rel=1e-3)      # Mixtral-8x7B: 46.7B
+
+
+@pytest.mark.parametrize("e", [2, 4, 8])
+def test_expert_memory_falls_as_one_over_e(e):
+    """Experts per rank: E·3hF/(t·e) per block; fp32 ZeRO-0 holds 4 + 4 + 8 bytes of each, so the model states
+    shrink by exactly 16 bytes x the experts e no longer holds; the router stays."""
+    per_rank = 32 * 8 * 3 * 4096 * 14336 / 2
+    assert stage_expert_params(MIXTRAL, _lay(1)) == per_rank
+    assert stage_expert_params(MIXTRAL, _lay(e)) == per_rank / e
+    one, split = predict_memory(MIXTRAL, _lay(1), WORK32, H100_16), predict_memory(MIXTRAL, _lay(e), WORK32, H100_16)
+    states = lambda mb: mb.params + mb.grads + mb.optimizer  # noqa: E731
+    assert states(one) - states(split) == pytest.approx(16 * per_rank * (1 - 1 / e), rel=1e-12)
+
+
+def test_expert_optimizer_state_partitions_over_the_expert_data_group():
+    """ZeRO-1: dense states over d = 8, expert states over d/e = 4 (each expert shard is held by d/e ranks)."""
+    lay = _lay(2, zero_stage=1)
+    mem = predict_memory(MIXTRAL, lay, WORK32, H100_16)
+    ne = stage_expert_params(MIXTRAL, lay)
+    dense = predict_memory(replace(MIXTRAL, num_experts=0, ffn_hidden=1), _lay(1, zero_stage=1), WORK32, H100_16)
+    router = 32 * 4096 * 8 / 8            # replicated router's optimizer states, partitioned over d = 8
+    dense_mlp = 32 * 3 * 4096 * 1 / 2 / 8    # the stand-in dense model's 1-wide MLP
+    assert mem.optimizer - dense.optimizer == pytest.approx(8 * (ne / 4 + router - dense_mlp), rel=1e-9)
+
+
+@pytest.mark.parametrize("e", [2, 4, 8])
+@pytest.mark.parametrize("recompute, exchanges", [("none", 4), ("full", 6)])
+def test_all_to_all_bytes_and_time_hand_computed(e, recompute, exchanges):
+    lay = _lay(e, recompute=recompute, microbatch=2)
+    b, s, k, h, w = 2, 4096, 2, 4096, 4
+    assert ep_comm.a2a_sent_bytes(MIXTRAL, lay, WORK32) == b * s * k * h * w * (e - 1) / e
+    one = comm.all_to_all(b * s * k * h * w, e, 2, H100_16)
+    assert ep_comm.layer_time(MIXTRAL, lay, WORK32, H100_16) == pytest.approx(exchanges * one, rel=1e-12)
+    half = replace(MIXTRAL, moe_layers=16)      # half the blocks MoE: half the traffic per average layer
+    assert ep_comm.layer_time(half, lay, WORK32, H100_16) == pytest.approx(exchanges * one / 2, rel=1e-12)
+    pred = predict(MIXTRAL, lay, WORK32, H100_16)
+    assert pred.time_breakdown_s["ep_comm"] == pytest.approx(32 * lay.microbatches(64) * exchanges * one, rel=1e-12)
+
+
+def test_no_all_to_all_at_e1_or_on_a_dense_model():
+    assert ep_comm.layer_time(MIXTRAL, _lay(1), WORK32, H100_16) == 0.0
+    assert "ep_comm" not in predict(MIXTRAL, _lay(1), WORK32, H100_16).time_breakdown_s
+
+
+def test_flops_equal_the_step_logs_count_for_an_moe_config():
+    """Qwen3-MoE-like: every other block MoE (decoder_sparse_step 2, block 4 listed dense), k = 4 of 16 experts of
+    width 96; ModelSpec.from_config must carry all of it into metrics' count."""
+    cfg = ModelConfig(vocab_size=1000, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, kv_channels=64,
+                      ffn_hidden_size=512, max_position_embeddings=512, position_embedding="rotary",
+                      normalization="rmsnorm", activation="swiglu", qkv_bias=False, linear_bias=False,
+                      tie_word_embeddings=False, architecture="qwen3_moe", num_experts=16, moe_top_k=4,
+                      moe_ffn_hidden_size=96, decoder_sparse_step=2, mlp_only_layers=(3,))
+    spec = ModelSpec.from_config(cfg, seq=512)
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_ffn, spec.moe_blocks) == (16, 4, 96, 3)
+    for recompute in ("none", "full"):
+        assert spec.hardware_flops(8, recompute) == metrics.model_config_flops(cfg, 8, 512, recompute)
+    assert spec.model_flops(8) < replace(spec, num_experts=0).model_flops(8)   # 4·96 + 16/3 < 512
+
+
+def test_structural_refusals_one_line_each():
+    def problems(model, lay):
+        return structural_problems(model, lay, WORK32, H100_16)
+    dense = replace(MIXTRAL, num_experts=0)
+    cases = [(dense, _lay(2), "needs a mixture-of-experts model"),
+             (replace(MIXTRAL, num_experts=6), _lay(4), "does not divide the 6 experts"),
+             (replace(MIXTRAL, num_experts=6), _lay(3), "does not divide the data-parallel size 8"),
+             (replace(MIXTRAL, moe_ffn_hidden=1001), _lay(1), "does not divide the expert FFN size 1001")]
+    for model, lay, text in cases:
+        found = problems(model, lay)
+        assert len(found) == 1 and text in found[0] and "\n" not in found[0], found
+    assert problems(MIXTRAL, _lay(8)) == []
+
+
+def test_train_py_runs_ep_in_fp32_zero0_only_and_moe_at_pp1():
+    assert not_runnable(_lay(2), "fp32", moe=True) == []
+    assert len(not_runnable(_lay(2), "bf16", moe=True)) == 1
+    assert len(not_runnable(_lay(2, zero_stage=1), "fp32", moe=True)) == 1
+    assert not_runnable(_lay(1, zero_stage=1), "bf16", moe=True) == []
+    assert len(not_runnable(Candidate(1, 2, 8, 1), "fp32", moe=True)) == 1
+    assert predict(MIXTRAL, _lay(2), Workload(64), H100_16).not_runnable      # bf16: reported, not hidden
+
+
+@pytest.mark.parametrize("e", [1, 2, 8])     # not all the search's own choice: the flag must hold it
+def test_cli_fixes_ep(capsys, e):
+    from mtds.cli.plan import main
+    argv = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab", "32000", "--seq", "4096",
+            "--ffn-hidden", "2816", "--num-experts", "8", "--moe-top-k", "2", "--gpu", "H100", "--gpus", "16",
+            "--global-batch", "64", "--precision", "fp32", "--tp", "2", "--pp", "1", "--zero-stage", "0",
+            "--expert-model-parallel-size", str(e), "--json"]
+    main(argv)
+    out = json.loads(capsys.readouterr().out)
+    assert (out["tp"], out["dp"], out["ep"], out["not_runnable"]) == (2, 8, e, [])
+    assert ("ep_comm" in out["time_breakdown_s"]) == (e > 1)
