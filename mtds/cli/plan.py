@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context-parallel attention (train.py --cp-comm-type): p2p ring or a2a Ulysses")
     lay.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int,
                      help="expert-parallel size e (train.py --ep), a divisor of d and of the experts; left out, "
-                          "an MoE model's search tries each such divisor (train.py runs e > 1 in fp32 ZeRO-0 only)")
+                          "an MoE model's search tries each such divisor (train.py runs e > 1 with ZeRO 0-2; 16-bit at ZeRO 1-2)")
     lay.add_argument("--microbatch", type=int)
     lay.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved: v > 1)")
     lay.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,

@@ -74,8 +74,8 @@ class TrainConfig:
         1, "--expert-model-parallel-size", "--ep", section=LAYOUT, at_least=1, metavar="E",
         help="expert parallel size e (mixture-of-experts models): the experts are split over e of the d "
              "data-parallel ranks (consecutive data ranks, as DeepSpeed's expert groups), tokens sent to their "
-             "experts' ranks and back by all-to-all; e divides d and the number of experts. fp32, ZeRO-0, no "
-             "checkpoints yet (docs/moe.md) [1]")
+             "experts' ranks and back by all-to-all; e divides d and the number of experts. ZeRO-0/1/2 (16-bit: "
+             "ZeRO-1/2), no checkpoints yet (docs/moe.md) [1]")
     model: Any = opt(                           # preset name, HF config.json/dir, ModelConfig; None: see world.py
         None, "--model", section=LAYOUT,
         help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
