@@ -11,8 +11,9 @@ turn the engine's handling on, and its ``set_deepspeed_parallelism`` (which the 
 module that has one) creates DeepSpeed's expert groups from the mpu, as the class itself would with expert
 tensor parallelism (experts split over the TP group inside, as mtds's), and holds them equal to mtds's
 layout. DeepSpeed keeps its groups in module globals for the life of the process, under a name that holds
-only E (``ep_size_E``): a second run in the same process (a library user, the test pool) with another t or
-d would silently get the first run's groups, so groups of that name with other ranks are dropped first.
+only E (``ep_size_E``), and would hand a later run in the same process (a library user, the test pool) with
+another t or d the first run's groups: a run drops its groups when it ends (:func:`release_expert_groups`,
+from mtds.training.job.release), and a run that finds other ranks under the name stops with one line.
 
 Checked against DeepSpeed 0.19.8 (capabilities: "DeepSpeed's expert groups for mtds's MoE blocks").
 """
@@ -48,22 +49,33 @@ def expert_groups_module(num_experts: int, layout) -> nn.Module:
             import torch.distributed as dist
             from deepspeed.utils import groups
             name, rank = self.expert_group_name, dist.get_rank()
-            if name in groups._get_expert_parallel_group_dict() and _theirs(name) != _mine(layout, rank):
-                for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                              groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
-                    table.pop(name, None)
             if name not in groups._get_expert_parallel_group_dict():
                 # mtds's rank order is DeepSpeed's "E + M + D" arrangement (data before expert off)
                 groups._create_expert_data_and_model_parallel(self.ep_size, mpu=groups.mpu,
                                                               use_data_before_expert_parallel_=False)
             if _theirs(name) != _mine(layout, rank):
-                raise RuntimeError(f"DeepSpeed's expert groups {_theirs(name)} are not mtds's "
-                                   f"{_mine(layout, rank)} for rank {rank}")
+                raise RuntimeError(f"DeepSpeed already holds expert groups named {name} with other ranks "
+                                   f"({_theirs(name)}, this layout needs {_mine(layout, rank)} on rank {rank}): an "
+                                   f"earlier run in this process did not end cleanly; start a new process")
 
         def forward(self, *args, **kwargs):
             raise RuntimeError("ExpertGroups only declares the experts to DeepSpeed; it has no forward")
 
     return ExpertGroups()
+
+
+def release_expert_groups(ep: int) -> None:
+    """At the end of a run: drop and destroy the expert groups DeepSpeed created for it (module globals that
+    would otherwise keep their process groups, and gloo's threads, for the life of the process)."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    name = group_name(ep)
+    handles = [table.pop(name, None) for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP)]
+    for table in (groups._EXPERT_PARALLEL_GROUP_RANKS, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.pop(name, None)
+    for handle in handles:
+        if handle is not None and dist.is_initialized():
+            dist.destroy_process_group(handle)
 
 
 def _theirs(name: str) -> tuple[list[int], list[int]]:

@@ -76,6 +76,9 @@ def release(built: BuiltRun) -> None:
     destroy = getattr(built.engine, "destroy", None)
     if destroy is not None:
         destroy()
+    if built.world.layout.ep > 1:
+        from mtds.deepspeed_compat.expert_groups import release_expert_groups
+        release_expert_groups(built.world.layout.ep)
 
 
 def load_or_start(cfg: TrainConfig, world: World) -> TrainConfig:
