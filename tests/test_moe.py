@@ -412,25 +412,41 @@ def _assert_all_to_all_bytes(comms, cfg, e=2, d=2):
     assert sum(c["bytes"] for c in got) == want and all(c["group_size"] == e for c in got), (got, want)
 
 
-def test_expert_parallel_four_ranks():
-    """Expert parallelism on 4 ranks, fp32, 10 clipped AdamW steps against transformers: Mixtral at (1,1,4)
-    with e = 2 and ZeRO-1 (each expert on two data ranks: its gradient summed over that pair, the expert-data-
-    parallel group, and over no other rank; its optimizer state partitioned over the pair by DeepSpeed's MoE
-    param groups) and then, in the same processes, Qwen3-MoE at (2,1,2) e = 2 with --sequence-parallel at
-    ZeRO-0 (each TP rank exchanges with the same TP rank of its EP peer; other expert groups under the same
-    DeepSpeed name than the first run's; mtds's clipping norm)."""
-    from tests.training_helpers import ds_config, run_layouts, train_config
-    models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
-    common = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10, expert_model_parallel_size=2)
-    configs = [train_config(model=models[0][1], deepspeed_config=ds_config(zero=1), **common),
-               train_config(model=models[1][1], tp=2, sequence_parallel=True, deepspeed_config=ds_config(zero=0),
-                            **common)]
+def test_expert_and_pipeline_parallel_four_ranks(tmp_path):
+    """Four layouts on 4 ranks, one after another in the same processes, fp32, 10 clipped AdamW steps against
+    transformers:
+    - Mixtral (1,1,4) e = 2, ZeRO-1: each expert on two data ranks, its gradient summed over that pair (the
+      expert-data-parallel group) and no other rank, its optimizer state partitioned over the pair by
+      DeepSpeed's MoE param groups;
+    - Qwen3-MoE (2,1,2) e = 2, --sequence-parallel, ZeRO-0: each TP rank exchanges with the same TP rank of its
+      EP peer; mtds's clipping norm sums the expert squares over the EP group; DeepSpeed's expert groups
+      under the same name as the first run's, with other ranks (the first run released its own);
+    - Mixtral (1,2,2) e = 2, ZeRO-1, one MoE block per stage: the router statistics travel with the
+      activations from stage to stage and the last stage's loss adds the load-balancing term;
+    - Qwen3-MoE (2,2,1) --sequence-parallel --recompute full (the MoE block on stage 0, the dense one on
+      stage 1): the statistics pass a stage without MoE blocks and a recomputation (counted once in the step
+      log: k x tokens x MoE blocks per step)."""
+    import json
+
+    from tests.training_helpers import BATCH, SEQ, ds_config, run_layouts, train_config
+    mixtral, qwen = _training_model("mixtral"), _training_model("qwen3_moe")
+    lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10)
+    log = str(tmp_path / "pp.jsonl")
+    configs = [train_config(model=mixtral, expert_model_parallel_size=2, deepspeed_config=ds_config(zero=1), **lr),
+               train_config(model=qwen, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
+                            deepspeed_config=ds_config(zero=0), **lr),
+               train_config(model=mixtral, pp=2, expert_model_parallel_size=2, pipeline_balance="uniform", **lr),
+               train_config(model=qwen, tp=2, pp=2, sequence_parallel=True, recompute="full", log_jsonl=log, **lr)]
     per_rank = run_layouts(4, configs)
-    results = per_rank[0]
-    assert [r.layout for r in results] == ["(tp=1, pp=1, dp=4, ep=2)", "(tp=2, pp=1, dp=2, ep=2)"]
-    _parity(results, models, "(1,1,4)e2 (2,1,2)e2+sp")
-    assert all([(r.losses, r.grad_norms) for r in other] == [(r.losses, r.grad_norms) for r in results]
-               for other in per_rank[1:])
+    results = per_rank[-1]      # a last-stage rank: the pipelines report their loss there
+    assert [r.layout for r in results] == ["(tp=1, pp=1, dp=4, ep=2)", "(tp=2, pp=1, dp=2, ep=2)",
+                                           "(tp=1, pp=2, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"]
+    _parity(results, [("mixtral", mixtral), ("qwen3_moe", qwen)] * 2, "(1,1,4)e2 (2,1,2)e2+sp (1,2,2)e2 (2,2,1)+sp")
+    assert all([(r.losses, r.grad_norms) for r in other[:2]] == [(r.losses, r.grad_norms) for r in results[:2]]
+               for other in per_rank[:-1])
+    with open(log) as f:
+        records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    assert [r["expert_assignments"] for r in records] == [qwen.moe_top_k * BATCH["train_batch_size"] * SEQ] * 10
 
 
 def test_expert_groups_are_deepspeeds():
@@ -490,19 +506,22 @@ def test_unsupported_moe_is_refused(config, needles):
     assert all(n in line for n in needles), line
 
 
-@pytest.mark.parametrize("layout, expert_ffn, needle", [
-    ((1, 2), None, "--pp 1"),
-    ((4, 1), 98, "expert FFN size 98"),
+@pytest.mark.parametrize("layout, expert_ffn, kw, needle", [
+    ((1, 2), None, {}, "built at --pp 1 only here"),
+    ((1, 2), None, dict(carry_router_stats=True, one_tensor_boundaries=True), "need --pipeline-schedule 1f1b"),
+    ((1, 2), None, dict(carry_router_stats=True, documents=True), "packed-document resets"),
+    ((4, 1), 98, {}, "expert FFN size 98"),
 ])
-def test_unbuilt_layouts_are_refused(layout, expert_ffn, needle):
-    """Before any model is built: the pipeline (the aux loss pools every stage's counts), an expert width
-    t does not divide."""
+def test_unbuilt_layouts_are_refused(layout, expert_ffn, kw, needle):
+    """Before any model is built: a pipeline without the router statistics carried (mtds-eval), or whose
+    engine sends one tensor between stages, or with packed-document resets beside the statistics; an expert
+    width t does not divide."""
     from mtds.parallel.layout import LayoutError, ParallelLayout
     from mtds.pipe.moe_layout import refuse_unbuilt_moe
     cfg = dataclasses.replace(_training_model("mixtral"), moe_ffn_hidden_size=expert_ffn)
     tp, pp = layout
     with pytest.raises(LayoutError) as e:
-        refuse_unbuilt_moe(cfg, ParallelLayout(tp=tp, pp=pp, dp=1))
+        refuse_unbuilt_moe(cfg, ParallelLayout(tp=tp, pp=pp, dp=1), **kw)
     assert needle in _one_line(e)
 
 

@@ -10,7 +10,9 @@ mtds's MoE block keeps transformers' routing, so it is not that class (GShard ga
 turn the engine's handling on, and its ``set_deepspeed_parallelism`` (which the engine calls on every
 module that has one) creates DeepSpeed's expert groups from the mpu, as the class itself would with expert
 tensor parallelism (experts split over the TP group inside, as mtds's), and holds them equal to mtds's
-layout. DeepSpeed keeps its groups in module globals for the life of the process, under a name that holds
+layout: :func:`create_expert_groups` creates them on every rank before the engine starts (a pipeline stage
+without experts registers no ``ExpertGroups``, its DeepSpeed ZeRO would look for MoE param groups, but must
+take part in creating the groups). DeepSpeed keeps its groups in module globals for the life of the process, under a name that holds
 only E (``ep_size_E``), and would hand a later run in the same process (a library user, the test pool) with
 another t or d the first run's groups: a run drops its groups when it ends (:func:`release_expert_groups`,
 from mtds.training.job.release), and a run that finds other ranks under the name stops with one line.
@@ -47,21 +49,32 @@ def expert_groups_module(num_experts: int, layout) -> nn.Module:
 
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
             import torch.distributed as dist
-            from deepspeed.utils import groups
-            name, rank = self.expert_group_name, dist.get_rank()
-            if name not in groups._get_expert_parallel_group_dict():
-                # mtds's rank order is DeepSpeed's "E + M + D" arrangement (data before expert off)
-                groups._create_expert_data_and_model_parallel(self.ep_size, mpu=groups.mpu,
-                                                              use_data_before_expert_parallel_=False)
-            if _theirs(name) != _mine(layout, rank):
-                raise RuntimeError(f"DeepSpeed already holds expert groups named {name} with other ranks "
-                                   f"({_theirs(name)}, this layout needs {_mine(layout, rank)} on rank {rank}): an "
-                                   f"earlier run in this process did not end cleanly; start a new process")
+            _check(layout, dist.get_rank())     # created by create_expert_groups before the engine
 
         def forward(self, *args, **kwargs):
             raise RuntimeError("ExpertGroups only declares the experts to DeepSpeed; it has no forward")
 
     return ExpertGroups()
+
+
+def create_expert_groups(layout, mpu) -> None:
+    """DeepSpeed's expert groups for ``layout`` (``mpu``: mtds's ParallelGroups), on every rank before the engine
+    starts: creating a process group is collective over the world, and on a pipeline a stage without experts
+    registers no ``ExpertGroups`` (DeepSpeed's ZeRO then asserts MoE param groups) yet must take part."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    if group_name(layout.ep) not in groups._get_expert_parallel_group_dict():
+        # mtds's rank order is DeepSpeed's "E + M + D" arrangement (data before expert off)
+        groups._create_expert_data_and_model_parallel(layout.ep, mpu=mpu, use_data_before_expert_parallel_=False)
+    _check(layout, dist.get_rank())
+
+
+def _check(layout, rank: int) -> None:
+    name = group_name(layout.ep)
+    if _theirs(name) != _mine(layout, rank):
+        raise RuntimeError(f"DeepSpeed already holds expert groups named {name} with other ranks "
+                           f"({_theirs(name)}, this layout needs {_mine(layout, rank)} on rank {rank}): an "
+                           f"earlier run in this process did not end cleanly; start a new process")
 
 
 def release_expert_groups(ep: int) -> None:

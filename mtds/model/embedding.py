@@ -16,6 +16,7 @@ from mtds.tp.layers import tp_world_and_rank
 
 from mtds.cp.context import ContextParallel
 from mtds.model.documents import DocumentMasking, document_positions, enabled, segment_ids
+from mtds.model import router_carry
 from mtds.model.init import normal_init, seeded
 
 EMBEDDING_LAYER = 0
@@ -24,9 +25,11 @@ EMBEDDING_LAYER = 0
 class GPTEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, seed: int = 1234, rng_tracker=None,
                  sequence_parallel: bool = False, documents: DocumentMasking | None = None,
-                 context: ContextParallel | None = None):
+                 context: ContextParallel | None = None, carry_router_stats: bool = False):
         super().__init__()
         self.cfg, self.tp_group, self.context = cfg, tp_group, context
+        # an MoE model's pipeline: the router statistics start here (mtds.model.router_carry)
+        self.carry_experts = cfg.num_experts if carry_router_stats else 0
         self.documents = enabled(documents)   # packed documents: forward returns (hidden, segment ids)
         # with sequence parallelism the output is this rank's slice of the sequence
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
@@ -77,8 +80,13 @@ class GPTEmbedding(nn.Module):
         rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
         with keyed, rng:   # sequence slices differ across TP ranks, so must their dropout masks
             hidden = self.dropout(hidden)
+        if self.carry_experts:
+            return (hidden, *router_carry.start(self.carry_experts, hidden.device))
         return hidden if segments is None else (hidden, segments)
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied head: vocab-sharded logits [b, s, V_pad/t] from the embedding table."""
+    def lm_logits(self, hidden):
+        """Tied head: vocab-sharded logits [b, s, V_pad/t] from the embedding table (with the router
+        statistics beside them when they travel with the activations)."""
+        if isinstance(hidden, tuple):
+            return (self.lm_logits(hidden[0]), *hidden[1:])
         return parallel_lm_logits(hidden, self.word_embeddings.weight, self.tp_group, self.sequence_parallel)

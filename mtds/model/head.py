@@ -10,17 +10,23 @@ from mtds.tp import mark_tensor_parallel, parallel_lm_logits, vocab_parallel_cro
 from mtds.tp.init_shard import build_shard
 from mtds.tp.layers import tp_world_and_rank
 
+from mtds.model import router_carry
 from mtds.model.init import normal_init, seeded
 from mtds.model.norms import make_norm
 
 
 class FinalNorm(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, seed: int = 1234, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 1234, tp_group=None, sequence_parallel: bool = False,
+                 carry_router_stats: bool = False):
         super().__init__()
+        self.carry_router_stats = carry_router_stats
         with seeded(seed, cfg.num_layers + 1):   # norms start at ones; seeded anyway for uniformity
             self.norm = make_norm(cfg, tp_group if sequence_parallel else None)
 
-    def forward(self, hidden) -> torch.Tensor:
+    def forward(self, hidden):
+        if self.carry_router_stats:     # (hidden, counts, probs): the statistics go on to the loss
+            hidden, counts, probs = hidden
+            return self.norm(hidden), counts, probs
         if isinstance(hidden, tuple):   # (hidden, segment ids) of packed documents: the ids end here
             hidden = hidden[0]
         return self.norm(hidden)
@@ -40,7 +46,9 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(shard)
         mark_tensor_parallel(self.weight, 0)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden):
+        if isinstance(hidden, tuple):   # (hidden, counts, probs): the router statistics pass on to the loss
+            return (self.forward(hidden[0]), *hidden[1:])
         return parallel_lm_logits(hidden, self.weight, self.tp_group, self.sequence_parallel)
 
 
@@ -52,12 +60,19 @@ class LMLoss:
     s/c tokens: the loss is this rank's token sum times c / (tokens with a target in the whole sequence),
     so that the mean over the c ranks -- taken with the data-parallel mean, over d·c -- is the mean over
     every token; with --eod-mask-loss the ranks hold different numbers of them, which a mean of per-rank
-    means would weigh wrongly."""
+    means would weigh wrongly.
+
+    On an MoE model's pipeline the logits arrive with the router statistics of every block (counts, probs):
+    the load-balancing term is added here (:mod:`mtds.model.router_carry`)."""
 
     def __init__(self, cfg: ModelConfig, tp_group=None, context: ContextParallel | None = None):
         self.vocab_size, self.tp_group, self.context = cfg.vocab_size, tp_group, context
+        self.aux_loss_coef = cfg.router_aux_loss_coef
 
-    def __call__(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits_shard, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits_shard, tuple):
+            logits_shard, counts, probs = logits_shard
+            return self(logits_shard, labels) + router_carry.aux_loss(counts, probs, self.aux_loss_coef)
         # The head's fresh output, read by nothing after the loss (GPTModel, the pipeline's last stage):
         # the loss works in its buffer.
         if self.context is None:

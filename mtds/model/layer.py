@@ -14,6 +14,7 @@ from mtds.model.attention import SelfAttention
 from mtds.model.documents import DocumentMasking
 from mtds.model.init import seeded
 from mtds.model.mlp import MLP
+from mtds.model import router_carry
 from mtds.model.moe import MoEBlock
 from mtds.model.norms import make_norm
 
@@ -21,13 +22,17 @@ from mtds.model.norms import make_norm
 class TransformerLayer(nn.Module):
     """layer_number is the *global* layer index (1..L): it seeds the init, so a layer's weights
     are the same whichever pipeline stage builds it. ``recompute_attention``: selective
-    recomputation of the attention core (see :mod:`mtds.model.attention`)."""
+    recomputation of the attention core (see :mod:`mtds.model.attention`). ``carry_router_stats``: the
+    activation is (hidden, counts, probs) and an MoE block adds its router statistics to them (a pipeline of
+    an MoE model, :mod:`mtds.model.router_carry`)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, seed: int = 1234, rng_tracker=None,
                  sequence_parallel: bool = False, recompute_attention: bool = False,
                  documents: DocumentMasking | None = None, context: ContextParallel | None = None,
-                 ep_group=None):
+                 ep_group=None, carry_router_stats: bool = False):
         super().__init__()
+        self.carry_router_stats = carry_router_stats
+        self.replay_flag = rng_tracker       # its ``replaying``: a recomputation must not count tokens again
         if not 1 <= layer_number <= cfg.num_layers:
             raise ValueError(f"layer_number {layer_number} outside 1..{cfg.num_layers} (global index)")
         self.layer_number = layer_number
@@ -64,18 +69,30 @@ class TransformerLayer(nn.Module):
             return self._forward_keyed(hidden)
 
     def _forward_keyed(self, hidden):
+        if self.carry_router_stats:
+            hidden, counts, probs = hidden
+            out = self._forward_streams(hidden, None)
+            block = self.mlp if isinstance(self.mlp, MoEBlock) else None
+            if block is not None and block.stats is not None:
+                counts, probs = router_carry.add(counts, probs, block.stats)
+                if not getattr(self.replay_flag, "replaying", False):   # the step log's tokens per expert
+                    block.tokens_seen = block.tokens_seen + block.stats.counts.detach()
+                block.stats = None
+            return out, counts, probs
         segments = None
         if isinstance(hidden, tuple):
             hidden, segments = hidden
         elif self.attention.documents is not None:
             # e.g. a pipeline engine that sends only the first tensor of a tuple: say so
             raise RuntimeError(f"layer {self.layer_number}: the packed-document ids did not arrive with its input")
-        if self.streams is None:
-            out = self._forward(hidden, segments)
-        else:
-            with self.streams.layer(self.layer_number):
-                out = self._forward(hidden, segments)
+        out = self._forward_streams(hidden, segments)
         return out if segments is None else (out, segments)
+
+    def _forward_streams(self, hidden, segments):
+        if self.streams is None:
+            return self._forward(hidden, segments)
+        with self.streams.layer(self.layer_number):
+            return self._forward(hidden, segments)
 
     def _forward(self, hidden: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         attn = self.attention(self.input_norm(hidden), segments)

@@ -14,7 +14,7 @@ from mtds.parallel.layout import ParallelGroups
 from mtds.pipe.moe_layout import refuse_unbuilt_moe
 from mtds.model import LMLoss, TransformerLayer
 from mtds.model.aux_loss import collect_aux_loss
-from mtds.model.documents import DocumentMasking
+from mtds.model.documents import DocumentMasking, enabled
 from mtds.model.gpt import moe_blocks
 from mtds.parallel.pipeline_layout import StageLayout
 from mtds.tp import RNGTracker, checkpoint
@@ -31,7 +31,8 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
                           recompute_interval: int = 0, recompute_attention: bool = False,
                           sequence_parallel: bool = False, virtual_stages: int | None = None,
                           dualpipev: bool = False, stage_layout: StageLayout | None = None,
-                          documents: DocumentMasking | None = None, context: ContextParallel | None = None):
+                          documents: DocumentMasking | None = None, context: ContextParallel | None = None,
+                          carry_router_stats: bool = False):
     """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
     (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
     DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
@@ -44,7 +45,8 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
     from mtds.deepspeed_compat.explicit_parts import ExplicitPartsDualPipeV, ExplicitPartsModule
     specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                             sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
-                            documents=documents, context=context, ep_group=groups.ep_group)
+                            documents=documents, context=context, ep_group=groups.ep_group,
+                            carry_router_stats=carry_router_stats)
     cls, extra = (PipelineModule, {}) if virtual_stages is None else \
         (ChunkedPipelineModule, {"virtual_stages": virtual_stages})
     if dualpipev:
@@ -123,7 +125,8 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
                 recompute_interval: int = 0, recompute_attention: bool = False,
                 sequence_parallel: bool = False, virtual_stages: int | None = None,
                 dualpipev: bool = False, stage_layout: StageLayout | None = None,
-                documents: DocumentMasking | None = None, cp_comm_type: str = "p2p") -> nn.Module:
+                documents: DocumentMasking | None = None, cp_comm_type: str = "p2p",
+                carry_router_stats: bool = False) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
@@ -132,20 +135,25 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     ``ChunkedPipelineModule`` with that many chunks per rank (mtds's own pipeline schedules).
     ``stage_layout``: how many blocks each virtual stage holds (p > 1 only; mtds.parallel.pipeline_layout).
     ``documents``: packed-document resets (:mod:`mtds.model.documents`). ``cp_comm_type``: how attention
-    crosses the context-parallel ranks when ``groups.layout.cp`` > 1 (:mod:`mtds.cp`)."""
+    crosses the context-parallel ranks when ``groups.layout.cp`` > 1 (:mod:`mtds.cp`). ``carry_router_stats``
+    (training an MoE model at p > 1): the router statistics travel with the activations to the loss, which
+    adds the load-balancing term (:mod:`mtds.model.router_carry`); without it an MoE model builds at p = 1 only."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
     groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
                               ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
+    carry = bool(cfg.num_experts) and carry_router_stats and groups.layout.pp > 1
     if cfg.num_experts:
-        refuse_unbuilt_moe(cfg, groups.layout)
+        refuse_unbuilt_moe(cfg, groups.layout, carry_router_stats=carry,
+                           one_tensor_boundaries=virtual_stages is not None or dualpipev,
+                           documents=enabled(documents) is not None)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
                   documents=documents, context=context_of(groups, cp_comm_type))
     if groups.layout.pp > 1:
         return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev,
-                                     stage_layout=stage_layout, **common)
+                                     stage_layout=stage_layout, carry_router_stats=carry, **common)
     return SequentialGPT(cfg, groups, **common)
 
 

@@ -30,15 +30,17 @@ def tied_lm_logits(embedding: GPTEmbedding, hidden):
 
 def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, sequence_parallel: bool = False,
                     recompute_attention: bool = False, documents: DocumentMasking | None = None,
-                    context: ContextParallel | None = None, ep_group=None) -> list:
+                    context: ContextParallel | None = None, ep_group=None,
+                    carry_router_stats: bool = False) -> list:
     """With ``sequence_parallel`` every activation between layers (and pipeline stages) is this
     TP rank's slice of the sequence, [b, s/t, h]. ``recompute_attention``: selective recomputation.
     ``documents`` (resets on): the activation is (hidden, segment ids [b, s]) up to the final norm.
     ``context`` (context parallelism): the embedding takes this rank's s/c tokens, the blocks exchange
     K/V over the group; activations are [b, s/c, h] (s/(c t) with sequence parallelism). ``ep_group``: an
-    MoE model's experts split over these expert-parallel ranks."""
+    MoE model's experts split over these expert-parallel ranks. ``carry_router_stats``: an MoE model's
+    router statistics travel with the activations to the loss (pipelines, :mod:`mtds.model.router_carry`)."""
     common = dict(tp_group=tp_group, seed=seed, rng_tracker=rng_tracker, sequence_parallel=sequence_parallel,
-                  documents=documents, context=context)
+                  documents=documents, context=context, carry_router_stats=carry_router_stats)
     if cfg.tie_word_embeddings:
         first = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, tied_weight_attr=TIED_WEIGHT, **common)
         last = TiedLayerSpec(TIED_KEY, GPTEmbedding, cfg, forward_fn=tied_lm_logits,
@@ -49,5 +51,6 @@ def gpt_layer_specs(cfg: ModelConfig, *, tp_group, seed: int, rng_tracker, seque
     blocks = [LayerSpec(TransformerLayer, cfg, i, recompute_attention=recompute_attention, ep_group=ep_group,
                         **common)
               for i in range(1, cfg.num_layers + 1)]
-    final_norm = LayerSpec(FinalNorm, cfg, seed=seed, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    final_norm = LayerSpec(FinalNorm, cfg, seed=seed, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                           carry_router_stats=carry_router_stats)
     return [first, *blocks, final_norm, last]

@@ -74,6 +74,7 @@ class RNGTracker:
         self._key: tuple[int, int, int] | None = None     # (seed, tp rank, dp rank) once keyed
         self._step = 0
         self._forwards: dict[int, int] = {}                # global layer -> forwards so far this step
+        self.replaying = False      # inside a recomputation's replay of a forward (checkpoint below)
 
     def key_dropout(self, seed: int, *, tp_rank: int, dp_rank: int) -> None:
         """From now on :meth:`layer` sets both streams from (seed, step, ``dp_rank``, micro-batch,
@@ -189,23 +190,30 @@ def checkpoint(function: Callable[..., Any], tracker: RNGTracker | None, *args: 
     return _tracked_checkpoint(function, tracker, *args)
 
 
+class _Replay:
+    """The recomputation's context: the tracker as the forward left it, then back. A class, not a generator
+    context, because one checkpoint can be recomputed more than once: DeepSpeed's pipeline runs backward
+    once per floating-point output of a stage (an MoE pipeline's (hidden, probs)), each recomputing."""
+
+    def __init__(self, tracker: "RNGTracker", saved: tuple):
+        self.tracker, self.saved, self.current = tracker, saved, None
+
+    def __enter__(self):
+        self.current = self.tracker.snapshot()
+        self.tracker.restore(self.saved)
+        self.tracker.replaying = True
+
+    def __exit__(self, *exc):
+        self.tracker.replaying = False
+        self.tracker.restore(self.current)
+
+
 @torch.compiler.disable
 def _tracked_checkpoint(function: Callable[..., Any], tracker: RNGTracker, *args: Any) -> Any:
     """Dynamo cannot trace a checkpoint with a ``context_fn`` ("checkpoint not implemented for ...
     context_fn"), so under ``--compile`` the recomputed block runs eagerly: the compiled layer is split
     there (its parts before and after stay compiled) and the tracker's streams replay as without compile."""
     def context_fn():
-        saved = tracker.snapshot()
-
-        @contextlib.contextmanager
-        def replay():
-            current = tracker.snapshot()
-            tracker.restore(saved)
-            try:
-                yield
-            finally:
-                tracker.restore(current)
-
-        return contextlib.nullcontext(), replay()
+        return contextlib.nullcontext(), _Replay(tracker, tracker.snapshot())
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)

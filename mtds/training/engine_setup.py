@@ -11,7 +11,7 @@ from typing import Callable
 from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
 from mtds.deepspeed_compat.bf16_flat import install_flat_bf16
-from mtds.deepspeed_compat.expert_groups import expert_groups_module, mark_expert_parameters
+from mtds.deepspeed_compat.expert_groups import create_expert_groups, expert_groups_module, mark_expert_parameters
 from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
@@ -41,8 +41,13 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     scheduler = _lr_scheduler(cfg, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if world.layout.ep > 1:        # DeepSpeed's own expert handling (mtds.deepspeed_compat.expert_groups)
-        mark_expert_parameters(expert_parallel_parameters(model), world.layout.ep)
-        model.add_module("deepspeed_expert_groups", expert_groups_module(world.model_cfg.num_experts, world.layout))
+        create_expert_groups(world.layout, world.groups)
+        experts = expert_parallel_parameters(model)
+        if world.layout.pp > 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 1:
+            _every_stage_holds_experts(bool(experts), world)
+        mark_expert_parameters(experts, world.layout.ep)
+        if experts:         # this pipeline stage holds MoE blocks
+            model.add_module("deepspeed_expert_groups", expert_groups_module(world.model_cfg.num_experts, world.layout))
     layout, groups = world.layout, world.groups
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
@@ -57,6 +62,22 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                            mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
     return engine
+
+
+def _every_stage_holds_experts(mine: bool, world: World) -> None:
+    """DeepSpeed's ZeRO runs its norm per optimizer param group, each with a collective over the pipeline's
+    model-parallel group: a stage without MoE blocks has no expert group and would leave the others waiting
+    there. Every rank learns whether any stage lacks experts (one all-reduce), so all refuse together."""
+    import torch
+    import torch.distributed as dist
+    missing = torch.tensor([0 if mine else 1], dtype=torch.int64, device=world.device)
+    dist.all_reduce(missing)
+    if int(missing):
+        from mtds.parallel.layout import LayoutError
+        raise LayoutError(f"--expert-model-parallel-size {world.layout.ep} with --pp {world.layout.pp} and ZeRO-1/2 "
+                          f"needs MoE blocks on every pipeline stage (DeepSpeed's ZeRO runs one norm collective per "
+                          f"expert param group): use --pipeline-balance uniform or a --pipeline-layout that gives "
+                          f"each stage one, or ZeRO-0")
 
 
 def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
@@ -79,12 +100,17 @@ def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
 def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: str, zero_stage: int) -> None:
     """The gradient fixes this run's precision / ZeRO stage / layout need, then the tracer's group names."""
     groups = world.groups
-    install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
+    # With expert parallelism DeepSpeed's MoE paths run on the stages holding experts; mtds's flat-bf16 and
+    # reduce-scatter paths decline there, and must on every stage: a pipeline's stages share the norm's
+    # collectives over the model-parallel group, which the two paths run differently.
+    experts = world.layout.ep > 1
+    if not experts:
+        install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
     if precision == "fp32" and zero_stage == 0:
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
-    if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
+    if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter" and not experts:
         install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)

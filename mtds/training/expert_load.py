@@ -4,10 +4,11 @@ summed over its micro-batches and the data-parallel ranks: ``expert_tokens_min``
 ``expert_imbalance`` (max / mean: 1 is perfectly even) and ``expert_assignments`` (the total: k x the
 step's tokens x the MoE blocks, as dropless routing must give).
 
-The blocks count in :func:`mtds.model.aux_loss.collect_aux_loss`, once per training forward (not again in a
-recomputation's replay). Every tensor-parallel rank sees the same counts (with sequence parallelism they are
-summed over the slices already), so the sum runs over the data-parallel group only; the pipeline is p = 1
-for MoE models (docs/moe.md).
+The blocks count in :func:`mtds.model.aux_loss.collect_aux_loss` (p = 1) or as they add to the carried
+statistics (p > 1, mtds.model.layer), once per training forward (not again in a recomputation's replay).
+Every tensor-parallel rank sees the same counts (with sequence parallelism they are summed over the slices
+already), so the sum runs over the data-parallel group; on a pipeline each stage holds its own blocks' rows,
+gathered over the pipeline group (a stage may hold none).
 """
 from __future__ import annotations
 
@@ -16,22 +17,25 @@ import torch.distributed as dist
 
 
 class ExpertLoad:
-    def __init__(self, blocks: list, dp_group):
-        self.blocks, self.dp_group = blocks, dp_group
+    def __init__(self, blocks: list, num_experts: int, dp_group, pp_group=None, device=None):
+        self.blocks, self.num_experts, self.dp_group, self.pp_group = blocks, num_experts, dp_group, pp_group
+        self.device = blocks[0].router.weight.device if blocks else device
 
     def reset(self) -> None:
         for block in self.blocks:
             block.tokens_seen = 0
 
     def fields(self) -> dict[str, float]:
-        """Collective over the data-parallel group (every rank calls it after every step)."""
-        device = self.blocks[0].router.weight.device
-        counts = torch.zeros(len(self.blocks), self.blocks[0].router.weight.shape[0], dtype=torch.float64,
-                             device=device)
+        """Collective over the data-parallel and pipeline groups (every rank calls it after every step)."""
+        counts = torch.zeros(len(self.blocks), self.num_experts, dtype=torch.float64, device=self.device)
         for row, block in zip(counts, self.blocks):
             row += block.tokens_seen      # 0 for a block that saw no training forward this step
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(counts, group=self.dp_group)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            stages = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(stages, counts.cpu(), group=self.pp_group)
+            counts = torch.cat(stages)
         low, high, total = counts.min().item(), counts.max().item(), counts.sum().item()
         return {"expert_tokens_min": low, "expert_tokens_max": high, "expert_assignments": total,
                 "expert_imbalance": high / (total / counts.numel()) if total else float("nan")}

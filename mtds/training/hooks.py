@@ -276,9 +276,10 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
         hooks.append(CommTraceHook(tracer, result))
     if cfg.timeline and built.world.layout.pp > 1:
         hooks.append(TimelineHook(built))
-    blocks = moe_blocks(built.model)
-    if blocks:
-        hooks.append(ExpertLoadHook(ExpertLoad(blocks, built.world.groups.dp_group)))
+    if built.world.model_cfg.num_experts:     # every stage, with or without MoE blocks of its own (a collective)
+        groups = built.world.groups
+        hooks.append(ExpertLoadHook(ExpertLoad(moe_blocks(built.model), built.world.model_cfg.num_experts,
+                                               groups.dp_group, groups.pp_group, built.world.device)))
     hooks.append(LogHook(built.logger))
     agreed = NonFiniteHook(built, stop)
     hooks.append(agreed)
