@@ -69,3 +69,24 @@ def test_link_probe_times_every_pattern():
     for result in spawn(_link_probe, 4, timeout=120):
         assert set(result) == {"allreduce", "ring_rs", "ring_rs_x2", "pairs", "pairs_small"}, result
         assert all(v["s"] > 0 and isinstance(v["tx"], int) for v in result.values()), result
+
+
+def test_bench_moe_deepspeed_layer_computes_mtds_block():
+    """benchmarks/bench_moe.py's "same work": DeepSpeed's MoE layer as it builds it, with mtds's weights copied
+    in, gives mtds's block output and input gradient (one process, e = 1); its all-to-all formula as traced
+    there (h 256, E 8, N 512, e 2)."""
+    import torch
+
+    from benchmarks.bench_moe import copy_into_deepspeed, deepspeed_moe, model_config, mtds_all_to_all_bytes, parse_args
+    from mtds.model.moe import MoEBlock
+    args = parse_args(["--hidden", "32", "--experts", "4", "--ffn", "16", "--ranks", "1"])
+    torch.manual_seed(0)
+    block, ds = MoEBlock(model_config(args)), deepspeed_moe(args, 1)
+    copy_into_deepspeed(ds, block)
+    x, up = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(1))
+    for out in (block(xm := x.clone().requires_grad_(True)), ds(xd := x.clone().requires_grad_(True))[0]):
+        out.backward(up)
+    grads = [xm.grad, xd.grad]
+    torch.testing.assert_close(ds(x)[0], block(x), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    assert mtds_all_to_all_bytes(2, 8, 256, 512, 2) == 8_388_736
