@@ -541,6 +541,31 @@ def test_megatron_moe_flags_say_what_is_built(flag, value, words, capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1 and words in err, err
 
 
+def test_carried_router_statistics():
+    """A pipeline's MoE block adds its statistics to the carried (counts, probs) and counts its tokens for the
+    step log once: not in a recomputation's replay (flagged by the RNG tracker); the carried aux term equals
+    the one-process load_balancing_loss of the same block and is exactly 0 when nothing was routed."""
+    from mtds.model import TransformerLayer, router_carry
+    from mtds.model.aux_loss import RouterStats, load_balancing_loss
+    from mtds.tp import model_parallel_seed
+    cfg = _training_model("mixtral")
+    tracker = model_parallel_seed(3, 0)
+    layer = TransformerLayer(cfg, 1, rng_tracker=tracker, carry_router_stats=True).train()
+    x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    counts, probs = router_carry.start(cfg.num_experts, x.device)
+    _, counts, probs = layer((x, counts, probs))
+    seen = layer.mlp.tokens_seen.clone()
+    assert int(counts[-1]) == 32 and int(counts[:-1].sum()) == 32 * cfg.moe_top_k == int(seen.sum())
+    tracker.replaying = True
+    layer((x, *router_carry.start(cfg.num_experts, x.device)))
+    tracker.replaying = False
+    assert torch.equal(layer.mlp.tokens_seen, seen)
+    routing = layer.mlp.router(layer.post_attention_norm(x + layer.attention(layer.input_norm(x))).reshape(-1, 64))
+    want = load_balancing_loss([RouterStats.of(routing)])
+    assert torch.allclose(router_carry.aux_loss(counts, probs, 1.0), want, rtol=1e-6, atol=0)
+    assert router_carry.aux_loss(*router_carry.start(cfg.num_experts, x.device), 1.0).item() == 0.0
+
+
 def test_grouped_gemm_equals_the_loop(monkeypatch):
     """The local experts' grouped GEMM (F.grouped_mm) against the per-expert loop: outputs and gradients
     (rows and both weights) bit-equal in fp32 on CPU, with an expert that got no rows; an expert width whose

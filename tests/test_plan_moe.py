@@ -102,7 +102,7 @@ def test_structural_refusals_one_line_each():
     assert problems(MIXTRAL, _lay(8)) == []
 
 
-def test_train_py_runs_ep_as_moe_layout_allows_and_moe_at_pp1():
+def test_train_py_runs_ep_as_moe_layout_allows_and_moe_pipelines_with_1f1b():
     """The gate follows mtds.pipe.moe_layout.refuse_unbuilt_expert_parallel: not ZeRO-3, not 16-bit ZeRO-0."""
     assert not_runnable(_lay(2), "fp32", moe=True) == []
     assert len(not_runnable(_lay(2), "bf16", moe=True)) == 1
@@ -110,7 +110,8 @@ def test_train_py_runs_ep_as_moe_layout_allows_and_moe_at_pp1():
     assert not_runnable(_lay(2, zero_stage=2), "bf16", moe=True) == []
     assert len(not_runnable(_lay(2, zero_stage=3), "fp32", moe=True)) == 1
     assert not_runnable(_lay(1, zero_stage=1), "bf16", moe=True) == []
-    assert len(not_runnable(Candidate(1, 2, 8, 1), "fp32", moe=True)) == 1
+    assert not_runnable(Candidate(1, 2, 8, 1), "fp32", moe=True) == []      # 1f1b carries the router statistics
+    assert len(not_runnable(Candidate(1, 2, 8, 1, virtual_stages=2), "fp32", moe=True)) == 1    # interleaved
     assert predict(MIXTRAL, _lay(2), Workload(64), H100_16).not_runnable      # bf16: reported, not hidden
 
 
