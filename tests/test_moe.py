@@ -346,10 +346,31 @@ def _split_spec_matches(group):
     assert checked == 2, checked
 
 
-def _tp_body(configs):
+def _hf_import_at_e2(hf_dir) -> float:
+    """transformers' Mixtral files loaded at (1,1,2) with e = 2 (each rank reads its 2 of the 4 experts,
+    mtds.model.shard.shard_of's expert_rows), evaluated on the same ids on both ranks (the all-to-all without
+    autograd): the logits' largest difference from transformers', relative."""
+    import transformers as T
+    from mtds.eval import build_eval_model
+    from mtds.hf.init import hf_model_config
+    from mtds.parallel.layout import ParallelLayout
+    groups = ParallelLayout(dp=2, ep=2).build_groups()
+    cfg = hf_model_config(hf_dir)
+    model = build_eval_model(cfg, groups, hf=hf_dir)
+    experts = model.layers[0].mlp.experts.gate_up
+    assert experts.shape[0] == 2 and experts.expert_rows == (2 * groups.ep_rank, 2 * groups.ep_rank + 2)
+    ids, _ = _ids()
+    hf = T.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        return _rel(model(ids)[..., :VOCAB], hf(ids).logits)
+
+
+def _tp_body(configs, hf_dir):
     import torch.distributed as dist
     from mtds.training import run
     _split_spec_matches(dist.group.WORLD)
+    imported = _hf_import_at_e2(hf_dir)
+    assert imported < REL_TOL, imported
     blocks = {f"{name} sp={sp}": _block_against_t1(name, dist.group.WORLD, sp)
               for name, sp in (("mixtral", False), ("qwen3_moe", True))}
     # here, not after the runs: TP ranks whose blocks disagree route differently in training and then part
@@ -358,13 +379,14 @@ def _tp_body(configs):
     return blocks, [run(cfg) for cfg in configs]
 
 
-def test_tensor_parallel():
+def test_tensor_parallel(tmp_path):
     """t = 2 in one spawned 2-rank body: an MoE block (each expert's gate/up column-parallel, down
     row-parallel, all-reduced per expert) against t = 1, without and with sequence parallelism, output and
     every gradient (aux term included); then training parity of Mixtral at (2,1,1) with --recompute full
     (the blocks' router statistics come out of a non-reentrant checkpoint with their gradient), Qwen3-MoE
     at (2,1,1) with --sequence-parallel, and Mixtral at (1,1,2) without and with expert parallelism (e = 2)
-    against transformers; both ranks report the same numbers."""
+    against transformers; both ranks report the same numbers. Before them: transformers' Mixtral files loaded
+    at e = 2 (each rank its own experts) give transformers' logits."""
     from tests.dist import spawn
     from tests.training_helpers import ds_config, train_config
     models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
@@ -378,7 +400,8 @@ def test_tensor_parallel():
                # bf16 with ZeRO-1 at e = 1 and e = 2 (DeepSpeed's MoE param groups and expert reduction)
                *(train_config(model=models[0][1], expert_model_parallel_size=e,
                               deepspeed_config=ds_config(zero=1, precision="bf16"), **lr) for e in (1, 2))]
-    per_rank = spawn(_tp_body, 2, configs, timeout=600)
+    _hf("mixtral").save_pretrained(str(tmp_path))
+    per_rank = spawn(_tp_body, 2, configs, str(tmp_path), timeout=600)
     blocks, results = per_rank[0]
     print("t = 2 blocks against t = 1, max rel diff:", blocks)
     assert all(err < REL_TOL for err in blocks.values()), blocks
