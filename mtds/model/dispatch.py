@@ -85,17 +85,13 @@ class AllToAllDispatcher(LocalDispatcher):
         incoming = torch.empty_like(counts)     # [source j, local expert]: rows j sends to each of my experts
         dist.all_to_all_single(incoming, counts, group=self.group)
         both = torch.stack([counts, incoming]).view(2, e, L).tolist()     # one host sync for both
-        sent, incoming = [sum(row) for row in both[0]], both[1]
-        received = [sum(row) for row in incoming]
+        sent, received = [sum(row) for row in both[0]], [sum(row) for row in both[1]]
+        per_expert = [sum(row[x] for row in both[1]) for x in range(L)]
         rows = all_to_all(tokens.index_select(0, token), self.group, received, sent)
-        # received rows are grouped by source, each source's by expert: regroup by expert, then source
-        starts = [0]
-        for row in incoming[:-1]:
-            starts.append(starts[-1] + sum(row))
-        device = rows.device
-        by_expert = torch.cat([torch.arange(starts[j] + sum(incoming[j][:x]), starts[j] + sum(incoming[j][:x + 1]),
-                                            device=device) for x in range(L) for j in range(e)])
-        per_expert = [sum(incoming[j][x] for j in range(e)) for x in range(L)]
+        # received rows are grouped by source, each source's by local expert: a stable sort by local expert
+        # regroups them by expert, then source, as the local sort above grouped this rank's own rows
+        local = torch.arange(L, device=rows.device).repeat(e)
+        by_expert = torch.argsort(torch.repeat_interleave(local, incoming, output_size=sum(received)), stable=True)
         return Dispatched(rows.index_select(0, by_expert), per_expert, token, order,
                           _Exchange(sent, received, by_expert))
 

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtds.model.config import ModelConfig
-from mtds.tp import mark_tensor_parallel, reduce_from_tensor_parallel_region
-from mtds.tp.init_shard import build_shard
-from mtds.tp.layers import tp_world_and_rank
+from mtds.tp import reduce_from_tensor_parallel_region
+from mtds.tp.layers import sharded_parameter
 
 from mtds.model.init import normal_init, output_init
 
@@ -64,9 +63,7 @@ def expert_range(num_experts: int, ep_group) -> tuple[int, int]:
 
 
 def _expert_parameter(shape, dim, tp_group, init, segments, rows: tuple[int, int], expert_parallel: bool):
-    t, rank = tp_world_and_rank(tp_group)
-    param = nn.Parameter(build_shard(shape, dim, t, rank, init, segments, rows=rows).to(torch.get_default_dtype()))
-    mark_tensor_parallel(param, dim, segments)
+    param = sharded_parameter(shape, dim, tp_group, init, segments, None, None, rows=rows)
     if expert_parallel:
         param.expert_parallel = True
         param.expert_rows = rows

@@ -56,9 +56,11 @@ def unshard_rows(shards: Sequence[torch.Tensor], dim: int, segments: Sequence[in
 
 
 def sharded_parameter(shape: Sequence[int], dim: int, group, init_method: InitMethod | None,
-                       segments: Sequence[int] | None, dtype, device, valid_rows: int | None = None) -> nn.Parameter:
+                       segments: Sequence[int] | None, dtype, device, valid_rows: int | None = None,
+                       rows: tuple[int, int] | None = None) -> nn.Parameter:
+    """This TP rank's shard as a parameter (``rows``: only dim 0's rows [a, b) as well, see build_shard)."""
     world, rank = tp_world_and_rank(group)
-    local = build_shard(shape, dim, world, rank, init_method or default_init, segments, valid_rows)
+    local = build_shard(shape, dim, world, rank, init_method or default_init, segments, valid_rows, rows=rows)
     param = nn.Parameter(local.to(dtype=dtype or torch.get_default_dtype(), device=device))
     mark_tensor_parallel(param, dim, segments)
     return param

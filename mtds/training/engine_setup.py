@@ -20,6 +20,7 @@ from mtds.pipe.select import OWN_ENGINE
 
 from mtds.training.config import TrainConfig
 from mtds.training.ds_config import BatchPlan
+from mtds.training.ds_config import zero_stage as zero_stage_of
 from mtds.training.grad_norm import install_fp32_clipping, mark_sharded_gradients
 from mtds.training.schedule import build_scheduler
 from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
@@ -43,7 +44,7 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     if world.layout.ep > 1:        # DeepSpeed's own expert handling (mtds.deepspeed_compat.expert_groups)
         create_expert_groups(world.layout, world.groups)
         experts = expert_parallel_parameters(model)
-        if world.layout.pp > 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 1:
+        if world.layout.pp > 1 and zero_stage_of(ds_config) >= 1:
             _every_stage_holds_experts(bool(experts), world)
         mark_expert_parameters(experts, world.layout.ep)
         if experts:         # this pipeline stage holds MoE blocks
