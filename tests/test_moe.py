@@ -591,7 +591,7 @@ def test_carried_router_statistics():
 
 def test_grouped_gemm_equals_the_loop(monkeypatch):
     """The local experts' grouped GEMM (F.grouped_mm) against the per-expert loop: outputs and gradients
-    (rows and both weights) bit-equal in fp32 on CPU, with an expert that got no rows; an expert width whose
+    (rows and both weights) within 1e-6 in fp32 on CPU (bit-equal here), with an expert that got no rows; an expert width whose
     rows are not 16-byte multiples takes the loop."""
     from mtds.model import experts as X
     cfg = dataclasses.replace(_training_model("mixtral"), moe_ffn_hidden_size=48)
@@ -609,7 +609,9 @@ def test_grouped_gemm_equals_the_loop(monkeypatch):
         y = module(rows, counts)
         y.backward(g)
         got[grouped] = [y.detach(), rows.grad.clone(), module.gate_up.grad.clone(), module.down.grad.clone()]
-    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+    # bit-equal on this machine (2026-11-26); grouped_mm and F.linear may take other BLAS paths on another CPU,
+    # so the test holds a few ulps (a wrong offset or weight moves these by O(1))
+    assert all(_rel(a, b) < 1e-6 for a, b in zip(got[True], got[False])), [_rel(a, b) for a, b in zip(*got.values())]
     X._GROUPED.clear()
     odd = X.TensorParallelExperts(dataclasses.replace(cfg, moe_ffn_hidden_size=6))
     assert X.grouped_gemm_works(rows.device, rows.dtype) and not odd.grouped(rows)
