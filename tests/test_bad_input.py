@@ -227,6 +227,8 @@ SETTING_CASES = [
     ("pipeline-layout-without-pipeline", ["--pipeline-layout", "Et*4L"], "--pipeline-layout needs a pipeline"),
     ("pipeline-layout-and-balance", ["--pp", "2", "--pipeline-layout", "Et*2|t*2L", "--pipeline-balance", "cost"],
      "give one of the two"),
+    ("compile-with-zb-h1", ["--compile", "--pp", "2", "--pipeline-schedule", "zb-h1"],
+     "--compile cannot compile the layers of --pipeline-schedule zb-h1"),
     ("flag-recompute-conflict", ["--recompute", "selective", "--activation-checkpointing", "2"],
      "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
 ]

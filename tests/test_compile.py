@@ -49,35 +49,108 @@ def test_compiled_layers_match_hf():
             assert r[key] < TOL, (name, key, r[key])
 
 
-def _selective_recompute_with_dropout():
+# (schedule, recompute) pairs run eager and compiled with dropout on two ranks (pp = 2): the own engine's
+# interleaved and DualPipeV schedules, each with a recomputation mode (1f1b with none is the parity test above).
+SCHEDULE_CASES = (("interleaved", "selective"), ("dualpipev", "full"), ("1f1b", "selective"))
+
+
+def _schedules_with_dropout():
     import dataclasses
     import functools
 
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     import mtds.model.compile as mtds_compile
     from mtds.training import run
     from tests.training_helpers import TINY, train_config
     original = mtds_compile.compile_layers
     mtds_compile.compile_layers = functools.partial(original, backend="aot_eager")
+    model = dataclasses.replace(TINY, hidden_dropout=0.1, attention_dropout=0.1)
     try:
         out = {}
-        for compiled in (False, True):
-            torch._dynamo.reset()
-            model = dataclasses.replace(TINY, hidden_dropout=0.1, attention_dropout=0.1)
-            result = run(train_config(model=model, steps=3, recompute="selective", compile=compiled))
-            out[compiled] = (result.losses, result.grad_norms)
+        for schedule, recompute in SCHEDULE_CASES:
+            for compiled in (False, True):
+                torch._dynamo.reset()
+                counters.clear()
+                result = run(train_config(pp=2, model=model, steps=3, recompute=recompute, compile=compiled,
+                                          pipeline_schedule=schedule, pipeline_balance="uniform",
+                                          virtual_stages=2 if schedule == "interleaved" else 1))
+                graphs = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+                out[(schedule, recompute, compiled)] = (result.losses, result.grad_norms, graphs)
         return out
     finally:
         mtds_compile.compile_layers = original
         torch._dynamo.reset()
 
 
-def test_compile_with_selective_recompute_and_dropout_equals_eager():
-    # Dynamo cannot trace the tracker-replaying checkpoint (it crashed: "checkpoint not implemented for ...
-    # context_fn"); the recomputed attention core now runs eagerly inside the compiled layer and replays the
-    # same dropout masks. Equal to the eager run within 1e-6 (AOTAutograd's graphs, another op order).
-    out = spawn(_selective_recompute_with_dropout, 1, timeout=600)[0]
-    (eager_losses, eager_norms), (losses, norms) = out[False], out[True]
-    for got, want in ((losses, eager_losses), (norms, eager_norms)):
-        assert len(got) == 3 and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (got, want)
+def test_compile_with_every_recompute_mode_and_schedule_equals_eager():
+    # With dropout 0.1, each recomputation mode under a schedule of each engine: the compiled run's losses and
+    # norms are the eager run's bit for bit (aot_eager runs the same operators; the masks are the keyed
+    # ones: drawn before the compiled forward, or from the default generator inside it). Selective
+    # recomputation once crashed under Dynamo ("checkpoint not implemented for ... context_fn"); inside a
+    # keyed layer it is now torch's own checkpoint, which Dynamo traces. ZB-H1 is refused with --compile.
+    per_rank = spawn(_schedules_with_dropout, 2, timeout=600)
+    for schedule, recompute in SCHEDULE_CASES:
+        eager, compiled = (per_rank[-1][(schedule, recompute, c)][:2] for c in (False, True))
+        assert len(eager[0]) == 3 and compiled == eager, (schedule, recompute, compiled, eager)
+        for out in per_rank:     # both stages hold layers: each compiled them, with no graph break, once
+            assert out[(schedule, recompute, True)][2] == (1, 0), (schedule, recompute, out[(schedule, recompute, True)][2])
+
+
+def _graphs_with_dropout():
+    """Two keyed layers with dropout 0.1, two steps eager, then the same two steps compiled (aot_eager):
+    Dynamo's graph breaks and graphs, and whether outputs and gradients are the eager ones bit for bit."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from mtds.model.config import ModelConfig
+    from mtds.model.layer import TransformerLayer
+    from mtds.tp.random import model_parallel_seed
+    llama = dict(position_embedding="rotary", normalization="rmsnorm", activation="swiglu", num_kv_heads=2,
+                 linear_bias=False)
+    out = {}
+    for family, extra in (("gpt2", {}), ("llama", llama)):
+        for recompute in (False, True):
+            cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16,
+                              hidden_dropout=0.1, attention_dropout=0.1, **extra)
+            tracker = model_parallel_seed(1, 0)
+            tracker.key_dropout(1, tp_rank=0, dp_rank=0)
+            layers = [TransformerLayer(cfg, i, rng_tracker=tracker, recompute_attention=recompute) for i in (1, 2)]
+
+            def steps():
+                seen = []
+                for step in range(2):
+                    tracker.begin_step(step)
+                    y = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(step))
+                    for layer in layers:
+                        y = layer(y.requires_grad_() if not y.requires_grad else y)
+                    y.sum().backward()
+                    seen.append(y.detach())
+                    for p in (p for layer in layers for p in layer.parameters()):
+                        seen.append(p.grad)
+                        p.grad = None
+                return seen
+
+            eager = steps()
+            torch._dynamo.reset()
+            counters.clear()
+            for layer in layers:
+                layer._forward = torch.compile(layer._forward, backend="aot_eager")
+            compiled = steps()
+            out[(family, recompute)] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                                        all(torch.equal(a, b) for a, b in zip(eager, compiled)))
+    torch._dynamo.reset()
+    return out
+
+
+def test_dropout_compiles_without_graph_breaks():
+    # Attention dropout drew from the tracker's fork(): get/set_rng_state, which Dynamo does not trace, so
+    # a GPT-2 layer with dropout compiled to 4 graphs (4 breaks). Keyed, the layer draws its replicated masks
+    # before the compiled forward and runs it in the sharded stream: one graph for both layers and both
+    # steps (no break, no recompile), with and without the attention core's recomputation, and the masks,
+    # outputs and gradients are the eager ones bit for bit.
+    out = spawn(_graphs_with_dropout, 1, timeout=600)[0]
+    for case, (breaks, graphs, equal) in out.items():
+        assert (breaks, graphs, equal) == (0, 1, True), (case, breaks, graphs, equal)

@@ -21,7 +21,8 @@ NUMBERS = {
                     "rows.1.peak_allocated_gib", "best_micro_batch"],
     "profile": ["kernels", "profiled_wall_ms", "busy_ms", "idle_ms", "busy_fraction", "by_kind.0.ms",
                 "unprofiled_step_s", "host_launch_floor_ms"],
-    "compile": ["eager.tokens_per_s", "eager.mfu", "compile.tokens_per_s", "compile.mfu", "compile_speedup"],
+    "compile": ["eager.tokens_per_s", "eager.mfu", "compile.tokens_per_s", "compile.mfu", "compile_speedup",
+                "compile-dropout.tokens_per_s", "compile_speedup_dropout"],
     "changes": ["configs.all on.tokens_per_s", "configs.all on.mfu",
                 *[f"configs.off: {name}.tokens_per_s" for name in gpu_bench.SWITCHES],
                 *[f"effects.{name}.speedup_of_change" for name in gpu_bench.SWITCHES],
@@ -179,9 +180,10 @@ def test_the_gpu_plan_cases_and_numbers(tmp_path, monkeypatch):
     prof = gpu_bench.stage_profile(ctx, 35)
     assert "profile" not in seen and prof["kernels"] == 3163 and prof["idle_ms"] == pytest.approx(47.5)
 
-    gpu_bench.stage_compile(ctx, 100)
-    assert [(c.get("compile", False), c.get("backend")) for c in seen["compile"][0]] == \
-        [(False, None), (True, "inductor")]
+    gpu_bench.stage_compile(ctx, 130)
+    assert [(c.get("compile", False), c.get("backend"), c["workload"].model.hidden_dropout)
+            for c in seen["compile"][0]] == [(False, None, 0.0), (True, "inductor", 0.0), (False, None, 0.1),
+                                             (True, "inductor", 0.1)]
     changes = gpu_bench.stage_changes(ctx, 55)
     (case,), _ = seen["changes"]
     configs = 1 + len(gpu_bench.SWITCHES)         # all on, then each change off

@@ -171,3 +171,16 @@ def test_streams_saved_on_another_device_type_restart_from_a_seed():
         pass
     else:
         raise AssertionError("a CUDA generator state was accepted by a CPU tracker")
+
+
+def test_replicated_masks_are_the_masks_dropout_draws():
+    # A keyed layer draws its two residual-dropout masks before its (compiled) forward: they must be the
+    # ones nn.Dropout would have drawn there, in turn, so masks did not change with the move.
+    from mtds.tp.random import RNGTracker
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 8).to(dtype)
+        torch.manual_seed(7)
+        want = [F.dropout(x, 0.1, training=True) for _ in range(2)]
+        torch.manual_seed(7)
+        masks = RNGTracker.replicated_masks(x, 0.1, 2)
+        assert all(torch.equal(x * m, w) for m, w in zip(masks, want)), dtype

@@ -105,7 +105,7 @@ class SelfAttention(nn.Module):
             return out.transpose(1, 2).reshape(b, s, self.local_heads * d)
         p = self.cfg.attention_dropout if self.training else 0.0
         # Attention probabilities are sharded by head: their dropout must differ across TP ranks.
-        forked = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
+        forked = self.rng_tracker.sharded_dropout() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         # GQA: query head i reads kv head i // (heads / kv heads), HF's repeat_kv order, which is what
         # sdpa's enable_gqa does without copying K and V per query head.
         gqa = self.local_kv_heads != self.local_heads

@@ -5,8 +5,12 @@ compiles the forward and backward graph once and the other layers reuse it; the 
 collectives, the pipeline's stage boundaries and DeepSpeed's engine stay outside the compiled graphs (a
 collective inside a layer splits its graph there). What is compiled is the layer's computation
 (``TransformerLayer._forward``); its profiler range and the keying of its dropout streams stay outside.
-Inductor draws dropout masks from torch's generators (``fallback_random``), so the keyed masks are the
-eager ones. Parameters, their names and checkpoints are untouched.
+With dropout a layer is still one graph: the replicated masks are drawn before it and the sharded stream
+sits in the default generator while it runs (mtds.tp.random), so no generator swap breaks it; selective
+recomputation inside it is torch's own checkpoint, which Dynamo traces. Inductor draws dropout masks from
+torch's generators (``fallback_random``), so the keyed masks are the eager ones. ZB-H1 is refused (its
+backward defers weight GEMMs, which AOTAutograd cannot trace). Parameters, their names and checkpoints are
+untouched.
 """
 from __future__ import annotations
 

@@ -59,8 +59,13 @@ class TransformerLayer(nn.Module):
         dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
         self.streams = rng_tracker if dropout else None
 
-    def _dropout_rng(self):
-        return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
+    def _dropout(self, x: torch.Tensor, module: nn.Dropout, masks, i: int) -> torch.Tensor:
+        """Residual-stream dropout: by a mask drawn before the forward (keyed, replicated), else by
+        ``module`` in the sharded stream (sequence parallelism) or the default generator."""
+        if masks is not None:
+            return x * masks[i]
+        with self.rng_tracker.sharded_dropout() if self.rng_tracker is not None else contextlib.nullcontext():
+            return module(x)
 
     def forward(self, hidden):
         """``hidden``: [b, s, h], or (hidden, segment ids) with packed documents -- passed on as
@@ -91,18 +96,23 @@ class TransformerLayer(nn.Module):
     def _forward_streams(self, hidden, segments):
         if self.streams is None:
             return self._forward(hidden, segments)
-        with self.streams.layer(self.layer_number):
-            return self._forward(hidden, segments)
+        with self.streams.layer(self.layer_number) as keyed:
+            if not keyed:       # a hand-made tracker: Megatron's streams, sharded dropout forked each time
+                return self._forward(hidden, segments)
+            # Keyed: the replicated masks first, then the forward in the sharded stream with no generator
+            # swap inside it (mtds.tp.random), so --compile traces the layer in one graph.
+            p = self.mlp_dropout.p
+            replicated = self.training and p > 0 and self.rng_tracker is None
+            masks = self.streams.replicated_masks(hidden, p, 2) if replicated else None
+            with self.streams.sharded():
+                return self._forward(hidden, segments, masks)
 
-    def _forward(self, hidden: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, segments: torch.Tensor | None, masks=None) -> torch.Tensor:
         attn = self.attention(self.input_norm(hidden), segments)
-        with self._dropout_rng():
-            attn = self.attention_dropout(attn)
+        attn = self._dropout(attn, self.attention_dropout, masks, 0)
         if self.parallel_residual:   # NeoX: both branches read the block input
             mlp = self.mlp(self.post_attention_norm(hidden))
-            with self._dropout_rng():
-                return hidden + attn + self.mlp_dropout(mlp)
+            return hidden + attn + self._dropout(mlp, self.mlp_dropout, masks, 1)
         hidden = hidden + attn
         mlp = self.mlp(self.post_attention_norm(hidden))
-        with self._dropout_rng():
-            return hidden + self.mlp_dropout(mlp)
+        return hidden + self._dropout(mlp, self.mlp_dropout, masks, 1)

@@ -15,6 +15,13 @@ schedule runs a chunk's forwards in micro-batch order. Unkeyed (a tracker built 
 ``layer()`` does nothing and the streams run on from their seeds: Megatron's scheme (stage seed
 ``seed + 100 * pp_rank``, model-parallel stream ``+ 2718 + tp_rank``), which ties masks to execution order.
 
+Inside a keyed layer nothing swaps generator states per dropout (``--compile`` cannot trace a swap: each
+was a graph break, four graphs per GPT-2 layer with dropout): the layer draws its replicated masks first
+(:meth:`RNGTracker.replicated_masks`, the masks ``nn.Dropout`` would draw, in the same order), then runs
+its whole forward with the sharded stream in the default generator (:meth:`RNGTracker.sharded`), so
+attention dropout and sequence-parallel dropout draw from it directly. The masks are the ones the
+per-dropout swaps drew. Unkeyed, every sharded dropout runs inside ``fork()``.
+
 The tracker is an object handed to the model, not a module global; :func:`checkpoint` captures its
 states (and the forward counts) at forward time and restores them for the recomputation, so replayed
 dropout masks match.
@@ -75,6 +82,8 @@ class RNGTracker:
         self._step = 0
         self._forwards: dict[int, int] = {}                # global layer -> forwards so far this step
         self.replaying = False      # inside a recomputation's replay of a forward (checkpoint below)
+        # the default generator holds the sharded stream (sharded()): sharded dropout draws without fork()
+        self.in_sharded_stream = False
 
     def key_dropout(self, seed: int, *, tp_rank: int, dp_rank: int) -> None:
         """From now on :meth:`layer` sets both streams from (seed, step, ``dp_rank``, micro-batch,
@@ -91,10 +100,10 @@ class RNGTracker:
     @contextlib.contextmanager
     def layer(self, index: int):
         """Run global layer ``index``'s forward for the next micro-batch on its own keyed streams (a
-        no-op when unkeyed). The default generator is put back afterwards, so code outside layers never
-        sees the reseeding."""
+        no-op when unkeyed); yields whether it keyed them. The default generator is put back afterwards,
+        so code outside layers never sees the reseeding."""
         if self._key is None:
-            yield
+            yield False
             return
         seed, tp_rank, dp_rank = self._key
         micro_batch = self._forwards.get(index, 0)
@@ -104,16 +113,49 @@ class RNGTracker:
         set_rng_state(seeded_state(stream_seed(*key, REPLICATED_STREAM), self.device_type), self.device_type)
         self._states[MODEL_PARALLEL_RNG] = seeded_state(stream_seed(*key, tp_rank), self.device_type)
         try:
-            yield
+            yield True
         finally:
             set_rng_state(outside, self.device_type)
 
+    @staticmethod
+    def replicated_masks(like: torch.Tensor, p: float, count: int) -> tuple[torch.Tensor, ...]:
+        """``count`` dropout masks of ``like``'s shape, dtype and device from the default generator, scaled
+        by 1/(1-p): the masks ``nn.Dropout`` would draw in turn (``bernoulli_(1-p)`` then ``div_(1-p)``),
+        so ``x * mask`` equals its output bit for bit. Drawn before a compiled forward, which then only
+        multiplies."""
+        return tuple(torch.empty_like(like).bernoulli_(1 - p).div_(1 - p) for _ in range(count))
+
+    @contextlib.contextmanager
+    def sharded(self):
+        """Put the sharded (model-parallel) stream in the default generator for the block, flagged so
+        sharded dropout draws from it without ``fork()``; its state is kept on exit, as ``fork()`` keeps it."""
+        if self.in_sharded_stream:
+            yield
+            return
+        outside = get_rng_state(self.device_type)
+        set_rng_state(self._states[MODEL_PARALLEL_RNG], self.device_type)
+        self.in_sharded_stream = True
+        try:
+            yield
+        finally:
+            self.in_sharded_stream = False
+            self._states[MODEL_PARALLEL_RNG] = get_rng_state(self.device_type)
+            set_rng_state(outside, self.device_type)
+
+    def sharded_dropout(self):
+        """The context for dropout on a sharded activation: ``fork()``, or nothing while :meth:`sharded`
+        already holds the stream (what lets ``--compile`` trace the layer)."""
+        return contextlib.nullcontext() if self.in_sharded_stream else self.fork()
+
     def snapshot(self) -> tuple:
-        """Everything a recomputation must see as the forward saw it: the states and forward counts."""
-        return self.get_states(), dict(self._forwards), self._step
+        """Everything a recomputation must see as the forward saw it: the states, forward counts, and
+        whether the sharded stream was in the default generator (then torch's checkpoint restores it, and
+        a replay must not fork; today the attention core is a layer's first sharded draw, where the fork's
+        state and the restored one coincide, but nothing should rest on that order)."""
+        return self.get_states(), dict(self._forwards), self._step, self.in_sharded_stream
 
     def restore(self, snapshot: tuple) -> None:
-        states, forwards, self._step = snapshot
+        states, forwards, self._step, self.in_sharded_stream = snapshot
         self.set_states(states)
         self._forwards = dict(forwards)
 
@@ -185,7 +227,7 @@ def checkpoint(function: Callable[..., Any], tracker: RNGTracker | None, *args: 
     torch saves and restores the default generator itself; ``context_fn`` adds the tracker's states
     and forward counts (a keyed layer inside the recomputed block must see its own micro-batch again).
     """
-    if tracker is None:
+    if tracker is None or (tracker.in_sharded_stream and torch.compiler.is_compiling()):
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     return _tracked_checkpoint(function, tracker, *args)
 

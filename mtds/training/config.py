@@ -267,6 +267,12 @@ class TrainConfig:
                              f"(got --recompute {self.recompute}): add --recompute full or drop the interval")
         from mtds.pipe.select import check_schedule
         check_schedule(self.pipeline_schedule, pp=self.pp, virtual_stages=self.virtual_stages)
+        if self.compile and self.pipeline_schedule == "zb-h1" and self.pp > 1:
+            # AOTAutograd traces the layer's backward when it compiles the forward; ZB-H1's backward queues
+            # its weight GEMMs for the W pass, which Dynamo cannot trace: every layer fell back to eager
+            raise ValueError("--compile cannot compile the layers of --pipeline-schedule zb-h1 (its backward "
+                             "defers the weight gradients to the W pass): drop --compile or use 1f1b, "
+                             "interleaved or dualpipev")
         self._check_stage_layout()
 
     def _check_stage_layout(self) -> None:
