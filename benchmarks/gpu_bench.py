@@ -318,11 +318,6 @@ def _run_case(case: dict) -> dict:
         torch._dynamo.reset()
 
 
-def _is_oom(err: BaseException) -> bool:
-    import torch
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
 def _stage_rank(stage: str, cases: list[dict], partial: str, stop_on_failure: bool) -> list[dict]:
     """Every case of a stage in this rank, in order; each record is appended to ``partial`` as it ends (a
     stage cut by its bound keeps what finished). The switches are put back after every case."""
@@ -346,6 +341,7 @@ def _cases(cases: list[dict], partial: str, stop_on_failure: bool, defaults: dic
 
     import torch
 
+    from mtds.gpucheck.microbatch import is_oom
     from mtds.gpucheck.ranks import one_line
     out = []
     for case in cases:
@@ -354,7 +350,7 @@ def _cases(cases: list[dict], partial: str, stop_on_failure: bool, defaults: dic
         try:
             record.update(ok=True, **_run_case(case))
         except Exception as err:        # recorded; the stage stops here only where asked (micro-batch)
-            record.update(ok=False, error=one_line(err), oom=_is_oom(err))
+            record.update(ok=False, error=one_line(err), oom=is_oom(err))
         finally:
             _set_switches(defaults)
         record["seconds"] = time.monotonic() - start

@@ -1,7 +1,9 @@
 """``python -m mtds.gpucheck`` in its CPU mode (gloo, tiny shapes), run in-process through the suite's rank
 pools so that it cannot rot: every check writes its PASS rows with numbers (one real run of every check);
 the parity verdict fails a run whose loss or grad norm is off by more than its precision allows or that
-skipped a step; bad flags are one ``error:`` line with exit 2; ``auto`` picks CUDA wherever torch sees one."""
+skipped a step; bad flags are one ``error:`` line with exit 2; ``auto`` picks CUDA wherever torch sees one.
+Without a GPU: the CUDA parity plan (TP 2, sequence parallelism), the micro-batch sweep's sizes and stop at
+the OOM, and a rank's failure named when its peers are blocked in the case's collectives."""
 import functools
 import os
 import re
@@ -43,6 +45,8 @@ def test_cpu_mode_report():
             status, numbers, _ = got[f"{schedule} (t,p,d)=(1,2,1) {precision}"]
             assert status == "PASS", (schedule, precision, numbers)
             assert re.match(r"loss [0-9.e+-]+, grad norm [0-9.e+-]+ at step 1, [0-9.e+-]+ max", numbers), numbers
+    status, numbers, _ = got["tp (t,p,d)=(2,1,1) sp fp32"]       # t = 2 with sequence parallelism, gloo
+    assert status == "PASS" and numbers.startswith("loss "), numbers
     p2p = next(v for k, v in got.items() if k.startswith("interleaved p=2 v=2"))
     assert p2p[0] == "PASS" and "2 steps" in p2p[1], p2p
     assert got["save/resume: bit-exact continuation"][0] == "PASS"
@@ -56,6 +60,8 @@ def test_cpu_mode_report():
     # mtds's last warm-up step by kind of work (--profile-step), GEMMs among them
     assert "Where step 1 of mtds (1,1,1) went (torch.profiler; cpu operators' own time" in text, text
     assert re.search(r"^\| gemm \| [0-9.]+ \| [0-9]+% \| [0-9,]+ \|$", text, re.M), text
+    status, _, why = got["largest micro-batch that fits (doubling to the first OOM)"]
+    assert status == "SKIP" and why.startswith("GPUs only"), (status, why)
     assert "result: **PASS** (" in text
 
 
@@ -84,6 +90,37 @@ def test_parity_verdict():
     assert judge("fp16", run(norms=spike), ref, Reference(ref.losses, [2.0, 1.5 * 1.35, 1.2]))[0]
     assert not judge("fp16", run(norms=spike), ref, Reference(ref.losses, [2.0, 1.5 * 1.02, 1.2]))[0]
     assert not judge("fp16", run(norm=1.02), ref, Reference(ref.losses, [2.0 * 1.3, 1.5, 1.2]))[0]  # step 1 stays
+
+
+def _fail_on_rank_one_while_rank_zero_waits(case):
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError(f"{case} failed on rank 1\nsecond line")
+    dist.recv(torch.zeros(1), src=1)    # never sent: rank 0 waits as NCCL peers do in the case's collective
+
+
+def _fail_on_rank_zero(case):
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        raise ValueError(f"{case} failed on rank 0")
+    return "done"
+
+
+def test_failing_rank_named_when_its_peers_block():
+    """Rank 1 raises inside a case while rank 0 waits for it there: rank 1 then waits for rank 0 at the ok-flag
+    all-reduce, both are killed at the bound, and the outcome still names rank 1 and its error."""
+    if os.environ.get("MTDS_TEST_POOL") == "0":
+        pytest.skip("pools are off: a fresh rank's gloo timeout equals the bound, a pooled one's is 1800 s")
+    from mtds.gpucheck.machine import Machine
+    from mtds.gpucheck.ranks import run_cases
+    # no hang: the reporting (last) rank finished, and learns who failed from rank 0's note
+    outcome, _ = run_cases(Machine("cpu", 2, "CPU"), 2, _fail_on_rank_zero, ["the case"], timeout=60)
+    assert outcome.error is None and outcome.cases == [(False, "rank 0: ValueError: the case failed on rank 0")]
+    outcome, _ = run_cases(Machine("cpu", 2, "CPU"), 2, _fail_on_rank_one_while_rank_zero_waits, ["the case"],
+                           timeout=2)
+    assert outcome.cases == [] and outcome.error.startswith(
+        "rank 1: ValueError: the case failed on rank 1 (in case 1); the other ranks were blocked"), outcome.error
+    assert "did not finish within 2 s (hang or deadlock)" in outcome.error, outcome.error
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -121,13 +158,97 @@ def test_auto_never_hard_codes_cpu(monkeypatch):
     from mtds.gpucheck import parity, speed
     w = workloads("cuda", False)
     cases = parity.cases_for(machine, w["parity"], ("bf16", "fp16"))
-    assert sorted(cases) == [2, 4] and len(cases[2]) == len(cases[4]) == 8
+    assert sorted(cases) == [2, 4] and len(cases[2]) == 8 + 4 and len(cases[4]) == 8 + 2
     assert {c.tp for c in cases[4]} == {2} and {c.device for c in cases[4]} == {"cuda"}
     assert speed.spread_layout(4) == (2, 2, 1) and speed.spread_layout(8) == (2, 2, 2)
     assert speed.workload_for(w["speed"], (2, 2, 2)).global_batch == w["speed"].micro_batch * 8    # m = 4p
     # 64 MiB per message at p = 2 on GPUs (bf16)
     from mtds.gpucheck.p2p_stress import message_bytes
     assert message_bytes(w["p2p"], "bf16") == 64 * 2 ** 20
+
+
+def test_parity_plan_has_tp_and_sequence_parallel():
+    """From two GPUs the matrix holds (t,p,d) = (2,1,1) with and without sequence parallelism in each
+    precision (with four, SP under 1f1b at (2,2,1) too); CPU keeps its p = 2 schedules plus one fp32 SP case."""
+    from mtds.gpucheck.machine import Machine
+    from mtds.gpucheck.parity import cases_for
+
+    def plan(device, ranks, precisions):
+        w = workloads(device, False)["parity"]
+        return {world: [(c.schedule, c.tp, c.pp, c.sequence_parallel, c.precision) for c in cases]
+                for world, cases in cases_for(Machine(device, ranks, "NVIDIA H100 80GB HBM3"), w, precisions).items()}
+
+    schedules = ("1f1b", "interleaved", "zb-h1", "dualpipev")
+    two = plan("cuda", 2, ("bf16", "fp16"))
+    assert sorted(two) == [2]
+    assert two[2][:8] == [(s, 1, 2, False, p) for s in schedules for p in ("bf16", "fp16")]
+    assert two[2][8:] == [("1f1b", 2, 1, sp, p) for sp in (False, True) for p in ("bf16", "fp16")]
+    four = plan("cuda", 4, ("bf16", "fp16"))
+    assert four[2] == two[2] and four[4][8:] == [("1f1b", 2, 2, True, p) for p in ("bf16", "fp16")]
+    cpu = plan("cpu", 2, ("fp32", "bf16"))
+    assert sorted(cpu) == [2] and cpu[2][8:] == [("1f1b", 2, 1, True, "fp32")]
+    assert cpu[2][:8] == [(s, 1, 2, False, p) for s in schedules for p in ("fp32", "bf16")]
+
+
+def test_micro_batch_sweep_doubles_to_the_first_oom():
+    """The speed check's sweep (GPUs): b, 2b, ... until torch's OOM; tokens/s and MFU per size that fit."""
+    from mtds.gpucheck import microbatch
+    from mtds.gpucheck.machine import Machine
+    from mtds.gpucheck.report import Section, render
+    tried = []
+
+    def run(b, oom_from=64, crash_at=None):
+        tried.append(b)
+        if b == crash_at:
+            raise ValueError("shape mismatch")
+        if b >= oom_from:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
+        return {"step_s": 0.05 + 0.01 * b, "allocated_gib": b / 2, "reserved_gib": b / 2 + 1}
+
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    rows = microbatch.sweep(run, 8)
+    assert tried == [8, 16, 32, 64] and [r["ok"] for r in rows] == [True, True, True, False]
+    assert rows[-1]["oom"] and rows[-1]["error"] == oom
+    assert microbatch.largest(rows) == 32
+    section = Section("speed")
+    h100 = Machine("cuda", 1, "NVIDIA H100 80GB HBM3")
+    microbatch.add_rows(section, rows, workloads("cuda", False)["speed"], "bf16", h100)
+    assert [t["run"] for t in section.table] == [f"mtds (1,1,1) b = {b}" for b in (8, 16, 32, 64)]
+    assert [t["tokens/s"] for t in section.table] == ["63,015", "78,019", "88,562", "OOM"]   # b*1024/step_s
+    mfu = [float(t["MFU"].rstrip("%")) for t in section.table[:3]]
+    assert 0 < mfu[0] < mfu[1] < mfu[2], section.table          # per size, as tokens/s
+    row = section.rows[-1]
+    assert row.status == "PASS", row
+    assert row.numbers.startswith("b = 32 fits, b = 64 ran out of memory; b = 8: 63,015 tokens/s, MFU "), row.numbers
+    assert "| mtds (1,1,1) b = 64 | OOM |" in render([], [section])
+    # the other ends: an OOM at the first size and another error fail; the limit without an OOM passes
+    first = microbatch.sweep(lambda b: run(b, oom_from=8), 8)
+    assert microbatch.verdict(first) == (False, f"b = 8, the first size, ran out of memory: {oom}")
+    crashed = microbatch.sweep(lambda b: run(b, crash_at=16), 8)
+    assert len(crashed) == 2
+    assert microbatch.verdict(crashed) == (False, "b = 16 failed (not an OOM): ValueError: shape mismatch")
+    tried.clear()
+    assert microbatch.verdict(microbatch.sweep(lambda b: run(b, oom_from=10 ** 9), 4, limit=32))[0]
+    assert tried == [4, 8, 16, 32]
+
+
+def test_micro_batch_sweep_runs_mtds_per_size(tmp_path):
+    """The sweep's rank side on CPU, capped at 2b (no OOM to stop at): a real mtds run per size, timed."""
+    from mtds.gpucheck import microbatch
+    from mtds.gpucheck.machine import Machine
+    from mtds.gpucheck.ranks import run_cases
+    from mtds.gpucheck.report import Section
+    w, cpu = workloads("cpu", True)["speed"], Machine("cpu", 1, "CPU")
+    outcome, _ = run_cases(cpu, 1, microbatch._rank_sweep, [(w, "fp32", 0, str(tmp_path), 2 * w.micro_batch)],
+                           timeout=120)
+    assert outcome.error is None and outcome.cases[0][0], outcome
+    rows = outcome.cases[0][1]
+    assert [(r["micro_batch"], r["ok"]) for r in rows] == [(w.micro_batch, True), (2 * w.micro_batch, True)]
+    section = Section("speed")
+    microbatch.add_rows(section, rows, w, "fp32", cpu)
+    row = section.rows[-1]
+    assert row.status == "PASS" and row.numbers.startswith(f"b = {2 * w.micro_batch} fit, the sweep's limit"), row
+    assert all(int(t["tokens/s"].replace(",", "")) > 0 for t in section.table), section.table
 
 
 def test_gpu_shapes_are_runnable(monkeypatch):
@@ -145,21 +266,24 @@ def test_gpu_shapes_are_runnable(monkeypatch):
         w = workloads("cuda", quick)
         for gpus in range(1, 9):
             machine = Machine("cuda", gpus, "NVIDIA H100 80GB HBM3")
-            checks = [(c.workload, (c.tp, c.pp, 1), c.schedule, c.precision) for cases in
+            checks = [(c.workload, (c.tp, c.pp, 1), c.schedule, c.precision, c.sequence_parallel) for cases in
                       parity.cases_for(machine, w["parity"], ("bf16", "fp16")).values() for c in cases]
-            checks += [(w["p2p"], (1, 2, 1), "interleaved", "bf16"), (w["resume"], (1, min(gpus, 2), 1), "1f1b", "bf16")]
+            checks += [(w["p2p"], (1, 2, 1), "interleaved", "bf16", False),
+                       (w["resume"], (1, min(gpus, 2), 1), "1f1b", "bf16", False)]
             for layout in ((1, 1, 1), speed.spread_layout(gpus)):
                 if layout:
-                    checks.append((speed.workload_for(w["speed"], layout), layout, "1f1b", "bf16"))
-            for workload, (tp, pp, dp), schedule, precision in checks:
+                    checks.append((speed.workload_for(w["speed"], layout), layout, "1f1b", "bf16", False))
+            for workload, (tp, pp, dp), schedule, precision, sp in checks:
                 assert tp * pp * dp <= gpus or pp == 2 and gpus == 1 and schedule == "interleaved"   # p2p: skipped
                 v = 2 if schedule == "interleaved" else 1
                 cfg = ds_configs.train_config(workload, precision, "cuda", tp=tp, pp=pp, dp=dp,
-                                              pipeline_schedule=schedule, virtual_stages=v)
+                                              pipeline_schedule=schedule, virtual_stages=v, sequence_parallel=sp)
                 assert cfg.deepspeed_config["optimizer"]["params"]["fused"] is True
                 layout = ParallelLayout.for_world(tp * pp * dp, tp=tp, pp=pp, vp=2 if schedule == "dualpipev" else v)
                 m = workload.model
                 layout.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, num_layers=m.num_layers)
+                if cfg.sequence_parallel:
+                    layout.check_sequence_parallel(workload.seq)
                 _, batch = prepare_ds_config(cfg.deepspeed_config, layout, device_type="cuda")
                 if pp > 1:
                     check_schedule(schedule, pp=pp, virtual_stages=v, micro_batches=batch.accumulation)

@@ -5,6 +5,6 @@ markdown report. ``--device cpu`` runs the same checks on tiny shapes with gloo 
 
 One concept per module: :mod:`.machine` (device, ranks, versions), :mod:`.workloads` (shapes),
 :mod:`.ds_configs` (DeepSpeed configs), :mod:`.reference` (the HF reference), :mod:`.ranks` (bounded
-multi-rank runs), :mod:`.parity`, :mod:`.p2p_stress`, :mod:`.resume_eval`, :mod:`.speed` (the checks),
-:mod:`.report` (markdown), :mod:`.cli`.
+multi-rank runs), :mod:`.parity`, :mod:`.p2p_stress`, :mod:`.resume_eval`, :mod:`.speed`, :mod:`.microbatch`
+(the checks), :mod:`.report` (markdown), :mod:`.cli`.
 """

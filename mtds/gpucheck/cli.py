@@ -14,12 +14,14 @@ CHECKS = ("parity", "p2p", "resume", "speed")
 EPILOG = textwrap.dedent("""\
     checks (in this order; each has a wall-clock bound and ends as PASS/FAIL rows, never a hang):
       parity  HF parity matrix: every pipeline schedule (1f1b, interleaved, zb-h1, dualpipev) at p=2
-              (and t=2 with 4+ GPUs) in bf16 and fp16 on GPUs (fp32 and bf16 on CPU) against
+              (and t=2 with 4+ GPUs), then t=2 p=1 with and without --sequence-parallel (CPU: the SP case
+              in fp32), in bf16 and fp16 on GPUs (fp32 and bf16 on CPU) against
               HuggingFace GPT2LMHeadModel + torch AdamW in one process: loss and pre-clip grad norm per step
       p2p     interleaved p=2 v=2 with 64 MiB stage boundaries (tiny on CPU): the NCCL crossing-sends case
       resume  save at step k, resume, bit-exact continuation; mtds.eval of the checkpoint vs its HF export
       speed   mtds (1,1,1) vs HF GPT2LMHeadModel + fused AdamW on identical work, then mtds on every GPU:
-              tokens/s, model/hardware TFLOP/s, MFU, peak memory allocated and reserved
+              tokens/s, model/hardware TFLOP/s, MFU, peak memory allocated and reserved; then (GPUs) the
+              micro-batch doubled until the first CUDA OOM: MFU per size, the largest that fits
 
     examples:
       python -m mtds.gpucheck                      # every visible GPU (up to 8), report in gpucheck.md
@@ -74,9 +76,17 @@ def parse(argv) -> tuple[argparse.Namespace, list[str]]:
     return args, only
 
 
+def _speed(machine, workload, precision: str, warmup: int, bound: float, title: str):
+    """One speed section: HF vs mtds, then (GPUs) the largest micro-batch that fits."""
+    from mtds.gpucheck import microbatch, speed
+    section = speed.check(machine, workload, precision, warmup, bound, title=title)
+    microbatch.check_into(section, machine, workload, precision, warmup, bound)
+    return section
+
+
 def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] | None = None) -> list:
     """Each check's :class:`~mtds.gpucheck.report.Section`; a check that raises becomes a FAIL row."""
-    from mtds.gpucheck import p2p_stress, parity, resume_eval, speed
+    from mtds.gpucheck import p2p_stress, parity, resume_eval
     from mtds.gpucheck.report import Section
     from mtds.gpucheck.workloads import SPEED_WARMUP, precisions, workloads
     w, bound, precs = workloads(machine.device, quick), BOUNDS[machine.device], precisions(machine.device)
@@ -95,8 +105,8 @@ def run_checks(machine, checks: list[str], quick: bool, speed_models: list[str] 
             jobs.append((name, steps[name]))
             continue
         for title, load in loads:       # one section per model: a shape that does not fit fails alone
-            jobs.append((title, functools.partial(speed.check, machine, load, precs[0], SPEED_WARMUP[machine.device],
-                                                  bound["speed"], title=title)))
+            jobs.append((title, functools.partial(_speed, machine, load, precs[0], SPEED_WARMUP[machine.device],
+                                                  bound["speed"], title)))
     sections = []
     for name, job in jobs:
         start = time.monotonic()

@@ -1,6 +1,8 @@
 """HF parity matrix: every pipeline schedule train.py runs, at p = 2 (and t = 2 where four ranks exist), in
 each precision of the device, against the single-process HuggingFace reference -- per-step mean loss and
-pre-clip global gradient norm."""
+pre-clip global gradient norm. Then tensor parallelism without a pipeline, (t,p,d) = (2,1,1), with and
+without sequence parallelism (on GPUs; CPU runs the sequence-parallel case in fp32 only), and with four
+ranks 1f1b at (2,2,1) with it."""
 from __future__ import annotations
 
 import functools
@@ -46,10 +48,14 @@ class Case:
     precision: str
     device: str
     workload: object
+    sequence_parallel: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.schedule} (t,p,d)=({self.tp},{self.pp},1) {self.precision}"
+        sp = " sp" if self.sequence_parallel else ""
+        if self.pp == 1 and self.tp > 1:      # no pipeline: the schedule does not apply
+            return f"tp (t,p,d)=({self.tp},1,1){sp} {self.precision}"
+        return f"{self.schedule} (t,p,d)=({self.tp},{self.pp},1){sp} {self.precision}"
 
 
 def _train(case: Case) -> dict:
@@ -57,7 +63,7 @@ def _train(case: Case) -> dict:
 
     from mtds.gpucheck.ds_configs import train_config
     cfg = train_config(case.workload, case.precision, case.device, tp=case.tp, pp=case.pp,
-                       pipeline_schedule=case.schedule,
+                       pipeline_schedule=case.schedule, sequence_parallel=case.sequence_parallel,
                        virtual_stages=2 if case.schedule == "interleaved" else 1)
     result = run(cfg)
     return {"losses": result.losses, "grad_norms": result.grad_norms, "skipped": result.skipped}
@@ -77,7 +83,8 @@ def _reference(workload, device: str, precisions=()):
 
 
 def cases_for(machine, workload, precisions) -> dict[int, list[Case]]:
-    """{world: cases}: p = 2 for each schedule, t = 1 (and t = 2 with four ranks); one GPU: (1,1,1) only."""
+    """{world: cases}: p = 2 for each schedule at t = 1 (and t = 2 with four ranks), then the tensor-parallel
+    cases (:func:`tensor_cases`); one GPU: (1,1,1) only."""
     from mtds.pipe.select import PIPELINE_SCHEDULES
     if machine.ranks < 2:
         return {1: [Case("1f1b", 1, 1, p, machine.device, workload) for p in precisions]}
@@ -85,6 +92,22 @@ def cases_for(machine, workload, precisions) -> dict[int, list[Case]]:
     for tp in (1, 2):
         if 2 * tp <= machine.ranks and (machine.cuda or tp == 1):    # CPU: 2 gloo ranks (the suite's budget)
             out[2 * tp] = [Case(s, tp, 2, p, machine.device, workload) for s in PIPELINE_SCHEDULES for p in precisions]
+    for world, cases in tensor_cases(machine, workload, precisions).items():
+        out[world] = out.get(world, []) + cases
+    return out
+
+
+def tensor_cases(machine, workload, precisions) -> dict[int, list[Case]]:
+    """TP collectives without a pipeline around them: (2,1,1) plain and sequence-parallel (all-gathers and
+    reduce-scatters instead of all-reduces) in each precision; with four ranks also SP under 1f1b at (2,2,1)
+    (stage boundaries then carry sequence slices). They join the p = 2 cases' worlds: no extra rank start
+    (~20 s of imports per start on CUDA). CPU: the one SP case in the first precision (~1 s on gloo)."""
+    dev = machine.device
+    if not machine.cuda:
+        return {2: [Case("1f1b", 2, 1, precisions[0], dev, workload, sequence_parallel=True)]}
+    out = {2: [Case("1f1b", 2, 1, p, dev, workload, sequence_parallel=sp) for sp in (False, True) for p in precisions]}
+    if machine.ranks >= 4:
+        out[4] = [Case("1f1b", 2, 2, p, dev, workload, sequence_parallel=True) for p in precisions]
     return out
 
 

@@ -4,7 +4,8 @@ and precision (HF: fp32 weights under bf16/fp16 autocast, as the HF Trainer runs
 16-bit training with fp32 master weights) -- then mtds on every rank at once. tokens/s from the median
 step after warm-up; model and hardware TFLOP/s and MFU from mtds.observe.metrics (the counts and peak tables
 train.py logs with); peak memory allocated and reserved by the CUDA caching allocator (on CPU the
-process's peak RSS, which in a reused rank includes earlier work)."""
+process's peak RSS, which in a reused rank includes earlier work). The CLI ends each speed section with
+the largest micro-batch that fits (:mod:`mtds.gpucheck.microbatch`, GPUs)."""
 from __future__ import annotations
 
 import json
@@ -75,7 +76,7 @@ def _hf_side(workload, precision: str, warmup: int) -> dict:
 
 
 def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, int], log: str,
-               compile: bool = False) -> dict:
+               compile: bool = False, profile: bool = True) -> dict:
     import torch.distributed as dist
 
     from mtds.training import run
@@ -86,9 +87,9 @@ def _mtds_side(workload, precision: str, warmup: int, layout: tuple[int, int, in
     _reset_peak(device)
     t, p, d = layout
     # the last warm-up step (not timed) of the eager (1,1,1) run is profiled: where its time goes
-    profile = warmup if layout == (1, 1, 1) and not compile and warmup >= 1 else None
+    step = warmup if profile and layout == (1, 1, 1) and not compile and warmup >= 1 else None
     cfg = train_config(workload, precision, device.type, tp=t, pp=p, dp=d, log_jsonl=log, compile=compile,
-                       profile_step=profile)
+                       profile_step=step)
     result = run(cfg)
     dist.barrier()                  # the log is written by the reporting rank only; every rank reads it
     with open(log) as f:
