@@ -4,10 +4,14 @@ A step here is everything ``train_loop.train`` does for one step: the hooks befo
 and the hooks after it (logging, the non-finite check, the signal check), as the peers' loops time theirs
 (Megatron-core's and torchtitan's step times include their own clipping, logging and loss reads). Two
 hooks are added around mtds's own list, first and last: nothing in mtds changes for the measurement.
+
+:func:`train_mtds` runs the peer work; :func:`train_shape` a ``workloads.Shape`` at (1,1,1) (the host-time
+benchmark, benchmarks/bench_host.py), optionally counting the ATen operators of one step.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 
 class _Edge:
@@ -22,11 +26,19 @@ class _Edge:
                 from torch.profiler import ProfilerActivity, profile
                 self.box["prof"] = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
                 self.box["prof"].__enter__()
+            if step == self.box.get("ops_step"):
+                from lab.testing.op_counts import OpCounts
+                self.box["ops"] = OpCounts()
+                self.box["ops"].__enter__()
             self.box["t0"] = time.perf_counter()
 
     def after_step(self, step, record):
         if not self.start:
             self.box["times"].append(time.perf_counter() - self.box["t0"])
+            ops = self.box.pop("ops", None)
+            if ops is not None:
+                ops.__exit__(None, None, None)
+                self.box["op_counts"] = dict(ops.counts)
             prof = self.box.pop("prof", None)
             if prof is not None:
                 prof.__exit__(None, None, None)
@@ -49,14 +61,10 @@ def profile_tables(prof, n: int = 25) -> dict:
     return {"ranges": ranges, "ops": ops[:n]}
 
 
-def train_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warmup: int,
-               profile_step: int | None, workdir: str, overrides: dict | None = None) -> dict:
-    import torch.distributed as dist
-
-    from benchmarks import peer_work
-    from mtds.training import TrainConfig, job, train_loop
-
-    box = {"times": [], "profile_step": profile_step}
+@contextmanager
+def edge_hooks(box: dict):
+    """While open, every run's hook list starts and ends with an :class:`_Edge` writing into ``box``."""
+    from mtds.training import train_loop
     step_hooks = train_loop.step_hooks
 
     def edged(*args, **kwargs):
@@ -64,16 +72,46 @@ def train_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warm
 
     train_loop.step_hooks = edged
     try:
+        yield box
+    finally:
+        train_loop.step_hooks = step_hooks
+
+
+def train_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warmup: int,
+               profile_step: int | None, workdir: str, overrides: dict | None = None) -> dict:
+    import torch.distributed as dist
+
+    from benchmarks import peer_work
+    from mtds.training import TrainConfig, job
+
+    box = {"times": [], "profile_step": profile_step}
+    with edge_hooks(box):
         cfg = TrainConfig(deepspeed_config=peer_work.ds_config(microbatches),
                           model=peer_work.write_model_config(model, workdir), tp=tp, pp=pp,
                           seq_length=peer_work.SEQ, steps=steps, eval_split=0.0, progress=False,
                           lr_decay="constant", model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0},
                           **(overrides or {}))
         result = job.run(cfg)
-    finally:
-        train_loop.step_hooks = step_hooks
     times = box["times"]
     measured = sorted(times[warmup:])
     return {"side": "mtds", "rank": dist.get_rank(), "times": times, "losses": result.losses,
             "median_step_s": measured[len(measured) // 2] if measured else float("nan"),
             "profile": box.get("profile")}
+
+
+def train_shape(shape_fields: dict, steps: int, seed: int, ops_step: int | None = None) -> dict:
+    """mtds at (1,1,1) on ``Shape(**shape_fields)`` (benchmarks/workloads.py: GPT-2, fp32, no dropout, the
+    DeepSpeed config of ds_configs/cpu_fp32.json, whose AdamW mtds runs as torch's fused kernel on CPU),
+    ``steps`` whole loop iterations; 'times' of every step, 'op_counts' of step ``ops_step``."""
+    from benchmarks.workloads import Shape, ds_config
+    from mtds.training import TrainConfig, job
+
+    shape = Shape(**shape_fields)
+    box = {"times": [], "profile_step": None, "ops_step": ops_step}
+    with edge_hooks(box):
+        cfg = TrainConfig(deepspeed_config=ds_config(shape.micro_batch, shape.micro_batch), model=shape.model_config(),
+                          seq_length=shape.seq, steps=steps, seed=seed, eval_split=0.0, progress=False,
+                          lr_decay="constant")
+        result = job.run(cfg)
+    return {"side": "mtds", "times": box["times"], "losses": result.losses, "parameters": result.params,
+            "op_counts": box.get("op_counts")}

@@ -79,6 +79,9 @@ if __name__ == "__main__":
     bench_peer.main()
 """
 
+# bench_peer.py's shape options (--micro-batch for micro_batch), the fields of benchmarks.workloads.Shape
+SHAPE_OPTIONS = ("layers", "hidden", "heads", "vocab", "seq", "micro_batch")
+
 
 def peers_dir() -> str:
     """Where bench_peer.py lives: ``MTDS_PEERS_DIR``, default ../shared/tools/peers next to the checkout."""
@@ -109,13 +112,20 @@ def peer_missing(peer: str) -> str | None:
 
 def run_peer(peer: str, model: str, tp: int, pp: int, microbatches: int, steps: int, warmup: int,
              threads: int = 1, profile_step: int | None = None, timeout: float = 900.0,
-             tt_param_dtype: str | None = "float32") -> dict:
+             tt_param_dtype: str | None = "float32", shape: dict | None = None) -> dict:
     """One bench_peer.py run; its JSON line (tokens_per_s, step_times_s, ...), plus 'profile' rows when
     ``profile_step`` is given, or {'error': ...}. ``tt_param_dtype``: torchtitan's compute dtype (its trainer's
-    default is bfloat16 even for fp32 parameters; None keeps that default)."""
+    default is bfloat16 even for fp32 parameters; None keeps that default). ``shape``: any of layers, hidden,
+    heads, vocab, seq, micro_batch (``workloads.Shape.as_dict()`` fits); None: bench_peer.py's own shape,
+    the peer work of benchmarks/peer_work.py."""
     script = os.path.join(peers_dir(), "bench_peer.py")
     args = ["--peer", peer, "--model", model, "--tp", str(tp), "--steps", str(steps), "--warmup", str(warmup),
             "--threads", str(threads), "--timeout", str(timeout)]
+    unknown = set(shape or {}) - set(SHAPE_OPTIONS)
+    if unknown:   # bench_peer.py would refuse them only after a start of its interpreter
+        raise ValueError(f"run_peer: no bench_peer.py option for {sorted(unknown)}; shape takes {SHAPE_OPTIONS}")
+    for name, value in (shape or {}).items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
     if peer == "megatron":
         args += ["--pp", str(pp), "--microbatches", str(microbatches)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", MTDS_PEER_SCRIPT=script,
