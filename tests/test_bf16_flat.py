@@ -44,7 +44,7 @@ def test_flat_bookkeeping_equals_deepspeeds_loops_bit_for_bit():
             assert len(flat.losses) == STEPS and flat.grad_norms[0] > 0.5, flat.grad_norms   # clipped
 
 
-def _ops_per_step(layers_list):
+def _ops_per_step(layers_list, precision="bf16"):
     from lab.testing.op_counts import OpCounts
     from mtds.training import run, train_loop
     counts, active = {}, {}
@@ -72,7 +72,8 @@ def _ops_per_step(layers_list):
         for layers in layers_list:
             active["layers"] = layers
             model = dataclasses.replace(TINY, num_layers=layers, hidden_dropout=0.0, attention_dropout=0.0)
-            ds = ds_config(precision="bf16", train_batch_size=1, train_micro_batch_size_per_gpu=1, **FP32_ACC)
+            extra = FP32_ACC if precision == "bf16" else {}
+            ds = ds_config(precision=precision, train_batch_size=1, train_micro_batch_size_per_gpu=1, **extra)
             ds["optimizer"]["params"]["fused"] = True
             run(train_config(model=model, steps=STEPS, deepspeed_config=ds))
     finally:
@@ -98,3 +99,27 @@ def test_operators_per_layer_per_step():
     assert sum(computing.values()) <= 44, computing
     for op in ("aten.linalg_vector_norm.default", "aten._to_copy.default", "aten.sum.default", "aten.mul_.Tensor"):
         assert computing.get(op, 0) == 0, (op, computing)      # nothing per parameter in the bookkeeping
+
+
+def _zero1_norm_foreach_and_loop():
+    import mtds.deepspeed_compat.zero_norm as zero_norm
+    from mtds.training import run
+    runs = {}
+    for on in (True, False):
+        zero_norm.FOREACH = on
+        try:
+            runs[on] = run(train_config(tp=1, pp=1, steps=STEPS, deepspeed_config=ds_config(zero=1)))
+        finally:
+            zero_norm.FOREACH = True
+    return runs
+
+
+def test_zero1_foreach_norm_equals_deepspeeds_loop_bit_for_bit():
+    # fp32 ZeRO-1 at d = 2 (the gradients reduce-scattered, two micro-batches per rank), clipped: the norm
+    # from one _foreach_norm(dtype=float64) is DeepSpeed's per-gradient float64 loop's, bit for bit.
+    reporting = [runs for runs in spawn(_zero1_norm_foreach_and_loop, 2) if runs[True].losses]
+    assert reporting
+    for runs in reporting:
+        on, off = runs[True], runs[False]
+        assert on.losses == off.losses and on.grad_norms == off.grad_norms, (on.grad_norms, off.grad_norms)
+        assert len(on.grad_norms) == STEPS and on.grad_norms[0] > 0.5, on.grad_norms

@@ -89,3 +89,23 @@ def test_host_reads_per_step_and_cpu_mfu():
     assert reads == [5, 5], reads
     # MFU on CPU: model FLOP/s over the GEMM peak this rank measured at start-up
     assert all(isinstance(m, float) and 0.0 < m < 1.5 for m in mfu), mfu
+
+
+def test_fp32_zero1_bookkeeping_has_no_per_parameter_operators():
+    # fp32, ZeRO-1, d = 1, t = 1, one micro-batch, fused AdamW, clipping: what one more GPT-2 layer (12
+    # parameters) adds to a step. On 2026-11-27 the bookkeeping ran 4 operators per parameter: the non-finite
+    # check's sum per gradient (a hook), the reduce-scatter fill's copy per gradient, and DeepSpeed's norm
+    # loop (a float64 copy and a norm per gradient): 80 computing operators a layer. Now the fill writes each
+    # run of gradients with one cat and sums each bucket, and the norm is one _foreach_norm: the layer's own
+    # forward and backward remain, 32 (fp32 gradients are handed over, not accumulated, at one micro-batch).
+    import collections
+
+    from tests.test_bf16_flat import VIEWS, _ops_per_step
+    counts = spawn(_ops_per_step, 1, (2, 4), "fp32")[0]
+    per_layer = collections.Counter(counts[4])
+    per_layer.subtract(counts[2])
+    computing = {op: n // 2 for op, n in per_layer.items()
+                 if n and op not in VIEWS and not op.startswith("profiler.")}
+    for op in ("aten.linalg_vector_norm.default", "aten._to_copy.default", "aten.sum.default", "aten.copy_.default"):
+        assert computing.get(op, 0) == 0, (op, computing)
+    assert sum(computing.values()) <= 32, computing

@@ -92,10 +92,12 @@ def _nan_worker(root):
     from mtds.training import run
     out = []
     # bf16 as the shipped configs run it (BF16_Optimizer, fp32 accumulation: the non-finite sums are taken
-    # on its flat 16-bit gradient buffers, mtds.deepspeed_compat.bf16_flat); fp32: one sum per gradient
+    # on its flat 16-bit gradient buffers, mtds.deepspeed_compat.bf16_flat); fp32 ZeRO-0: one sum per
+    # gradient (a hook); fp32 ZeRO-1: one sum per reduce-scatter bucket (mtds.deepspeed_compat.zero1_reduce)
     bf16 = ds_config(zero=1, precision="bf16", data_types={"grad_accum_dtype": "fp32"})
     for name, kw in (("bf16", dict(deepspeed_config=bf16)),
                      ("fp32", dict(deepspeed_config=ds_config(zero=0))),
+                     ("fp32-zero1", dict(deepspeed_config=ds_config(zero=1))),
                      ("skip", dict(deepspeed_config=ds_config(zero=1), on_nan="skip"))):
         try:
             result = run(train_config(tp=2, steps=4, save=f"{root}/{name}", save_interval=1, **kw),
@@ -107,12 +109,12 @@ def _nan_worker(root):
 
 
 def test_nan_stops_naming_step_and_rank_and_saves_nothing_poisoned(tmp_path):
-    bf16, fp32, skip = spawn(_nan_worker, 2, str(tmp_path), timeout=300)[0]
-    for message in (bf16, fp32):
+    bf16, fp32, zero1, skip = spawn(_nan_worker, 2, str(tmp_path), timeout=300)[0]
+    for message in (bf16, fp32, zero1):
         # The norm is global (every rank sees the NaN); only rank 1's own gradients were poisoned.
         assert isinstance(message, str) and message.startswith("step 3: gradient norm "), message
         assert "own gradients non-finite on rank 1 (of 2)" in message and "\n" not in message, message
-    for name in ("bf16", "fp32"):
+    for name in ("bf16", "fp32", "fp32-zero1"):
         assert os.path.basename(find_complete(str(tmp_path / name))[0]) == "global_step2"
         assert not (tmp_path / name / "global_step3").exists()
     skipped, losses = skip          # ZeRO-1 declines the poisoned update; training goes on

@@ -147,6 +147,14 @@ CAPABILITIES = (
             "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition", "fp32_groups_gradients",
             "bf16_groups", "real_dp_process_group",
             "grad_acc_dtype", "norm_type", "has_moe_layers", "_uses_muon")))),
+    Capability("ZeRO-1/2's gradient norm in one foreach (zero_norm.py)", (
+        Target(ZERO12, "get_grad_norm_direct", ("gradients", "params", "norm_type")),
+        Target(ZERO12, "_model_parallel_all_reduce", ("tensor", "op")),
+        Target("deepspeed.runtime.zero.utils", "get_norm_dtype", M),
+        Target("deepspeed.runtime.utils", "mask_nan_or_inf_with_val_inplace", ("input", "device")),
+        Target("deepspeed.runtime.utils", "is_model_parallel_parameter", ("p",)),
+        Target("deepspeed.runtime.constants", "PIPE_REPLICATED", A),
+        *(Target(ZERO12, name, A, instance=True) for name in ("model_parallel_rank", "cpu_offload")))),
     Capability("durable checkpoint writes and safe loads", (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),
     Capability("load a universal checkpoint", (

@@ -105,11 +105,15 @@ class Zero1ReduceScatter(EarlyReducer):
         opt = self.opt
         self.layout = [_sorted_layout(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
         self.bucket = int(opt.reduce_bucket_size)
+        self.note_sum = None    # mtds.safety.numerics.LocalNonFinite.note: where the windows' sums go
 
     def _fill(self, i: int):
         """Group i's gradients as a ``mtds.parallel.dp_reduce`` fill: any window of the flat buffer DeepSpeed laid
         its parameters out in (padding zero), pre-divided by the data-parallel size as DeepSpeed's
-        average_tensor does -- written bucket by bucket, never as a whole flat copy."""
+        average_tensor does -- written bucket by bucket, never as a whole flat copy. Each run of adjacent
+        gradients goes in with one ``cat`` (one operator, not one copy per parameter); before the division
+        the window's sum goes to ``note_sum`` (the non-finite check, mtds.safety.numerics): every element of
+        this rank's own gradients passes through exactly one window, before any reduction."""
         opt = self.opt
         d = torch.distributed.get_world_size(group=opt.dp_process_group)
         size = opt.bit16_groups_flat[i].numel() // torch.distributed.get_world_size(group=opt.real_dp_process_group[i])
@@ -118,7 +122,7 @@ class Zero1ReduceScatter(EarlyReducer):
         def fill(c: int, offset: int, dest: torch.Tensor) -> None:
             a = c * size + offset
             b = a + dest.numel()
-            dest.zero_()
+            runs, at = [], a        # runs: [start, [pieces]] of adjacent gradients; the rest is zeroed
             # the parameters overlapping [a, b): from the last one starting at or before a
             for k in range(max(bisect.bisect_right(starts, a) - 1, 0), len(starts)):
                 start, p = spans[k]
@@ -126,9 +130,27 @@ class Zero1ReduceScatter(EarlyReducer):
                     break
                 lo, hi = max(a, start), min(b, start + p.numel())
                 grad = opt.get_gradient_for_reduction(p)
-                if hi > lo and grad is not None:
-                    dest.narrow(0, lo - a, hi - lo).copy_(grad.reshape(-1).narrow(0, lo - start, hi - lo))
-            dest.div_(d)
+                if hi <= lo or grad is None:
+                    continue
+                piece = grad.reshape(-1).narrow(0, lo - start, hi - lo)
+                if runs and lo == at:
+                    runs[-1][1].append(piece)
+                else:
+                    runs.append([lo, [piece]])
+                at = hi
+            written = a
+            for lo, pieces in runs:
+                if lo > written:
+                    dest.narrow(0, written - a, lo - written).zero_()
+                n = sum(x.numel() for x in pieces)
+                torch.cat(pieces, out=dest.narrow(0, lo - a, n))
+                written = lo + n
+            if written < b:
+                dest.narrow(0, written - a, b - written).zero_()
+            if self.note_sum is not None:
+                self.note_sum(dest.sum())
+            if d > 1:
+                dest.div_(d)
         return fill
 
     def _reduce(self, i: int, partition, ranges=None) -> None:

@@ -31,16 +31,23 @@ class LocalNonFinite:
     squares) has long overflowed too; ``isfinite().all()`` per gradient cost 17 ms per micro-batch at
     4.5 M parameters on one CPU core, the sums 0.5-1.4 ms."""
 
-    def __init__(self, module: torch.nn.Module, flat=None):
+    def __init__(self, module: torch.nn.Module, flat=None, reducer=None):
         """``flat``: a :class:`mtds.deepspeed_compat.bf16_flat.FlatBf16Grads` whose 16-bit gradients all
         accumulate in flat buffers: while its switch is on it sums each buffer once per micro-batch instead
-        (see :meth:`note`), and the per-gradient sums are skipped."""
+        (see :meth:`note`), and the per-gradient sums are skipped. ``reducer``: a
+        :class:`mtds.deepspeed_compat.zero1_reduce.Zero1ReduceScatter`, which copies every gradient of the
+        step into its buckets before reducing them: it sums each bucket instead (no hooks at all; ZB-H1's
+        deferred weight gradients are then seen too)."""
         self._sums: list[torch.Tensor] = []
         self._flat = None
         if flat is not None:
             import mtds.deepspeed_compat.bf16_flat as flat_module
             self._flat = flat_module
             flat.note_sum = self.note
+        self._handles = []
+        if reducer is not None and hasattr(reducer, "note_sum"):
+            reducer.note_sum = self.note
+            return
         self._handles = [p.register_hook(self._check) for p in module.parameters() if p.requires_grad]
 
     def _check(self, grad: torch.Tensor | None) -> None:

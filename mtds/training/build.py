@@ -159,7 +159,8 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     for probe in on_engine_ready:
         probe(engine, groups)
     # After the probes: their gradient hooks (tests inject NaNs so) run before this rank's record.
-    nonfinite = LocalNonFinite(engine.module, getattr(engine, "mtds_flat_bf16", None)) if prec != "fp16" else None
+    nonfinite = LocalNonFinite(engine.module, getattr(engine, "mtds_flat_bf16", None),
+                               engine.__dict__.get("mtds_zero1_reduce")) if prec != "fp16" else None
 
     n_params = sum(p.numel() for p in model.parameters())
     mc = world.model_cfg
