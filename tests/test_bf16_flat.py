@@ -15,18 +15,32 @@ FP32_ACC = {"data_types": {"grad_accum_dtype": "fp32"}}
 def _flat_and_loops(layouts):
     import mtds.deepspeed_compat.bf16_flat as flat
     from mtds.training import run
+    gather, bound = flat.accumulate_flat, []
+
+    def watched(owner, clear_lp_grads):
+        # after each gather every 16-bit gradient is a view of its group's buffer: the tensors autograd
+        # handed over are not kept alive beside it between micro-batches
+        gather(owner, clear_lp_grads)
+        storages = {f.untyped_storage().data_ptr() for f in owner.flats}
+        bound.append(all(lp.grad is None or lp.grad.untyped_storage().data_ptr() in storages
+                         for group in owner.opt.bf16_groups for lp in group))
+
     out = []
-    for tp, pp in layouts:
-        runs = {}
-        for on in (True, False):
-            flat.FLAT = on
-            try:
-                cfg = train_config(tp=tp, pp=pp, steps=STEPS, deepspeed_config=ds_config(precision="bf16", **FP32_ACC))
-                runs[on] = run(cfg)
-            finally:
-                flat.FLAT = True
-        out.append(runs)
-    return out
+    flat.accumulate_flat = watched
+    try:
+        for tp, pp in layouts:
+            runs = {}
+            for on in (True, False):
+                flat.FLAT = on
+                try:
+                    cfg = train_config(tp=tp, pp=pp, steps=STEPS, deepspeed_config=ds_config(precision="bf16", **FP32_ACC))
+                    runs[on] = run(cfg)
+                finally:
+                    flat.FLAT = True
+            out.append(runs)
+    finally:
+        flat.accumulate_flat = gather
+    return out, bound
 
 
 def test_flat_bookkeeping_equals_deepspeeds_loops_bit_for_bit():
@@ -34,7 +48,8 @@ def test_flat_bookkeeping_equals_deepspeeds_loops_bit_for_bit():
     # at d = 2 with 2 micro-batches per rank accumulating. Clipped most steps (CLIP 0.5).
     layouts = [(1, 2), (1, 1)]
     per_rank = spawn(_flat_and_loops, 2, layouts)
-    for rank_runs in per_rank:
+    for rank_runs, bound in per_rank:
+        assert bound and all(bound), bound
         for (tp, pp), runs in zip(layouts, rank_runs):
             flat, loops = runs[True], runs[False]
             if not flat.losses:     # not the reporting rank of this layout
@@ -89,14 +104,15 @@ def test_operators_per_layer_per_step():
     # bf16, d = 1, t = 1, one micro-batch, fused AdamW, clipping: the operators one more GPT-2 layer adds to
     # a training step (its 12 parameters). DeepSpeed's loops and the per-gradient non-finite sum cost
     # 6 per parameter (sum, cast + add, norm, clip multiply, flag cast): 106 computing operators a layer
-    # on 2026-11-26; now 44: the layer's own forward and backward (32) and autograd's accumulation into
-    # the bound 16-bit buffer (12, one per parameter, issued by autograd's C++ engine).
+    # on 2026-11-26; 44 that evening (the layer's own 32, and autograd adding each gradient into the bound,
+    # zeroed 16-bit buffer: 12); since 2026-11-27 32: autograd hands the gradients over (cleared to None)
+    # and one cat per group gathers them.
     counts = spawn(_ops_per_step, 1, (2, 4))[0]
     per_layer = collections.Counter(counts[4])
     per_layer.subtract(counts[2])
     computing = {op: n // 2 for op, n in per_layer.items()
                  if n and op not in VIEWS and not op.startswith("profiler.")}
-    assert sum(computing.values()) <= 44, computing
+    assert sum(computing.values()) <= 32, computing
     for op in ("aten.linalg_vector_norm.default", "aten._to_copy.default", "aten.sum.default", "aten.mul_.Tensor"):
         assert computing.get(op, 0) == 0, (op, computing)      # nothing per parameter in the bookkeeping
 

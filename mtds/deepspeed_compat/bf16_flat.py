@@ -7,11 +7,15 @@ host read of the clip decision (``clip_tensors_by_global_norm``); mtds's non-fin
 gradient. On a GPU each is a kernel launch the host issues while the GPU idles: gpt2-medium (292
 parameters) spent ~1,750 of its ~2,600 operators per step there (2026-11-24 review, operator counts).
 
-Here the 16-bit gradients autograd accumulates live in one flat buffer per parameter group, laid out as
-DeepSpeed's flat 16-bit parameters (``bf16_groups_flat``) and so as its fp32 gradient buffer:
+Here the 16-bit gradients of a micro-batch are gathered into one flat buffer per parameter group, laid out
+as DeepSpeed's flat 16-bit parameters (``bf16_groups_flat``) and so as its fp32 gradient buffer:
+  * clearing: every 16-bit gradient set to None before a backward, so autograd hands its gradient over
+    (no add into a zeroed buffer: one operator per parameter and micro-batch, 12 of a GPT-2 layer's 44);
+  * gathering: one ``torch.cat(..., out=bf16_flat)`` per group after the backward (one kernel per ~64
+    tensors on CUDA), then each gradient re-bound as its view of the buffer (the handed-over tensors are
+    freed: between micro-batches only the buffer holds 16-bit gradients, as before);
   * accumulation: one ``fp32_flat.add_(bf16_flat)`` per group and micro-batch (each element the same
     fp32(a) + fp32(b) as before: bit-identical);
-  * clearing: one ``zero_()`` per group (the gradients stay bound to the buffer, zero instead of None);
   * the non-finite check: one sum of the 16-bit buffer per group and micro-batch (every gradient this rank's
     autograd produced, before any data-parallel reduction), fed to :class:`mtds.safety.numerics.LocalNonFinite`;
   * the norm: one ``torch._foreach_norm`` over DeepSpeed's own selection (which TP/PP copies count once
@@ -21,9 +25,8 @@ DeepSpeed's flat 16-bit parameters (``bf16_groups_flat``) and so as its fp32 gra
 On CPU the ``_foreach`` operators loop over the same per-tensor kernels (bit-identical); CUDA's fused
 multi-tensor norm sums in another order (relative differences of ~1e-7 in the norm).
 
-A gradient something assigned anew (a fresh tensor instead of the bound view) is copied into the buffer and
-re-bound at the next accumulation, so no gradient is lost. ``FLAT`` is the benchmark's switch, read at
-every call: False runs DeepSpeed's own loops on the same (bound) gradients.
+A parameter without a gradient in a micro-batch keeps zeros in the buffer (then the group is copied tensor
+by tensor). ``FLAT`` is the benchmark's switch, read at every call: False runs DeepSpeed's own loops.
 """
 from __future__ import annotations
 
@@ -74,16 +77,22 @@ class FlatBf16Grads:
         self.original = {name: getattr(opt, name) for name in ("update_hp_grads", "clear_lp_grads", "step")}
 
     # -- accumulation -----------------------------------------------------------------------------------
-    def _bind(self, i: int) -> None:
-        """Every gradient of group ``i`` is its view into the flat buffer (a foreign one copied in)."""
+    def _gather(self, i: int) -> None:
+        """Group ``i``'s gradients into its flat buffer, each then re-bound as its view of it."""
         opt = self.opt
-        for j, (lp, view) in enumerate(zip(opt.bf16_groups[i], self.views[i])):
-            grad = lp.grad
-            if grad is view:
+        group, views = opt.bf16_groups[i], self.views[i]
+        grads = [lp.grad for lp in group]
+        if all(g is not None and g is not v for g, v in zip(grads, views)):
+            torch.cat([g.reshape(-1) for g in grads], out=self.flats[i])
+        else:   # a parameter without a gradient, or gradients already bound: tensor by tensor
+            for g, view in zip(grads, views):
+                if g is None:
+                    view.zero_()
+                elif g is not view:
+                    view.copy_(g)
+        for j, (lp, view) in enumerate(zip(group, views)):
+            if grads[j] is None:        # no gradient this time (an unused parameter): its view stays zero
                 continue
-            if grad is None:        # no gradient this time (an unused parameter): its view stays zero
-                continue
-            view.copy_(grad)
             lp.grad = view
             if not self.bound[i][j]:
                 self.bound[i][j] = True
@@ -98,19 +107,13 @@ class FlatBf16Grads:
         return accumulate_flat(self, clear_lp_grads)
 
     def clear_lp_grads(self, set_to_none: bool = False) -> None:
+        """None whatever ``set_to_none`` says: autograd then hands its gradient over instead of adding it to
+        zeros, and :meth:`_gather` collects them."""
         if not FLAT:
             return self.original["clear_lp_grads"](set_to_none=set_to_none)
-        foreign = []
-        for i, flat in enumerate(self.flats):
-            flat.zero_()
-            for lp, view in zip(self.opt.bf16_groups[i], self.views[i]):
-                if lp.grad is not None and lp.grad is not view:
-                    foreign.append(lp)
-        for lp in foreign:          # rare: a gradient assigned anew since the last accumulation
-            if set_to_none:
+        for group in self.opt.bf16_groups:
+            for lp in group:
                 lp.grad = None
-            else:
-                lp.grad.detach_().zero_()
         return None
 
     # -- norm and clipping (DeepSpeed's step calls its module's functions) ------------------------------
@@ -124,11 +127,11 @@ class FlatBf16Grads:
 
 
 def accumulate_flat(owner: FlatBf16Grads, clear_lp_grads: bool) -> None:
-    """One micro-batch's 16-bit gradients into the fp32 buffer: per group one sum (the non-finite check)
-    and one add."""
+    """One micro-batch's 16-bit gradients into the fp32 buffer: per group one gather, one sum (the
+    non-finite check) and one add."""
     opt = owner.opt
     for i, flat in enumerate(owner.flats):
-        owner._bind(i)
+        owner._gather(i)
         if owner.note_sum is not None:
             owner.note_sum(flat.sum())
         opt.fp32_groups_gradients_flat[i].add_(flat)
@@ -136,7 +139,8 @@ def accumulate_flat(owner: FlatBf16Grads, clear_lp_grads: bool) -> None:
             if bound:
                 opt.fp32_groups_has_gradients[i][j] = True
         if clear_lp_grads:
-            flat.zero_()
+            for lp in opt.bf16_groups[i]:
+                lp.grad = None
 
 
 def deepspeed_loops(update_hp_grads, clear_lp_grads: bool) -> None:
