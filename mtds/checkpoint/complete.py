@@ -240,6 +240,7 @@ class LoadPlan:
     error: str | None = None
     tag_dir: str | None = None
     model: dict | None = None
+    layout: dict | None = None     # {tp, pp, dp, ep} the files are sharded for (None: weights only, or unread)
 
 
 def plan_load(path: str) -> LoadPlan:
@@ -253,7 +254,8 @@ def plan_load(path: str) -> LoadPlan:
     if line is not None:
         return LoadPlan(fresh_start=line)
     try:
-        return LoadPlan(tag_dir=tag_dir, model=CheckpointMeta.load(tag_dir).model)
+        meta = CheckpointMeta.load(tag_dir)
+        return LoadPlan(tag_dir=tag_dir, model=meta.model, layout=None if meta.weights_only else meta.layout)
     except ValueError:
         return LoadPlan(tag_dir=tag_dir)
 

@@ -31,6 +31,7 @@ from mtds.parallel.layout import ParallelGroups
 from mtds.checkpoint.complete import (STAGING_SUFFIX, IncompleteCheckpoint, Marker, newest_listed, rank_manifest, share,
                                    verify_contents)
 from mtds.checkpoint.errors import CheckpointFormatError
+from mtds.checkpoint.expert_layout import expert_layout_problem
 from mtds.checkpoint.meta import CheckpointMeta
 from mtds.checkpoint.commit import commit, prune, write_manifest
 from mtds.checkpoint.universal import ensure_universal, universal_dir, universal_info
@@ -100,14 +101,15 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
     dist.barrier()
     state = {
         "mtds_step": step,
-        "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp},
+        "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep},
         "mtds_rng": rng_state(),     # fallback when resuming at another layout (rank files do not map)
         # Without ZeRO the Adam state is keyed by position: the names let us reshard it (zero0.py).
         PARAM_NAMES_KEY: [name for name, p in engine.module.named_parameters() if p.requires_grad],
         **extra,
     }
-    if model_cfg is not None:
-        # DeepSpeed's ds_to_universal reads these patterns from the checkpoint to merge TP slices.
+    if model_cfg is not None and layout.ep == 1:
+        # DeepSpeed's ds_to_universal reads these patterns from the checkpoint to merge TP slices. (Its MoE save
+        # reserves the key, and an MoE checkpoint is not converted: mtds.checkpoint.universal.)
         state[UNIVERSAL_CHECKPOINT_INFO] = universal_info(model_cfg, layout.tp)
     durable = _durable(engine)
     durable.written.clear()
@@ -122,7 +124,7 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
             meta = None if model_cfg is None else CheckpointMeta(
                 # dp: DeepSpeed's data-parallel ranks, d·c (ZeRO partitions, rank files); c itself is not
                 # recorded: nothing saved depends on how a sequence was split
-                model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp_cp, step=step,
+                model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp_cp, ep=layout.ep, step=step,
                 zero_stage=_zero_stage(engine), precision=_precision(engine), tokenizer=_default_tokenizer(tokenizer),
                 pipeline=layout.pp > 1, module_order=_module_order(engine))
             commit(directory, tag, staging_dir, Marker(step=step, world_size=world), meta)
@@ -231,6 +233,18 @@ def _partition_tag(parts) -> str:
     return "+layout" + "-".join(map(str, blocks))
 
 
+def _check_expert_layout(meta: CheckpointMeta, engine, groups: ParallelGroups, tag_dir: str) -> None:
+    """Expert-parallel checkpoints resume at their own layout and ZeRO stage only (mtds.checkpoint.expert_layout);
+    the run checked the layout before building anything (mtds.training.job), library callers get it here."""
+    problem = expert_layout_problem(meta.layout, groups.layout, tag_dir)
+    if problem is None and max(meta.ep, groups.layout.ep) > 1 and _needs_reshard(meta, engine, groups):
+        problem = (f"checkpoint {tag_dir} was saved at --expert-model-parallel-size {meta.ep} with ZeRO-"
+                   f"{meta.zero_stage}; this run uses ZeRO-{_zero_stage(engine)}: checkpoints of expert-parallel runs "
+                   f"are not resharded; resume at the same layout and ZeRO stage")
+    if problem:
+        raise CheckpointError(problem)
+
+
 def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool:
     layout = groups.layout
     if (meta.tp, meta.pp) != (layout.tp, layout.pp) or meta.zero_stage != _zero_stage(engine):
@@ -253,6 +267,8 @@ def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConf
         _check_model(meta, model_cfg, directory)
     if meta is not None and meta.weights_only:
         return _load_weights_only(engine, directory, tag, meta, groups, model_cfg)
+    if meta is not None:
+        _check_expert_layout(meta, engine, groups, os.path.join(directory, tag))
     same_layout = meta is None or not _needs_reshard(meta, engine, groups)
     if same_layout:
         path, state = _deepspeed_load(engine, directory, tag)
@@ -395,7 +411,8 @@ def _load_universal_zero0(engine, universal: str, tag_dir: str, meta: Checkpoint
 def _load_weights_only(engine, directory: str, tag: str, meta: CheckpointMeta, groups: ParallelGroups,
                        model_cfg: ModelConfig | None) -> tuple[int, dict]:
     layout = groups.layout
-    if (meta.tp, meta.pp) == (layout.tp, layout.pp) and _zero_stage(engine) < 3:
+    # at E > 1 DeepSpeed's MoE load would look for per-expert files: the logical tensors, sliced per rank, instead
+    if (meta.tp, meta.pp) == (layout.tp, layout.pp) and _zero_stage(engine) < 3 and layout.ep == 1:
         _deepspeed_load(engine, directory, tag, load_optimizer_states=False, load_lr_scheduler_states=False,
                         load_module_only=True)
         return 0, {}

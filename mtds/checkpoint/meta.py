@@ -27,6 +27,9 @@ class CheckpointMeta:
     pp: int
     dp: int
     step: int = 0
+    # expert-parallel size E: each data rank holds 1/E of the experts, in its own files (docs/moe.md); 1 in
+    # checkpoints written before it was recorded
+    ep: int = 1
     zero_stage: int = 0
     precision: str = "fp32"
     tokenizer: str | None = None
@@ -38,6 +41,10 @@ class CheckpointMeta:
     pipeline: bool = False           # per-layer files (PipelineModule) vs mp_rank files (SequentialGPT)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+
+    @property
+    def layout(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
 
     @property
     def model_config(self) -> ModelConfig:

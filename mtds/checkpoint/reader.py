@@ -23,6 +23,10 @@ class MtdsCheckpoint:
     def __init__(self, path: str):
         self.tag_dir = resolve_tag_dir(path)
         self.meta = CheckpointMeta.load(self.tag_dir)
+        if self.meta.ep > 1:      # its experts are in per-expert files this reader does not join yet
+            raise CheckpointFormatError(f"{self.tag_dir} was saved at --expert-model-parallel-size {self.meta.ep}: "
+                                        f"reading expert-parallel checkpoints as full tensors (mtds-convert, "
+                                        f"mtds-eval) is not built yet; resume it with train.py at its own layout")
         try:
             self.cfg = self.meta.model_config
         except (TypeError, ValueError) as err:

@@ -117,6 +117,13 @@ CAPABILITIES = (
         Target("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer",
                ("param_groups", "max_group_size")),
         Target(ENGINE, "has_moe_layers", A, instance=True))),
+    Capability("checkpoint mtds's experts through DeepSpeed's MoE checkpoint path (expert_checkpoint.py)", (
+        Target(ENGINE, "_save_moe_checkpoint", ("save_dir", "tag", "client_state", "exclude_frozen_parameters")),
+        Target(ENGINE, "_get_non_moe_state_dict", ("full_state_dict",)),
+        Target(ENGINE, "load_moe_state_dict", ("checkpoint_path", "tag", "state_dict", "old_moe_load", "model",
+                                               "num_experts", "checkpoint_engine", "checkpoint_mp_rank")),
+        Target(ENGINE, "_get_expert_ckpt_name", ("checkpoints_path", "layer_id", "expert_id", "tag",
+                                                 "checkpoint_mp_rank")))),
     Capability("sum sequence-parallel gradients before the data-parallel reduction", (
         Target(ENGINE, "allreduce_gradients", M),
         Target(BF16, "__init__", A))),

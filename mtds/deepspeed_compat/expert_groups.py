@@ -34,7 +34,9 @@ def mark_expert_parameters(params, ep: int) -> None:
         p.group_name = group_name(ep)
 
 
-def expert_groups_module(num_experts: int, layout) -> nn.Module:
+def expert_groups_module(num_experts: int, layout, experts: dict | None = None) -> nn.Module:
+    """``experts``: {name in the model: stacked expert tensor} of this rank, what DeepSpeed's MoE checkpoint
+    saves per expert (mtds.deepspeed_compat.expert_checkpoint)."""
     from deepspeed.moe.layer import MoE
     ep = layout.ep
 
@@ -46,6 +48,15 @@ def expert_groups_module(num_experts: int, layout) -> nn.Module:
             self.num_experts, self.ep_size = num_experts, ep
             self.num_local_experts = num_experts // ep
             self.expert_group_name = group_name(ep)
+            self.experts = dict(experts or {})      # a plain dict: references, not parameters of this module
+
+        def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+            # DeepSpeed's _save_moe_checkpoint asks this module alone for its experts (one file per expert);
+            # inside the model's own state_dict (a prefix, a destination) it holds nothing
+            if not args and destination is None and not prefix:
+                from mtds.deepspeed_compat.expert_checkpoint import per_expert_state
+                return per_expert_state(self.experts, self.num_local_experts)
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
             import torch.distributed as dist

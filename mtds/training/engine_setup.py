@@ -11,6 +11,7 @@ from typing import Callable
 from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
 from mtds.deepspeed_compat.bf16_flat import install_flat_bf16
+from mtds.deepspeed_compat.expert_checkpoint import install_expert_checkpointing
 from mtds.deepspeed_compat.expert_groups import create_expert_groups, expert_groups_module, mark_expert_parameters
 from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
@@ -26,6 +27,8 @@ from mtds.training.grad_norm import install_fp32_clipping, mark_sharded_gradient
 from mtds.training.schedule import build_scheduler
 from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
 from mtds.training.world import World
+
+EXPERT_GROUPS = "deepspeed_expert_groups"      # the ExpertGroups module's name in the model
 
 
 def _lr_scheduler(cfg: TrainConfig, ds_config: dict) -> Callable | None:
@@ -49,7 +52,8 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
             _every_stage_holds_experts(bool(experts), world)
         mark_expert_parameters(experts, world.layout.ep)
         if experts:         # this pipeline stage holds MoE blocks
-            model.add_module("deepspeed_expert_groups", expert_groups_module(world.model_cfg.num_experts, world.layout))
+            named = {n: p for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
+            model.add_module(EXPERT_GROUPS, expert_groups_module(world.model_cfg.num_experts, world.layout, named))
     layout, groups = world.layout, world.groups
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
@@ -117,5 +121,7 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
         install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
+    if world.layout.ep > 1:     # checkpoints: mtds's stacked experts through DeepSpeed's MoE files
+        install_expert_checkpointing(engine, EXPERT_GROUPS)
     if world.tracer is not None:
         label_deepspeed_groups(world.tracer, engine)   # the pipeline engine's own grid groups, tied weights

@@ -1,0 +1,161 @@
+"""Checkpoints of expert-parallel runs (docs/moe.md, "Checkpoints at E > 1"): Mixtral (1,1,2) at E = 2, fp32,
+saved mid-run and resumed at the same layout equal the uninterrupted run bit for bit (losses and grad norms of
+the three steps after loading, so the Adam moments of every expert came back), at ZeRO-0 (optimizer state in
+DeepSpeed's per-EP-shard files) and ZeRO-1 (each data rank's partitions); which rank wrote which expert's
+file; the same checkpoint at another E refused in one line (another ZeRO stage too); a missing expert file makes
+it incomplete; a weights-only checkpoint (full tensors) loads at E = 2. One spawned 2-rank body; the file checks
+run in the test process on what it saved."""
+import os
+import shutil
+
+import pytest
+
+from tests.test_moe import TRAIN_LR, _training_model
+from tests.training_helpers import ds_config, train_config
+
+STEPS, SAVED_AT = 5, 2
+
+
+def _body(root):
+    from mtds.checkpoint.lifecycle import CheckpointError
+    from mtds.training import run
+    cfg = _training_model("mixtral")      # 4 experts, 2 on each rank
+    lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10, steps=STEPS, model=cfg)
+    runs = {}
+    for zero in (0, 1):
+        common = dict(expert_model_parallel_size=2, deepspeed_config=ds_config(zero=zero), **lr)
+        full = run(train_config(**common, save=f"{root}/zero{zero}", save_interval=SAVED_AT))
+        resumed = run(train_config(**common, load=f"{root}/zero{zero}/global_step{SAVED_AT}"))
+        runs[zero] = [(r.losses, r.grad_norms) for r in (full, resumed)]
+    try:     # the same (t, p, d) at E = 1: refused before the data, the model or the engine exist
+        run(train_config(deepspeed_config=ds_config(zero=0), load=f"{root}/zero0", **lr))
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    # a weights-only checkpoint (full tensors, as mtds-convert hf-to-mtds writes) at E = 2 and at E = 1
+    first = [run(train_config(expert_model_parallel_size=e, deepspeed_config=ds_config(zero=1),
+                              load=f"{root}/weights", **{**lr, "steps": 1})).losses[0] for e in (1, 2)]
+    return runs, refused, first
+
+
+def _weights_only(root):
+    """A weights-only checkpoint of a Mixtral with other weights than the runs' init (written as mtds-convert's)."""
+    import torch
+    from mtds.checkpoint.writer import write_weights_checkpoint
+    from mtds.model import GPTModel
+    cfg = _training_model("mixtral")
+    model = GPTModel(cfg, seed=7)       # the runs' init is seed 1234
+    with torch.no_grad():               # and experts far apart, so a wrong one shows in the loss
+        for n, p in model.named_parameters():
+            if ".experts." in n:
+                p.mul_(torch.arange(1, cfg.num_experts + 1, dtype=p.dtype).view(-1, 1, 1))
+    layers = {i: {n: p.detach() for n, p in m.named_parameters()} for i, m in model.global_layers().items()}
+    write_weights_checkpoint(f"{root}/weights", cfg, lambda: iter(layers.items()), tp=1, pp=1)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from tests.dist import spawn
+    root = str(tmp_path_factory.mktemp("epck"))
+    _weights_only(root)
+    return root, spawn(_body, 2, root, timeout=300)
+
+
+def test_resume_at_the_same_layout_is_bit_exact(saved):
+    _, per_rank = saved
+    for rank, (runs, *_) in enumerate(per_rank):
+        for zero, ((losses, norms), (resumed_losses, resumed_norms)) in runs.items():
+            assert len(set(losses)) == STEPS, (rank, zero, losses)
+            assert resumed_losses == losses[SAVED_AT:], (rank, zero, resumed_losses, losses)
+            assert resumed_norms == norms[SAVED_AT:], (rank, zero, resumed_norms, norms)
+    assert per_rank[0][0] == per_rank[1][0]
+
+
+def test_each_expert_is_saved_once_by_the_rank_holding_it(saved):
+    """DeepSpeed's MoE files: global expert G in layer_0_expert_G (all MoE blocks' slices), written by the rank
+    holding it; the model file without mtds's stacked experts; ZeRO-0's optimizer per EP shard."""
+    from mtds.checkpoint.complete import rank_manifest
+    from mtds.checkpoint.meta import CheckpointMeta
+    from mtds.checkpoint.safe_load import safe_load
+    root, _ = saved
+    tag = f"{root}/zero0/global_step{SAVED_AT}"
+    written = [sorted(safe_load(rank_manifest(tag, r))["files"]) for r in (0, 1)]
+    expert = "layer_0_expert_{}_mp_rank_00_model_states.pt".format
+    assert written == [sorted([expert(0), expert(1), "expp_rank_0_mp_rank_00_optim_states.pt",
+                               "mp_rank_00_model_states.pt"]),
+                       sorted([expert(2), expert(3), "expp_rank_1_mp_rank_00_optim_states.pt"])], written
+    assert CheckpointMeta.load(tag).ep == 2
+    module = safe_load(os.path.join(tag, "mp_rank_00_model_states.pt"))["module"]
+    assert not [k for k in module if ".experts." in k] and "layers.0.mlp.router.weight" in module
+    one = safe_load(os.path.join(tag, expert(3)))
+    assert sorted(one) == sorted(f"deepspeed_expert_groups.deepspeed_moe.experts.deepspeed_experts.3.layers.{i}."
+                                 f"mlp.experts.{w}" for i in (0, 1) for w in ("gate_up", "down")), sorted(one)
+
+
+def test_another_expert_parallel_size_is_refused_in_one_line(saved):
+    _, per_rank = saved
+    for _, refused, _ in per_rank:
+        assert refused is not None and "\n" not in refused, refused
+        assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2); this run is at " \
+               "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2)" in refused and \
+               refused.endswith("resume at the same layout"), refused
+
+
+def test_a_missing_expert_file_makes_the_checkpoint_incomplete(saved, tmp_path):
+    """Rank 1 listed its expert files in its manifest: without one the newest checkpoint is skipped, saying why."""
+    from mtds.checkpoint.complete import find_complete
+    root, _ = saved
+    shutil.copytree(f"{root}/zero1", tmp_path / "ck")
+    os.remove(tmp_path / "ck" / f"global_step{STEPS}" / "layer_0_expert_2_mp_rank_00_model_states.pt")
+    tag_dir, skipped = find_complete(str(tmp_path / "ck"))
+    assert os.path.basename(tag_dir) == "global_step4", tag_dir
+    assert skipped == [f"skipped global_step{STEPS}: missing file layer_0_expert_2_mp_rank_00_model_states.pt "
+                       f"(written by rank 1)"], skipped
+
+
+def test_a_weights_only_checkpoint_loads_at_e2(saved):
+    """Each rank slices its own experts from the full tensors (DeepSpeed's MoE load would look for per-expert
+    files): the first loss at E = 2 is E = 1's (the same weights; expert outputs summed in another order)."""
+    _, per_rank = saved
+    for *_, (e1, e2) in per_rank:
+        assert abs(e2 - e1) / e1 < 1e-6, (e1, e2)
+
+
+def test_expert_layout_rule():
+    """Which saved layouts a run may resume (mtds.checkpoint.expert_layout), without a run."""
+    from mtds.checkpoint.expert_layout import expert_layout_problem
+    from mtds.parallel.layout import ParallelLayout
+    saved = {"tp": 1, "pp": 1, "dp": 4, "ep": 2}
+    assert expert_layout_problem(saved, ParallelLayout(dp=4, ep=2), "ck") is None
+    assert expert_layout_problem({"tp": 2, "pp": 1, "dp": 2}, ParallelLayout(tp=1, dp=4), "ck") is None  # E = 1: others decide
+    for layout in (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(dp=2, ep=2),
+                   ParallelLayout(tp=2, dp=2, ep=2)):
+        problem = expert_layout_problem(saved, layout, "ck")
+        assert problem.startswith("checkpoint ck was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 4)")
+    # a checkpoint from before E was recorded is E = 1
+    assert "saved at --expert-model-parallel-size 1" in expert_layout_problem({"tp": 1, "pp": 1, "dp": 2},
+                                                                              ParallelLayout(dp=2, ep=2), "ck")
+
+
+def test_another_zero_stage_is_refused():
+    """The run checks (t, p, d, E) before building; the load itself also holds the ZeRO stage (an engine's)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from mtds.checkpoint.lifecycle import CheckpointError, _check_expert_layout
+    from mtds.checkpoint.meta import CheckpointMeta
+    from mtds.parallel.layout import ParallelLayout
+    from mtds.training.cli import user_errors
+    meta = CheckpointMeta(model={}, tp=1, pp=1, dp=2, ep=2, zero_stage=0)
+    groups = SimpleNamespace(layout=ParallelLayout(dp=2, ep=2))
+    for stage in (0, 1):
+        engine = SimpleNamespace(zero_optimization=lambda: stage > 0, zero_optimization_stage=lambda: stage,
+                                 module=nn.Module())
+        if stage == 0:
+            _check_expert_layout(meta, engine, groups, "ck")
+            continue
+        with pytest.raises(CheckpointError) as err:
+            _check_expert_layout(meta, engine, groups, "ck")
+        assert "saved at --expert-model-parallel-size 2 with ZeRO-0; this run uses ZeRO-1" in str(err.value)
+        assert isinstance(err.value, user_errors())        # train.py: one error: line, exit 2
