@@ -100,3 +100,11 @@ def test_floats_must_be_finite_and_each_bound_is_as_worded():
         if _error(lambda: TrainConfig("x.json", **{f.name: edge}, **extra)) is not None:
             wrong.append((f.name, edge, "refused"))
     assert not wrong, wrong
+
+
+def test_megatron_dropout_flags_override_each_half_of_dropout():
+    assert _config(["--dropout", "0.1"]).model_overrides == dict(hidden_dropout=0.1, attention_dropout=0.1)
+    assert _config(["--dropout", "0.1", "--attention-dropout", "0"]).model_overrides == \
+        dict(hidden_dropout=0.1, attention_dropout=0.0)
+    assert _config(["--hidden-dropout", "0.2"]).model_overrides == dict(hidden_dropout=0.2)
+    assert _config([]).model_overrides == {}

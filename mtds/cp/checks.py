@@ -18,10 +18,17 @@ def check_context_parallel(layout, model_cfg, *, seq_length: int, comm_type: str
                                  kv_heads=model_cfg.kv_heads)
     if problems:
         raise ContextParallelError(problems[0].train_message())
-    if model_cfg.hidden_dropout > 0 or model_cfg.attention_dropout > 0:
+    if model_cfg.attention_dropout > 0:
+        # the attention kernel draws its probabilities' mask itself, per call: split over c ranks (ring blocks
+        # or Ulysses' head groups) it cannot draw c = 1's mask
         raise ContextParallelError(
-            f"--cp {c} with dropout (hidden {model_cfg.hidden_dropout}, attention {model_cfg.attention_dropout}) "
-            f"is not supported yet (its masks are not yet keyed by position in the whole sequence): use --dropout 0")
+            f"--cp {c} with attention dropout ({model_cfg.attention_dropout}) is not supported (the attention "
+            f"kernel draws that mask itself and cannot draw the unsplit sequence's): set --attention-dropout 0")
+    if model_cfg.hidden_dropout > 0 and sequence_parallel and layout.tp > 1:
+        raise ContextParallelError(
+            f"--cp {c} with --sequence-parallel and hidden dropout ({model_cfg.hidden_dropout}) is not supported "
+            f"yet (each TP rank's slice would need its part of the whole sequence's mask): set "
+            f"--hidden-dropout 0 or drop --sequence-parallel")
     if reset_position_ids:
         raise ContextParallelError(f"--reset-position-ids with --cp {c} is not supported yet (a document's "
                                    f"positions would need its start on another rank): drop it or use --cp 1")

@@ -77,9 +77,13 @@ class GPTEmbedding(nn.Module):
                 positions = scatter_to_sequence_parallel_region(positions, self.tp_group, dim=seq_dim)
             hidden = hidden + positions
         keyed = self.streams.layer(EMBEDDING_LAYER) if self.streams is not None else contextlib.nullcontext()
-        rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
-        with keyed, rng:   # sequence slices differ across TP ranks, so must their dropout masks
-            hidden = self.dropout(hidden)
+        if self.context is not None and self.streams is not None and self.training:
+            with keyed:    # the whole sequence's mask, this rank's positions of it (as at c = 1)
+                hidden = hidden * self.streams.replicated_masks(hidden, self.cfg.hidden_dropout, 1, self.context)[0]
+        else:
+            rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
+            with keyed, rng:   # sequence slices differ across TP ranks, so must their dropout masks
+                hidden = self.dropout(hidden)
         if self.carry_experts:
             return (hidden, *router_carry.start(self.carry_experts, hidden.device))
         return hidden if segments is None else (hidden, segments)

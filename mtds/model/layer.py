@@ -103,7 +103,7 @@ class TransformerLayer(nn.Module):
             # swap inside it (mtds.tp.random), so --compile traces the layer in one graph.
             p = self.mlp_dropout.p
             replicated = self.training and p > 0 and self.rng_tracker is None
-            masks = self.streams.replicated_masks(hidden, p, 2) if replicated else None
+            masks = self.streams.replicated_masks(hidden, p, 2, self.attention.context) if replicated else None
             with self.streams.sharded():
                 return self._forward(hidden, segments, masks)
 

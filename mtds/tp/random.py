@@ -118,12 +118,23 @@ class RNGTracker:
             set_rng_state(outside, self.device_type)
 
     @staticmethod
-    def replicated_masks(like: torch.Tensor, p: float, count: int) -> tuple[torch.Tensor, ...]:
+    def replicated_masks(like: torch.Tensor, p: float, count: int, context=None) -> tuple[torch.Tensor, ...]:
         """``count`` dropout masks of ``like``'s shape, dtype and device from the default generator, scaled
         by 1/(1-p): the masks ``nn.Dropout`` would draw in turn (``bernoulli_(1-p)`` then ``div_(1-p)``),
         so ``x * mask`` equals its output bit for bit. Drawn before a compiled forward, which then only
-        multiplies."""
-        return tuple(torch.empty_like(like).bernoulli_(1 - p).div_(1 - p) for _ in range(count))
+        multiplies.
+
+        ``context`` (a :class:`mtds.cp.context.ContextParallel`): ``like`` [b, s/c, ...] holds this rank's
+        tokens of a whole sequence; each mask is drawn for the whole sequence, as at c = 1 (the c ranks of a
+        group share the stream), and the rows of this rank's positions kept: the masks of any c are those
+        of c = 1. The cost: each rank draws c times its share (one whole-sequence mask at a time)."""
+        if context is None:
+            return tuple(torch.empty_like(like).bernoulli_(1 - p).div_(1 - p) for _ in range(count))
+        seq = like.shape[1] * context.size
+        index = context.positions(seq, like.device)
+        whole = (like.shape[0], seq, *like.shape[2:])
+        return tuple(torch.empty(whole, dtype=like.dtype, device=like.device).bernoulli_(1 - p)
+                     .index_select(1, index).div_(1 - p) for _ in range(count))
 
     @contextlib.contextmanager
     def sharded(self):

@@ -39,6 +39,11 @@ def _cli_only(group: argparse._ArgumentGroup, after: str) -> None:
     """The flags that are no TrainConfig field, each in its place in --help (after field ``after``'s flag)."""
     if after == "init_from_hf":     # one value for two ModelConfig keys: config_from_args fills model_overrides
         group.add_argument("--dropout", type=float, help="hidden and attention dropout (overrides the model config)")
+        # Megatron's two: each overrides its half of --dropout (attention dropout cannot run at --cp > 1)
+        group.add_argument("--hidden-dropout", type=float, metavar="P",
+                           help="dropout of the embedding and the residual branches (overrides --dropout)")
+        group.add_argument("--attention-dropout", type=float, metavar="P",
+                           help="dropout of the attention probabilities (overrides --dropout)")
     elif after == "recompute_interval":
         # Megatron's; its one value is what --recompute-interval does, so there is nothing to keep
         group.add_argument("--recompute-method", choices=("uniform",),
@@ -93,8 +98,12 @@ def recompute_from_args(args: argparse.Namespace) -> tuple[str, int]:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = given_values(args, TrainConfig)        # the flags given; TrainConfig's defaults for the rest
     values["recompute"], values["recompute_interval"] = recompute_from_args(args)
-    if args.dropout is not None:
-        values["model_overrides"] = dict(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    overrides = {} if args.dropout is None else dict(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    for key in ("hidden_dropout", "attention_dropout"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if overrides:
+        values["model_overrides"] = overrides
     from mtds.data.megatron_tokenizer import tokenizer_from_flags
     values["tokenizer"] = tokenizer_from_flags(args.tokenizer, args.tokenizer_type, args.vocab_file, args.merge_file)
     return TrainConfig(**values)

@@ -17,8 +17,6 @@ EQUIVALENTS = {
         "--position-embedding-type", "--untie-embeddings-and-output-weights", "--init-method-std",
         "--rotary-base", "--vocab-size", "--make-vocab-size-divisible-by", "--disable-bias-linear",
         "--add-qkv-bias", "--norm-epsilon", "--layernorm-epsilon", "--apply-layernorm-1p")},
-    "--hidden-dropout": "--dropout P sets hidden and attention dropout together",
-    "--attention-dropout": "--dropout P sets hidden and attention dropout together",
     "--lr-decay-iters": "mtds decays the learning rate over the whole run: --steps (alias --train-iters)",
     "--lr-warmup-fraction": "give the warm-up in steps: --warmup-steps (alias --lr-warmup-iters)",
     "--train-samples": "give the run in steps: --steps N, with --global-batch-size B sequences each",
