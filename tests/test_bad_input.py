@@ -145,6 +145,8 @@ RUN_CASES = [
     ("layout-sp-without-tp", ["--deepspeed_config", CPU, "--sequence-parallel"], "needs tensor parallelism"),
     # model configs
     ("model-unknown-preset", ["--deepspeed_config", CPU, "--model", "gpt9"], "unknown model 'gpt9'"),
+    ("moe-z-loss-on-dense-model", ["--deepspeed_config", CPU, "--moe-z-loss-coeff", "0.001"],
+     "--moe-z-loss-coeff needs a mixture-of-experts model"),
     ("model-unknown-hf-architecture", ["--deepspeed_config", CPU, "--model", "{bert}"], "'bert' is not supported"),
     ("model-config-without-model-type", ["--deepspeed_config", CPU, "--model", "{notype}"], "model_type"),
     ("model-config-not-json", ["--deepspeed_config", CPU, "--model", "{badcfg}"], "badcfg.json' is not valid JSON"),
@@ -231,6 +233,11 @@ SETTING_CASES = [
      "--compile cannot compile the layers of --pipeline-schedule zb-h1"),
     ("flag-recompute-conflict", ["--recompute", "selective", "--activation-checkpointing", "2"],
      "--activation-checkpointing 2 means --recompute full (every 2 blocks) and conflicts with --recompute selective"),
+    ("flag-moe-z-loss-negative", ["--moe-z-loss-coeff", "-0.1"], "--moe-z-loss-coeff must be >= 0, got -0.1"),
+    ("flag-moe-capacity-factor-zero", ["--moe-expert-capacity-factor", "0"],
+     "--moe-expert-capacity-factor must be > 0, got 0.0"),
+    ("flag-moe-drop-policy-without-capacity", ["--moe-token-drop-policy", "position"],
+     "--moe-token-drop-policy applies with --moe-expert-capacity-factor F only"),
 ]
 
 # Only distributed: world 2.
@@ -266,6 +273,8 @@ PARSER_CASES = [
      "invalid choice: 'block'"),
     ("flag-pipeline-balance-unknown", ["--deepspeed_config", CPU, "--pipeline-balance", "params"],
      "invalid choice: 'params'"),
+    ("flag-moe-drop-policy-unknown", ["--deepspeed_config", CPU, "--moe-token-drop-policy", "random"],
+     "invalid choice: 'random'"),
 ]
 
 

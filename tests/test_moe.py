@@ -291,17 +291,18 @@ def test_training_parity_single_rank(tmp_path):
             assert r["expert_imbalance"] == r["expert_tokens_max"] / mean
 
 
-def _block_against_t1(name, group, sequence_parallel):
+def _block_against_t1(name, group, sequence_parallel, **cfg_kw):
     """One MoE block (with its attention) at t = 2 against the same block at t = 1: this rank's output and
     every gradient shard, with the load-balancing loss (router_aux_loss_coef 1) in the loss so the
-    router's aux gradient is compared too. The largest relative difference."""
+    router's aux gradient is compared too (and the router z-loss, given ``moe_z_loss_coeff``). The largest
+    relative difference."""
     from mtds.model import TransformerLayer
     from mtds.model.aux_loss import collect_aux_loss
     from mtds.model.gpt import moe_blocks
     from mtds.model.shard import shard_of
     from mtds.tp import model_parallel_seed
     import torch.distributed as dist
-    cfg = dataclasses.replace(_training_model(name), router_aux_loss_coef=1.0)
+    cfg = dataclasses.replace(_training_model(name), router_aux_loss_coef=1.0, **cfg_kw)
     layer = next(i for i in range(1, cfg.num_layers + 1) if cfg.is_moe_layer(i))
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     dense = TransformerLayer(cfg, layer, rng_tracker=model_parallel_seed(3, 0)).train()
@@ -317,7 +318,8 @@ def _block_against_t1(name, group, sequence_parallel):
     outs = []
     for layer_, inp, weights in ((dense, x, w), (split, x_split.contiguous(), w_split)):
         y = layer_(inp)
-        loss = y.mul(weights).sum() + collect_aux_loss(moe_blocks(layer_), cfg.router_aux_loss_coef)
+        loss = y.mul(weights).sum() + collect_aux_loss(moe_blocks(layer_), cfg.router_aux_loss_coef, True,
+                                                       cfg.moe_z_loss_coeff)
         loss.backward()
         outs.append(y)
     want = outs[0].chunk(t, dim=1)[rank] if sequence_parallel else outs[0]
@@ -554,13 +556,13 @@ def test_unbuilt_layouts_are_refused(layout, expert_ffn, kw, needle):
 
 @pytest.mark.parametrize("flag, value, words", [
     ("--expert-tensor-parallel-size", "2", "expert TP = TP"),
-    ("--moe-expert-capacity-factor", "1.25", "dropless"),
+    ("--moe-pad-expert-input-to-capacity", "1", "not built"),
     ("--moe-shared-expert-intermediate-size", "64", "shared experts"),
 ])
 def test_megatron_moe_flags_say_what_is_built(flag, value, words, capsys):
-    """Megatron's MoE flags: one error line with what mtds does instead (expert parallelism and a
-    capacity factor cannot be asked for, so neither is ever silently ignored). Megatron's
-    --expert-model-parallel-size is train.py's own flag (alias --ep)."""
+    """Megatron's MoE flags mtds does not take: one error line with what mtds does instead (never silently
+    ignored). Megatron's --expert-model-parallel-size, --moe-z-loss-coeff and --moe-expert-capacity-factor
+    are train.py's own flags."""
     from mtds.training.cli import build_parser
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["--deepspeed_config", "ds_configs/cpu_fp32.json", flag, value])

@@ -9,6 +9,10 @@ probsum_e / R, R = blocks x tokens. So it is not a sum of per-block terms: the c
 the probabilities of earlier ones. Each block keeps its counts and probability sums; the model combines
 them after the forward. Only the probabilities carry a gradient (the counts come from top-k).
 
+With ``--moe-z-loss-coeff C`` (Megatron-core's router z-loss, off by default) each block also keeps the sum
+over its tokens of logsumexp(router logits)², and the loss adds C · Σ_blocks (that sum / the block's rows):
+a per-block mean over the tokens, summed over the blocks (not averaged), as Megatron adds each layer's term.
+
 Every position counts (transformers without an attention mask): mtds trains on packed sequences with no
 padding, and a position whose label is ignored (-100) is still routed and still counts there.
 """
@@ -27,12 +31,17 @@ class RouterStats:
     counts: torch.Tensor      # [E] float32: assignments per expert (no gradient)
     prob_sum: torch.Tensor    # [E] float32: sum over the tokens of each expert's probability
     rows: int                 # tokens routed
+    z_sum: torch.Tensor | None = None   # sum over the tokens of logsumexp(logits)² (z-loss on), with gradient
 
     @staticmethod
     def of(routing: Routing) -> "RouterStats":
         E = routing.probs.shape[-1]
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=E).float()
-        return RouterStats(counts, routing.probs.sum(dim=0), routing.probs.shape[0])
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=E).float()   # before any capacity drop
+        return RouterStats(counts, routing.probs.sum(dim=0), routing.probs.shape[0], routing.z_sum)
+
+    def z_mean(self) -> torch.Tensor | None:
+        """This block's z-loss before the coefficient: the mean over its tokens of logsumexp(logits)²."""
+        return None if self.z_sum is None else self.z_sum / self.rows
 
 
 def load_balancing_loss(stats: Iterable[RouterStats]) -> torch.Tensor:
@@ -44,9 +53,11 @@ def load_balancing_loss(stats: Iterable[RouterStats]) -> torch.Tensor:
     return counts.numel() * torch.sum((counts / rows) * (prob_sum / rows))
 
 
-def collect_aux_loss(blocks: Iterable, coef: float, training: bool = True) -> torch.Tensor | None:
-    """``coef`` x the aux loss of the MoE blocks' last forward, taking their stats (so a later forward never
-    sees them); None when no block kept any (a dense model) or when not ``training``. Under full
+def collect_aux_loss(blocks: Iterable, coef: float, training: bool = True,
+                     z_coef: float = 0.0) -> torch.Tensor | None:
+    """``coef`` x the aux loss of the MoE blocks' last forward (plus ``z_coef`` x their z-losses' sum), taking
+    their stats (so a later forward never sees them); None when no block kept any (a dense model) or when not
+    ``training``. Under full
     recomputation (a non-reentrant checkpoint) the backward's recompute sets a block's stats again after
     they were collected: an evaluation forward, which sets none, must not read those, hence ``training``."""
     stats = []
@@ -54,8 +65,11 @@ def collect_aux_loss(blocks: Iterable, coef: float, training: bool = True) -> to
         if block.stats is not None:
             stats.append(block.stats)
             if training:   # the step log's tokens per expert (mtds.training.expert_load), once per forward
-                block.tokens_seen = block.tokens_seen + block.stats.counts.detach()
+                block.note(block.stats)
             block.stats = None
     if not stats or not training:
         return None
-    return coef * load_balancing_loss(stats)
+    loss = coef * load_balancing_loss(stats)
+    if z_coef:
+        loss = loss + z_coef * sum(s.z_mean() for s in stats)
+    return loss

@@ -66,6 +66,10 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0        # HF's load-balancing loss weight, added to the training loss
     decoder_sparse_step: int = 1             # block i (1-based) is MoE when i % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()    # ... and its 0-based index is not listed here (Qwen3-MoE)
+    # Megatron-core's router options (training flags, not HF's; docs/moe.md): off by default
+    moe_z_loss_coeff: float = 0.0            # router z-loss weight (--moe-z-loss-coeff)
+    moe_expert_capacity_factor: float | None = None   # None: dropless (--moe-expert-capacity-factor)
+    moe_token_drop_policy: str = "probs"     # which assignments past the capacity drop: probs | position
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings",
@@ -196,7 +200,9 @@ def _check_moe(cfg: ModelConfig) -> None:
     if cfg.num_experts == 0:
         dense = ModelConfig.__dataclass_fields__
         moved = [f for f in ("moe_top_k", "moe_ffn_hidden_size", "norm_topk_prob", "router_aux_loss_coef",
-                             "decoder_sparse_step", "mlp_only_layers") if getattr(cfg, f) != dense[f].default]
+                             "decoder_sparse_step", "mlp_only_layers", "moe_z_loss_coeff",
+                             "moe_expert_capacity_factor", "moe_token_drop_policy")
+                 if getattr(cfg, f) != dense[f].default]
         if moved:
             raise ValueError(f"MoE fields {moved} set on a dense model (num_experts = 0)")
         return
@@ -211,6 +217,13 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ValueError(f"mlp_only_layers {outside} outside the 0-based blocks 0..{cfg.num_layers - 1}")
     if not cfg.router_aux_loss_coef >= 0:
         raise ValueError(f"router_aux_loss_coef must be >= 0, got {cfg.router_aux_loss_coef}")
+    if not cfg.moe_z_loss_coeff >= 0:
+        raise ValueError(f"moe_z_loss_coeff must be >= 0, got {cfg.moe_z_loss_coeff}")
+    if cfg.moe_expert_capacity_factor is not None and not cfg.moe_expert_capacity_factor > 0:
+        raise ValueError(f"moe_expert_capacity_factor must be > 0 (or None: dropless), got "
+                         f"{cfg.moe_expert_capacity_factor}")
+    if cfg.moe_token_drop_policy not in ("probs", "position"):
+        raise ValueError(f"moe_token_drop_policy must be probs or position, got {cfg.moe_token_drop_policy!r}")
     if cfg.activation != "swiglu" or cfg.linear_bias:
         raise ValueError("experts are built as SwiGLU without biases (Mixtral, Qwen3-MoE): "
                          f"activation={cfg.activation!r} linear_bias={cfg.linear_bias} is not")
@@ -241,7 +254,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 # Fields that describe training, not the weights: a checkpoint or HF config may differ in them.
-NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std", "router_aux_loss_coef")
+NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std", "router_aux_loss_coef", "moe_z_loss_coeff",
+               "moe_expert_capacity_factor", "moe_token_drop_policy")
 
 
 def differing_weight_fields(expected: ModelConfig, found: ModelConfig) -> list[str]:

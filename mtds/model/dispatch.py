@@ -3,7 +3,8 @@
 :class:`LocalDispatcher` (every rank holds every expert): a stable sort of the N·k (token, slot)
 assignments by expert and an ``index_select`` of the token rows; combine multiplies each expert output row
 by its routing weight and ``index_add``s it into its token. Dropless: every assignment is computed (no
-capacity, as transformers).
+capacity, as transformers), unless ``--moe-expert-capacity-factor`` dropped some: their expert reads E
+(:meth:`~mtds.model.router.Routing.dispatched`), they sort last and are cut off (neither sent nor combined).
 
 :class:`AllToAllDispatcher` (expert parallelism, e ranks each holding E/e consecutive experts): the same
 sort, then the rows of rank j's experts (consecutive after the sort) go to rank j by one all-to-all with
@@ -51,11 +52,11 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> Dispatched:
-        k = routing.experts.shape[-1]
+        k, E = routing.experts.shape[-1], self.num_experts
         flat = routing.experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]   # [E]: the dropped, if any
+        order = torch.argsort(flat, stable=True)[:sum(counts)]
         token = torch.div(order, k, rounding_mode="floor")
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         return Dispatched(tokens.index_select(0, token), counts, token, order)
 
     def combine(self, outputs: torch.Tensor, routing: Routing, sent: Dispatched, num_tokens: int) -> torch.Tensor:
@@ -80,12 +81,13 @@ class AllToAllDispatcher(LocalDispatcher):
         k, e, L = routing.experts.shape[-1], self.world, self.local
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token = torch.div(order, k, rounding_mode="floor")
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[:self.num_experts]   # [E]: the dropped, if any
         incoming = torch.empty_like(counts)     # [source j, local expert]: rows j sends to each of my experts
         dist.all_to_all_single(incoming, counts, group=self.group)
         both = torch.stack([counts, incoming]).view(2, e, L).tolist()     # one host sync for both
         sent, received = [sum(row) for row in both[0]], [sum(row) for row in both[1]]
+        order = order[:sum(sent)]
+        token = torch.div(order, k, rounding_mode="floor")
         per_expert = [sum(row[x] for row in both[1]) for x in range(L)]
         rows = all_to_all(tokens.index_select(0, token), self.group, received, sent)
         # received rows are grouped by source, each source's by local expert: a stable sort by local expert

@@ -67,12 +67,13 @@ class LMLoss:
 
     def __init__(self, cfg: ModelConfig, tp_group=None, context: ContextParallel | None = None):
         self.vocab_size, self.tp_group, self.context = cfg.vocab_size, tp_group, context
-        self.aux_loss_coef = cfg.router_aux_loss_coef
+        self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.moe_z_loss_coeff
 
     def __call__(self, logits_shard, labels: torch.Tensor) -> torch.Tensor:
         if isinstance(logits_shard, tuple):
             logits_shard, counts, probs = logits_shard
-            return self(logits_shard, labels) + router_carry.aux_loss(counts, probs, self.aux_loss_coef)
+            return self(logits_shard, labels) + router_carry.aux_loss(counts, probs, self.aux_loss_coef,
+                                                                         self.z_loss_coef)
         # The head's fresh output, read by nothing after the loss (GPTModel, the pipeline's last stage):
         # the loss works in its buffer.
         if self.context is None:

@@ -81,7 +81,7 @@ class TransformerLayer(nn.Module):
             if block is not None and block.stats is not None:
                 counts, probs = router_carry.add(counts, probs, block.stats)
                 if not getattr(self.replay_flag, "replaying", False):   # the step log's tokens per expert
-                    block.tokens_seen = block.tokens_seen + block.stats.counts.detach()
+                    block.note(block.stats)
                 block.stats = None
             return out, counts, probs
         segments = None

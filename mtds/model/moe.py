@@ -18,7 +18,11 @@ exchanges with the same TP rank of its EP peers (the rows are the same on every 
 the experts' TP all-reduce follows as at e = 1.
 
 During training the block keeps what transformers' ``load_balancing_loss_func`` needs of it
-(:mod:`mtds.model.aux_loss`), summed over the sequence slices, for the model to collect after the forward.
+(:mod:`mtds.model.aux_loss`), summed over the sequence slices, for the model to collect after the forward,
+and with ``--moe-z-loss-coeff`` its router z-loss's token sum (summed over the slices too: the mean is over
+the whole sequence). With ``--moe-expert-capacity-factor`` the router drops assignments past each expert's
+capacity over the tokens it routed (this rank's; its slice under sequence parallelism, as Megatron's
+router sees them), and the dispatch sends them nowhere (:mod:`mtds.model.capacity`).
 """
 from __future__ import annotations
 
@@ -51,15 +55,25 @@ class MoEBlock(nn.Module):
             AllToAllDispatcher(cfg.num_experts, ep_group)
         self.stats: RouterStats | None = None   # this forward's, until the model collects it
         self.tokens_seen = 0      # [E] assignments collected since the step log last reset it (0: none yet)
+        self.z_seen = 0.0         # sum of this block's z-losses (mean over tokens, no coefficient) since then
+        self.forwards = 0         # training forwards noted since then
+
+    def note(self, stats: RouterStats) -> None:
+        """One training forward's statistics into the step log's counters (mtds.training.expert_load)."""
+        self.tokens_seen = self.tokens_seen + stats.counts.detach()
+        z = stats.z_mean()
+        if z is not None:
+            self.z_seen, self.forwards = self.z_seen + z.detach(), self.forwards + 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return self._forward_sequence_slices(hidden)
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        routing = self.router(tokens)
+        routing = self.router(tokens, batch=shape[0])
         if self.training:
             self.stats = RouterStats.of(routing)
+        routing = routing.dispatched(self.router.weight.shape[0])
         sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
         outputs = self.experts(sent.rows, sent.counts)
         return self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(shape)
@@ -67,9 +81,10 @@ class MoEBlock(nn.Module):
     def _forward_sequence_slices(self, hidden: torch.Tensor) -> torch.Tensor:
         b, s_local, h = hidden.shape
         group = self.group
-        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group))
+        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group), batch=b)
         if self.training:
             self.stats = _summed_over_slices(RouterStats.of(local), group)
+        local = local.dispatched(self.router.weight.shape[0])   # each slice's capacity drops, as Megatron's
         k = local.weights.shape[-1]
         # [b, s/t, k] slices -> [b, s, k] in the gathered tokens' order; the weights' gradient is the same on
         # every rank (the output below is replicated), so its backward keeps this rank's slice (no sum)
@@ -89,4 +104,5 @@ def _summed_over_slices(stats: RouterStats, group) -> RouterStats:
     counts = stats.counts.clone()
     dist.all_reduce(counts, group=group)
     world = tp_world_and_rank(group)[0]
-    return RouterStats(counts, reduce_from_tensor_parallel_region(stats.prob_sum, group), stats.rows * world)
+    z_sum = None if stats.z_sum is None else reduce_from_tensor_parallel_region(stats.z_sum, group)
+    return RouterStats(counts, reduce_from_tensor_parallel_region(stats.prob_sum, group), stats.rows * world, z_sum)

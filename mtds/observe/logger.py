@@ -14,6 +14,7 @@ _CONSOLE_FIELDS = (
     ("tflops_hw", "hw {:.3f} TFLOP/s"), ("mfu", "mfu {:.1%}"), ("peak_mem_gib", "mem {:.2f} GiB"),
     ("peak_reserved_gib", "reserved {:.2f} GiB"),
     ("step_time_s", "{:.2f} s"), ("bubble", "bubble {:.1%}"), ("expert_imbalance", "experts max/mean {:.2f}"),
+    ("moe_z_loss", "z-loss {:.4g}"),
 )
 
 

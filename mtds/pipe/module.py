@@ -88,7 +88,7 @@ class SequentialGPT(nn.Module):
         self.loss_fn = LMLoss(cfg, groups.tp_group, context)
         self.rng_tracker = rng_tracker
         self.recompute_interval = recompute_interval
-        self.aux_loss_coef = cfg.router_aux_loss_coef
+        self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.moe_z_loss_coeff
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embedding(input_ids)    # (hidden, segment ids) with packed documents
@@ -114,7 +114,7 @@ class SequentialGPT(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.logits(input_ids)
         # an MoE model's load-balancing term, as transformers adds it (mtds.model.aux_loss)
-        aux = collect_aux_loss(moe_blocks(self), self.aux_loss_coef, self.training)
+        aux = collect_aux_loss(moe_blocks(self), self.aux_loss_coef, self.training, self.z_loss_coef)
         if labels is None:
             return logits
         loss = self.loss_fn(logits, labels)

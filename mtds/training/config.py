@@ -76,6 +76,22 @@ class TrainConfig:
              "data-parallel ranks (consecutive data ranks, as DeepSpeed's expert groups), tokens sent to their "
              "experts' ranks and back by all-to-all; e divides d and the number of experts. ZeRO-0/1/2 (16-bit: "
              "ZeRO-1/2), no checkpoints yet (docs/moe.md) [1]")
+    moe_z_loss_coeff: float = opt(              # Megatron-core's router z-loss (ST-MoE), mtds.model.aux_loss
+        0.0, "--moe-z-loss-coeff", section=LAYOUT, at_least=0, metavar="C",
+        help="MoE models: add C x the router z-loss to the training loss, per MoE block the mean over its "
+             "tokens of logsumexp(router logits)^2 (float32, before the softmax), summed over the blocks, as "
+             "Megatron-core; logged as moe_z_loss (without C, averaged over the blocks). Not in HF's "
+             "Mixtral / Qwen3-MoE loss (docs/moe.md) [0: off]")
+    moe_expert_capacity_factor: float | None = opt(   # Megatron-core's capacity, mtds.model.capacity
+        None, "--moe-expert-capacity-factor", section=LAYOUT, above=0, metavar="F",
+        help="MoE models: each expert takes at most ceil(N*k/E*F) of the assignments of the N tokens each "
+             "router call sees (this rank's; its slice with --sequence-parallel), as Megatron-core; the rest "
+             "are dropped (the token keeps its residual). This departs from HF's dropless Mixtral / Qwen3-MoE "
+             "(docs/moe.md) [none: dropless]")
+    moe_token_drop_policy: str = opt(
+        "probs", "--moe-token-drop-policy", section=LAYOUT, choices=("probs", "position"),
+        help="with --moe-expert-capacity-factor, which assignments an expert keeps: probs = its largest "
+             "routing weights, position = the earliest tokens (Megatron's [s, b] order) [probs]")
     model: Any = opt(                           # preset name, HF config.json/dir, ModelConfig; None: see world.py
         None, "--model", section=LAYOUT,
         help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "
@@ -246,6 +262,11 @@ class TrainConfig:
             raise ValueError("--bf16 and --fp16 both given: choose one precision")
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"--cp-comm-type must be p2p or a2a, got {self.cp_comm_type!r}")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"--moe-token-drop-policy must be probs or position, got {self.moe_token_drop_policy!r}")
+        if self.moe_token_drop_policy != "probs" and self.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-token-drop-policy applies with --moe-expert-capacity-factor F only: add it or "
+                             "drop the policy")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
         if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":

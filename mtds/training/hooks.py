@@ -279,7 +279,8 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
     if built.world.model_cfg.num_experts:     # every stage, with or without MoE blocks of its own (a collective)
         groups = built.world.groups
         hooks.append(ExpertLoadHook(ExpertLoad(moe_blocks(built.model), built.world.model_cfg.num_experts,
-                                               groups.dp_group, groups.pp_group, built.world.device)))
+                                               groups.dp_group, groups.pp_group, built.world.device,
+                                               z_loss=built.world.model_cfg.moe_z_loss_coeff > 0)))
     hooks.append(LogHook(built.logger))
     agreed = NonFiniteHook(built, stop)
     hooks.append(agreed)

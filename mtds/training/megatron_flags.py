@@ -35,8 +35,8 @@ EQUIVALENTS = {
        for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size")},
     "--moe-aux-loss-coeff": "the load-balancing loss weight is the HF config's router_aux_loss_coef (docs/moe.md)",
     "--expert-tensor-parallel-size": "an MoE model's experts are split over --tp (expert TP = TP, docs/moe.md)",
-    "--moe-expert-capacity-factor": "mtds's MoE is dropless, as HF's: no capacity factor yet (docs/moe.md)",
-    "--moe-z-loss-coeff": "no router z-loss yet (docs/moe.md)",
+    "--moe-pad-expert-input-to-capacity": "not built: with --moe-expert-capacity-factor each expert computes only "
+                                          "the rows it kept, unpadded (docs/moe.md)",
     "--moe-grouped-gemm": "mtds runs the local experts as a grouped GEMM by itself where torch has one for the device "
                           "(docs/moe.md)",
     "--moe-shared-expert-intermediate-size": "shared experts are not built (docs/moe.md)",

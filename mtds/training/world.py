@@ -6,6 +6,7 @@ the world size and the model before any group exists; the dropout streams need t
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -94,11 +95,34 @@ def run_model_config(cfg: TrainConfig, load: LoadPlan | None = None) -> ModelCon
     if cfg.model is None and recorded:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"model: the one {load.tag_dir} records (mtds_meta.json), as no --model was given", flush=True)
-        return resolve_model_config(ModelConfig(**load.model), **cfg.model_overrides)
+        recorded_cfg = ModelConfig(**{k: v for k, v in load.model.items() if k not in ROUTER_OPTIONS})
+        return _router_options(cfg, resolve_model_config(recorded_cfg, **cfg.model_overrides))
     model_cfg = resolve_model_config(cfg.model or cfg.init_from_hf or DEFAULT_MODEL, **cfg.model_overrides)
     if recorded:
         _check_recorded(cfg.model, model_cfg, load.tag_dir, ModelConfig(**load.model))
-    return model_cfg
+    return _router_options(cfg, model_cfg)
+
+
+# Megatron-core's router options: training choices of this run, not of the weights (a checkpoint's record of
+# them is not carried into a resumed run; its flags say them again)
+ROUTER_OPTIONS = ("moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy")
+
+
+def _router_options(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """This run's router flags (z-loss, capacity) into the model where given; a dense model takes none. A
+    ModelConfig passed from Python keeps its own values where the flags are left at their defaults."""
+    given = {}
+    if cfg.moe_z_loss_coeff:
+        given["moe_z_loss_coeff"] = cfg.moe_z_loss_coeff
+    if cfg.moe_expert_capacity_factor is not None:
+        given.update(moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+                     moe_token_drop_policy=cfg.moe_token_drop_policy)
+    if not given:
+        return model_cfg
+    if not model_cfg.num_experts:
+        flag = "--moe-z-loss-coeff" if cfg.moe_z_loss_coeff else "--moe-expert-capacity-factor"
+        raise ValueError(f"{flag} needs a mixture-of-experts model (Mixtral, Qwen3-MoE); this one has no experts")
+    return dataclasses.replace(model_cfg, **given)
 
 
 def _plan_load(path: str) -> LoadPlan:
