@@ -196,15 +196,15 @@ def test_router_options_across_layouts(tmp_path):
     common = dict(model=_training_model("mixtral"), moe_z_loss_coeff=Z_COEF, moe_expert_capacity_factor=0.5,
                   lr=TRAIN_LR, min_lr=TRAIN_LR / 10, steps=3, deepspeed_config=ds_config(zero=0))
     logs = [str(tmp_path / f"{i}.jsonl") for i in range(3)]
-    # the pipeline last: DeepSpeed keeps the pipeline's mpu in its globals, which an expert-parallel run after
-    # it would read
+    # the pipeline before the expert-parallel run: DeepSpeed keeps the pipeline's mpu (d = 1) in its globals,
+    # which creating the expert groups read ("1 is not divisible by 2") until create_expert_groups set its own
     configs = [train_config(log_jsonl=logs[0], **common),
-               train_config(expert_model_parallel_size=2, log_jsonl=logs[2], **common),
-               train_config(pp=2, pipeline_balance="uniform", log_jsonl=logs[1], **common)]
+               train_config(pp=2, pipeline_balance="uniform", log_jsonl=logs[1], **common),
+               train_config(expert_model_parallel_size=2, log_jsonl=logs[2], **common)]
     per_rank = spawn(_two_rank_body, 2, configs, timeout=300)
     sp, _ = per_rank[0]
     assert sp < 1e-5, sp
-    ref, ep, pipe = per_rank[1][1]
+    ref, pipe, ep = per_rank[1][1]
     assert [r.layout for r in (ref, pipe, ep)] == ["(tp=1, pp=1, dp=2)", "(tp=1, pp=2, dp=1)",
                                                    "(tp=1, pp=1, dp=2, ep=2)"]
     z = []

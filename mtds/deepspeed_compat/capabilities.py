@@ -109,6 +109,7 @@ CAPABILITIES = (
         Target("deepspeed.utils.groups", "_create_expert_data_and_model_parallel",
                ("expert_parallel_size_", "mpu", "use_data_before_expert_parallel_")),
         Target("deepspeed.utils.groups", "_get_expert_parallel_group_dict", M),
+        Target("deepspeed.utils.groups", "mpu", A),
         Target("deepspeed.utils.groups", "_get_expert_parallel_group_ranks", ("group_name",)),
         Target("deepspeed.utils.groups", "_get_expert_data_parallel_group_ranks", ("group_name",)),
         *(Target("deepspeed.utils.groups", name, A) for name in (

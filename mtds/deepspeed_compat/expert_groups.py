@@ -75,6 +75,10 @@ def create_expert_groups(layout, mpu) -> None:
     import torch.distributed as dist
     from deepspeed.utils import groups
     if group_name(layout.ep) not in groups._get_expert_parallel_group_dict():
+        # DeepSpeed reads the data-parallel size from its module-global mpu, which its engine sets only later:
+        # until then it is an earlier run's in this process (or none: the whole world). This run's, as the
+        # engine will set it.
+        groups.mpu = mpu
         # mtds's rank order is DeepSpeed's "E + M + D" arrangement (data before expert off)
         groups._create_expert_data_and_model_parallel(layout.ep, mpu=mpu, use_data_before_expert_parallel_=False)
     _check(layout, dist.get_rank())
