@@ -79,14 +79,17 @@ PRECISION = "bf16"
 # Speed changes behind a bench-only switch (a module attribute, True = the change on): the changes stage
 # measures each off against all on.
 FLAT = "BF16_Optimizer bookkeeping on flat buffers"
+FUSED_CE = "fused cross entropy (--cross-entropy-loss-fusion)"
 D1 = "no gradient all-reduce and bf16 round trip at d = 1"
 SWITCHES = {
-    "16-bit cross entropy without a float32 copy": ("mtds.tp.cross_entropy", "CHUNKED_16BIT"),
+    # replaces the chunked 16-bit loss's switch (measured 0.903 / 0.947 on the H200, off by default): with both
+    # on the fused one runs, so "off: chunked" would have switched nothing
+    FUSED_CE: ("mtds.tp.cross_entropy", "FUSED"),
     FLAT: ("mtds.deepspeed_compat.bf16_flat", "FLAT"),
     D1: ("mtds.deepspeed_compat.bf16_flat", "SKIP_SINGLE_RANK_REDUCE"),
 }
 # What the off side does more of in the warm-up steps (_PathCounts): proof that the switch switched.
-EVIDENCE = {"16-bit cross entropy without a float32 copy": "float32_ce", FLAT: "bf16_loops", D1: "d1_allreduce"}
+EVIDENCE = {FUSED_CE: "float32_ce", FLAT: "bf16_loops", D1: "d1_allreduce"}
 # Changes with no switch (one would need more than a module attribute): the baseline measures them, with
 # the 2026-11-24 H100 numbers (docs/benchmarks.md) as the before.
 BASELINE_ONLY = [
@@ -221,15 +224,15 @@ def _set_switches(values: dict) -> None:
 
 class _PathCounts:
     """Which code path each configuration took, counted in the warm-up steps only (the timed steps run the
-    product's functions unwrapped): the chunked 16-bit and the float32 cross entropy, the flat and the per-parameter
-    BF16_Optimizer accumulation (calls). Evidence that a
-    switch switched."""
+    product's functions unwrapped): the chunked 16-bit, the float32 and the fused cross entropy, the flat and
+    the per-parameter BF16_Optimizer accumulation (calls). Evidence that a switch switched."""
 
     def __init__(self, configs):
         import mtds.deepspeed_compat.bf16_flat as flat
         import mtds.tp.cross_entropy as ce
+        import mtds.tp.fused_cross_entropy as fused
         self.targets = [(ce, "_ChunkedCrossEntropy16", "chunked_16bit_ce"),
-                        (ce, "_VocabParallelCrossEntropy", "float32_ce"),
+                        (ce, "_VocabParallelCrossEntropy", "float32_ce"), (fused, "FusedCrossEntropy", "fused_ce"),
                         (flat, "accumulate_flat", "bf16_flat"), (flat, "deepspeed_loops", "bf16_loops"),
                         (flat, "deepspeed_reduce", "d1_allreduce")]
         self.originals = {(m, name): getattr(m, name) for m, name, _ in self.targets}
@@ -262,9 +265,12 @@ class _PathCounts:
 def _alternating(case: dict) -> dict:
     """mtds with the switches set per step from ``case["schedule"]`` (the step loop's train_step wrapped for
     this run only); the step times per configuration from its log, the paths taken from the warm-up steps."""
+    import mtds.tp.fused_cross_entropy as fused
     import mtds.training.train_loop as loop
     from mtds.gpucheck.speed import _mtds_side
     original, schedule, configs, warmup = loop.train_step, case["schedule"], case["configs"], case["warmup"]
+    pieces = fused.pieces       # the fused loss's compiler: the plan's (the dry run: aot_eager, as its --compile)
+    fused.pieces = lambda backend="inductor": pieces(case["backend"])
     paths = _PathCounts(configs)
     calls = [0]
 
@@ -282,7 +288,7 @@ def _alternating(case: dict) -> dict:
     try:
         value = _mtds_side(case["workload"], PRECISION, warmup, (1, 1, 1), case["log"])
     finally:
-        loop.train_step = original
+        loop.train_step, fused.pieces = original, pieces
         paths.remove()
     value["paths_in_warmup"] = paths.counts
     with open(case["log"]) as f:
@@ -595,7 +601,8 @@ def stage_changes(ctx: Context, bound: float) -> dict:
     names = list(configs)
     schedule = changes_schedule(names, plan.warm_rounds, plan.timed_rounds)
     warmup = plan.warm_rounds * len(names)
-    case = _case("alternating", "alternating", plan, plan.base, schedule=schedule, configs=configs, warmup=warmup)
+    case = _case("alternating", "alternating", plan, plan.base, schedule=schedule, configs=configs, warmup=warmup,
+                 backend=plan.compile_backend)
     case["workload"] = plan.workload(plan.base, steps=len(schedule))
     records, error = _spawn_stage(ctx, "changes", [case], bound)
     out = {"micro_batch": plan.base, "switches": {n: ".".join(SWITCHES[n]) for n in SWITCHES},

@@ -275,6 +275,8 @@ PARSER_CASES = [
      "invalid choice: 'params'"),
     ("flag-moe-drop-policy-unknown", ["--deepspeed_config", CPU, "--moe-token-drop-policy", "random"],
      "invalid choice: 'random'"),
+    ("flag-cross-entropy-fusion-impl-te", ["--deepspeed_config", CPU, "--cross-entropy-fusion-impl", "te"],
+     "invalid choice: 'te'"),
 ]
 
 

@@ -84,6 +84,7 @@ def test_dry_run_writes_every_stage_with_numbers(tmp_path, monkeypatch):
     # the switches are back on in this process and the step loop unwrapped (the rank's are checked by its pool)
     import mtds.tp.cross_entropy as ce
     assert ce.CHUNKED_16BIT is False       # its default (measured slower on an H200: mtds/tp/cross_entropy.py)
+    assert ce.FUSED is False               # its default (unmeasured on a GPU); the A/B turned it on and back
 
 
 def test_a_failing_stage_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):

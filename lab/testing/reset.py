@@ -201,6 +201,10 @@ class ProcessState:
         torch.set_num_threads(self.threads)
         torch.use_deterministic_algorithms(self.deterministic)
         torch.autograd.set_detect_anomaly(False)
+        if "torch._dynamo" in sys.modules:
+            # Dynamo's cached code calls the graphs it put in the compiled function's module globals
+            # (__compiled_fn_*), which the restore above deleted: a fresh process has no such cache either
+            sys.modules["torch._dynamo"].reset()
         torch.random.set_rng_state(self.torch_rng)
         random.setstate(self.python_rng)
         _set_numpy_rng_state(self.numpy_rng)

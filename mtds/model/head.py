@@ -63,11 +63,16 @@ class LMLoss:
     means would weigh wrongly.
 
     On an MoE model's pipeline the logits arrive with the router statistics of every block (counts, probs):
-    the load-balancing term is added here (:mod:`mtds.model.router_carry`)."""
+    the load-balancing term is added here (:mod:`mtds.model.router_carry`).
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, context: ContextParallel | None = None):
+    ``cross_entropy_impl``: None, the float32 cross entropy; "native", the fused one (train.py's
+    --cross-entropy-loss-fusion, :mod:`mtds.tp.fused_cross_entropy`)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, context: ContextParallel | None = None,
+                 cross_entropy_impl: str | None = None):
         self.vocab_size, self.tp_group, self.context = cfg.vocab_size, tp_group, context
         self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.moe_z_loss_coeff
+        self.cross_entropy_impl = cross_entropy_impl
 
     def __call__(self, logits_shard, labels: torch.Tensor) -> torch.Tensor:
         if isinstance(logits_shard, tuple):
@@ -78,10 +83,10 @@ class LMLoss:
         # the loss works in its buffer.
         if self.context is None:
             return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size,
-                                                reuse_logits=True)
+                                                reuse_logits=True, impl=self.cross_entropy_impl)
         ctx = self.context
         labels = ctx.split(labels)
         total = vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group, vocab_size=self.vocab_size,
-                                             reduction="sum", reuse_logits=True)
+                                             reduction="sum", reuse_logits=True, impl=self.cross_entropy_impl)
         count = ctx.token_count(labels).clamp(min=1).to(total.dtype)
         return (total * ctx.size / count).reshape(())

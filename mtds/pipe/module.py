@@ -32,7 +32,7 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
                           sequence_parallel: bool = False, virtual_stages: int | None = None,
                           dualpipev: bool = False, stage_layout: StageLayout | None = None,
                           documents: DocumentMasking | None = None, context: ContextParallel | None = None,
-                          carry_router_stats: bool = False):
+                          carry_router_stats: bool = False, cross_entropy_impl: str | None = None):
     """DeepSpeed's ``PipelineModule``; with ``virtual_stages`` set, mtds's ``ChunkedPipelineModule``
     (that many chunks per rank, for the schedules mtds's own engine runs); with ``dualpipev``,
     DeepSpeed's ``DualPipeVModule`` (two chunks per rank in a V; the tied embedding is one module on
@@ -64,7 +64,8 @@ def build_pipeline_module(cfg: ModelConfig, groups: ParallelGroups, *, seed: int
         extra["parts"] = stage_layout.spec_parts()
     from mtds.observe.quiet import quiet_prints
     with quiet_prints():        # DeepSpeed's SEED_LAYERS=… and Using topology: … lines
-        return cls(layers=specs, **extra, topology=groups.layout.topology(), loss_fn=LMLoss(cfg, groups.tp_group, context),
+        return cls(layers=specs, **extra, topology=groups.layout.topology(),
+                   loss_fn=LMLoss(cfg, groups.tp_group, context, cross_entropy_impl),
                    partition_method=PARTITION_METHOD, activation_checkpoint_interval=recompute_interval,
                    activation_checkpoint_func=partial(_recompute, rng_tracker),
                    checkpointable_layers=CHECKPOINTABLE_LAYERS)
@@ -75,7 +76,8 @@ class SequentialGPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_tracker: RNGTracker,
                  recompute_interval: int = 0, recompute_attention: bool = False, sequence_parallel: bool = False,
-                 documents: DocumentMasking | None = None, context: ContextParallel | None = None):
+                 documents: DocumentMasking | None = None, context: ContextParallel | None = None,
+                 cross_entropy_impl: str | None = None):
         super().__init__()
         specs = gpt_layer_specs(cfg, tp_group=groups.tp_group, seed=seed, rng_tracker=rng_tracker,
                                 sequence_parallel=sequence_parallel, recompute_attention=recompute_attention,
@@ -85,7 +87,7 @@ class SequentialGPT(nn.Module):
         self.final_norm = specs[-2].build()
         # Tied: one table serves input and output; untied: a separate vocab-parallel head.
         self.lm_head = None if cfg.tie_word_embeddings else specs[-1].build()
-        self.loss_fn = LMLoss(cfg, groups.tp_group, context)
+        self.loss_fn = LMLoss(cfg, groups.tp_group, context, cross_entropy_impl)
         self.rng_tracker = rng_tracker
         self.recompute_interval = recompute_interval
         self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.moe_z_loss_coeff
@@ -126,7 +128,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
                 sequence_parallel: bool = False, virtual_stages: int | None = None,
                 dualpipev: bool = False, stage_layout: StageLayout | None = None,
                 documents: DocumentMasking | None = None, cp_comm_type: str = "p2p",
-                carry_router_stats: bool = False) -> nn.Module:
+                carry_router_stats: bool = False, cross_entropy_impl: str | None = None) -> nn.Module:
     """PipelineModule for p > 1, SequentialGPT for p = 1. ``sequence_parallel``: activations
     between layers are split along the sequence over the TP group (Korthikanti et al. 2022); the
     weights, and so checkpoints, are the same either way. Recomputation: ``recompute_interval`` k > 0
@@ -137,7 +139,8 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     ``documents``: packed-document resets (:mod:`mtds.model.documents`). ``cp_comm_type``: how attention
     crosses the context-parallel ranks when ``groups.layout.cp`` > 1 (:mod:`mtds.cp`). ``carry_router_stats``
     (training an MoE model at p > 1): the router statistics travel with the activations to the loss, which
-    adds the load-balancing term (:mod:`mtds.model.router_carry`); without it an MoE model builds at p = 1 only."""
+    adds the load-balancing term (:mod:`mtds.model.router_carry`); without it an MoE model builds at p = 1 only.
+    ``cross_entropy_impl``: the loss's (:class:`mtds.model.head.LMLoss`): None, or "native" for the fused one."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
@@ -150,7 +153,8 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
                            documents=enabled(documents) is not None)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
-                  documents=documents, context=context_of(groups, cp_comm_type))
+                  documents=documents, context=context_of(groups, cp_comm_type),
+                  cross_entropy_impl=cross_entropy_impl)
     if groups.layout.pp > 1:
         return build_pipeline_module(cfg, groups, virtual_stages=virtual_stages, dualpipev=dualpipev,
                                      stage_layout=stage_layout, carry_router_stats=carry, **common)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtds.tp.fused_cross_entropy import fused_cross_entropy
 from mtds.tp.layers import tp_world_and_rank
 
 
@@ -94,8 +95,12 @@ _MAX_BLOCKS = 4
 # alternated step by step) the float32 copy's path was faster -- this path's step took 1/0.90 as long with
 # 64 MiB blocks (25 of them) and 1/0.947 with at most 4 blocks: at this size the step is launch-bound and
 # the copy costs bandwidth the GPU has to spare. What this path saves is memory (the 1.6 GB float32 copy at
-# b = 8, 13 GB at b = 64); benchmarks/gpu_bench.py's A/B sets it True. A fused kernel would give both.
+# b = 8, 13 GB at b = 64). A fused kernel would give both: FUSED below, which gpu_bench's A/B now measures instead.
 CHUNKED_16BIT = False
+
+# Bench-only switch (benchmarks/gpu_bench.py's A/B sets it): what ``impl=None`` runs. Off: the fused path
+# (mtds.tp.fused_cross_entropy) is unmeasured on a GPU. train.py's --cross-entropy-loss-fusion passes ``impl``.
+FUSED = False
 
 
 def _row_blocks(rows: int, width: int):
@@ -157,7 +162,8 @@ def _shifted_exp(rows: torch.Tensor, width: int, row_max: torch.Tensor) -> torch
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *,
                                  vocab_size: int | None = None, ignore_index: int = -100,
-                                 reduction: str = "mean", reuse_logits: bool = False) -> torch.Tensor:
+                                 reduction: str = "mean", reuse_logits: bool = False,
+                                 impl: str | None = None) -> torch.Tensor:
     """Cross entropy of vocab-sharded ``logits`` [..., V_pad/t] against ``target`` [...].
 
     ``reuse_logits``: the caller never reads ``logits`` again (nor does autograd: no other operation saved
@@ -165,7 +171,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     float32 buffer of their size is allocated for fp32 logits. Otherwise ``logits`` are left untouched.
     ``reduction``: "none" (per token, 0 where ignored), "sum", or "mean" over non-ignored tokens.
     The result dtype is float32 whatever the logits dtype (bf16 logits lose too much in log-sum-exp).
+    ``impl``: None, this module's paths; "native", the fused torch.compile'd one
+    (:mod:`mtds.tp.fused_cross_entropy`: no float32 copy, one all-reduce fewer; ``reuse_logits`` moot).
     """
+    if impl is None and FUSED:
+        impl = "native"
+    if impl is not None:
+        if impl != "native":
+            raise ValueError(f"cross entropy impl must be 'native' (or None), got {impl!r}")
+        return fused_cross_entropy(logits, target, group, vocab_size=vocab_size, ignore_index=ignore_index,
+                                   reduction=reduction)
     if CHUNKED_16BIT and logits.dtype in (torch.bfloat16, torch.float16):
         losses = _ChunkedCrossEntropy16.apply(logits, target, group, vocab_size, ignore_index)
     else:

@@ -16,6 +16,7 @@ from mtds.training.options import check_ranges, opt
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
 LR_DECAYS = ("cosine", "linear", "constant")
 ON_NAN = ("stop", "skip")
+CE_FUSION_IMPLS = ("native",)       # mtds.tp.cross_entropy's impl= values
 PIPELINE_BALANCES = ("uniform", "cost")
 # --help's sections, in its order
 LAYOUT, DATA, OPTIM, LOGS = "layout and model", "data", "optimisation", "checkpoints and logs"
@@ -115,6 +116,16 @@ class TrainConfig:
         False, "--compile", section=LAYOUT,
         help="torch.compile each transformer layer (CPU: Inductor's C++ backend, needs a C++ compiler; "
              "the first steps pay the compilation) [off]")
+    cross_entropy_loss_fusion: bool = opt(      # the fused, torch.compile'd loss (mtds.tp.fused_cross_entropy)
+        False, "--cross-entropy-loss-fusion", section=LAYOUT,
+        help="vocab-parallel cross entropy in torch.compile'd (Inductor) pieces, as Megatron's flag: no float32 "
+             "copy of the logits, one all-reduce of [2, b s] instead of two of [b s]; same losses within "
+             "float32 rounding. Compiles on the first step (CPU: a C++ compiler, ~10 s cold); faster on a GPU "
+             "is not yet measured (make gpu-bench) [off]")
+    cross_entropy_fusion_impl: str = opt(       # Megatron's native | te; te (Transformer Engine) is not built
+        "native", "--cross-entropy-fusion-impl", section=LAYOUT, choices=CE_FUSION_IMPLS,
+        help="with --cross-entropy-loss-fusion: native = torch.compile'd pieces (Megatron's te is not "
+             "built) [native]")
     seed: int = opt(
         1234, "--seed", section=LAYOUT, at_least=0,
         help="weights, data order and dropout all follow it [1234]")
@@ -269,6 +280,9 @@ class TrainConfig:
                              "drop the policy")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"--on-nan must be stop or skip, got {self.on_nan!r}")
+        if self.cross_entropy_fusion_impl not in CE_FUSION_IMPLS:
+            raise ValueError(f"--cross-entropy-fusion-impl must be native (te is not built), got "
+                             f"{self.cross_entropy_fusion_impl!r}")
         if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":
             # the document ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples,
             # the other schedules' engines one tensor per stage boundary
