@@ -81,15 +81,17 @@ PRECISION = "bf16"
 FLAT = "BF16_Optimizer bookkeeping on flat buffers"
 FUSED_CE = "fused cross entropy (--cross-entropy-loss-fusion)"
 D1 = "no gradient all-reduce and bf16 round trip at d = 1"
+HANDOVER = "16-bit gradients handed over by autograd (no add into a zeroed buffer)"
 SWITCHES = {
     # replaces the chunked 16-bit loss's switch (measured 0.903 / 0.947 on the H200, off by default): with both
     # on the fused one runs, so "off: chunked" would have switched nothing
     FUSED_CE: ("mtds.tp.cross_entropy", "FUSED"),
     FLAT: ("mtds.deepspeed_compat.bf16_flat", "FLAT"),
     D1: ("mtds.deepspeed_compat.bf16_flat", "SKIP_SINGLE_RANK_REDUCE"),
+    HANDOVER: ("mtds.deepspeed_compat.bf16_flat", "HANDOVER"),
 }
 # What the off side does more of in the warm-up steps (_PathCounts): proof that the switch switched.
-EVIDENCE = {FUSED_CE: "float32_ce", FLAT: "bf16_loops", D1: "d1_allreduce"}
+EVIDENCE = {FUSED_CE: "float32_ce", FLAT: "bf16_loops", D1: "d1_allreduce", HANDOVER: "bf16_bound_zeroed"}
 # Changes with no switch (one would need more than a module attribute): the baseline measures them, with
 # the 2026-11-24 H100 numbers (docs/benchmarks.md) as the before.
 BASELINE_ONLY = [
@@ -234,7 +236,8 @@ class _PathCounts:
         self.targets = [(ce, "_ChunkedCrossEntropy16", "chunked_16bit_ce"),
                         (ce, "_VocabParallelCrossEntropy", "float32_ce"), (fused, "FusedCrossEntropy", "fused_ce"),
                         (flat, "accumulate_flat", "bf16_flat"), (flat, "deepspeed_loops", "bf16_loops"),
-                        (flat, "deepspeed_reduce", "d1_allreduce")]
+                        (flat, "deepspeed_reduce", "d1_allreduce"),
+                        (flat, "zero_bound", "bf16_bound_zeroed")]
         self.originals = {(m, name): getattr(m, name) for m, name, _ in self.targets}
         self.counts = {config: {key: 0 for _, _, key in self.targets} for config in configs}
         self.config, self.installed = None, False

@@ -36,6 +36,7 @@ from mtds.deepspeed_compat.ledger import ledger
 
 FLAT = True     # benchmarks/gpu_bench.py's A/B switches; the product never sets them
 SKIP_SINGLE_RANK_REDUCE = True
+HANDOVER = True
 
 UPDATE = "BF16_Optimizer.update_hp_grads (flat)"
 REDUCE = "engine.buffered_allreduce_fallback (d = 1: nothing to reduce)"
@@ -83,7 +84,7 @@ class FlatBf16Grads:
         group, views = opt.bf16_groups[i], self.views[i]
         grads = [lp.grad for lp in group]
         if all(g is not None and g is not v for g, v in zip(grads, views)):
-            torch.cat([g.reshape(-1) for g in grads], out=self.flats[i])
+            gather_handed_over(grads, self.flats[i])
         else:   # a parameter without a gradient, or gradients already bound: tensor by tensor
             for g, view in zip(grads, views):
                 if g is None:
@@ -111,6 +112,8 @@ class FlatBf16Grads:
         zeros, and :meth:`_gather` collects them."""
         if not FLAT:
             return self.original["clear_lp_grads"](set_to_none=set_to_none)
+        if not HANDOVER:
+            return zero_bound(self)
         for group in self.opt.bf16_groups:
             for lp in group:
                 lp.grad = None
@@ -141,6 +144,20 @@ def accumulate_flat(owner: FlatBf16Grads, clear_lp_grads: bool) -> None:
         if clear_lp_grads:
             for lp in opt.bf16_groups[i]:
                 lp.grad = None
+
+
+def gather_handed_over(grads, flat: torch.Tensor) -> None:
+    """One group's gradients, handed over by autograd, into its flat buffer: one operator."""
+    torch.cat([g.reshape(-1) for g in grads], out=flat)
+
+
+def zero_bound(owner: FlatBf16Grads) -> None:
+    """``HANDOVER``'s off side (the code before 2026-11-27): every gradient bound to its view of the flat
+    buffer, the buffers zeroed, so autograd adds each new gradient into its view (one operator each)."""
+    for flat, group, views in zip(owner.flats, owner.opt.bf16_groups, owner.views):
+        flat.zero_()
+        for lp, view in zip(group, views):
+            lp.grad = view
 
 
 def deepspeed_loops(update_hp_grads, clear_lp_grads: bool) -> None:
