@@ -3,8 +3,11 @@ saved mid-run and resumed at the same layout equal the uninterrupted run bit for
 the three steps after loading, so the Adam moments of every expert came back), at ZeRO-0 (optimizer state in
 DeepSpeed's per-EP-shard files) and ZeRO-1 (each data rank's partitions); which rank wrote which expert's
 file; the same checkpoint at another E refused in one line (another ZeRO stage too); a missing expert file makes
-it incomplete; a weights-only checkpoint (full tensors) loads at E = 2. One spawned 2-rank body; the file checks
-run in the test process on what it saved."""
+it incomplete; a weights-only checkpoint (full tensors) loads at E = 2. Read back as a whole model: `mtds-convert
+mtds-to-hf` of the E = 2 checkpoint equals the export of the live weights bit for bit, transformers loads it, and
+`mtds-eval --ckpt` (run in the body at E = 1) gives transformers' loss; TP-sharded expert files merge. One spawned
+2-rank body; the file checks run in the test process on what it saved."""
+import json
 import os
 import shutil
 
@@ -14,17 +17,20 @@ from tests.test_moe import TRAIN_LR, _training_model
 from tests.training_helpers import ds_config, train_config
 
 STEPS, SAVED_AT = 5, 2
+EVAL_ROWS = [[3, 17, 5, 9, 60, 2, 41], [7, 7, 1, 30, 12], list(range(20, 52))]
 
 
 def _body(root):
     from mtds.checkpoint.lifecycle import CheckpointError
+    from mtds.eval import build_parser, run as evaluate
     from mtds.training import run
     cfg = _training_model("mixtral")      # 4 experts, 2 on each rank
     lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10, steps=STEPS, model=cfg)
-    runs = {}
+    runs, live = {}, []
     for zero in (0, 1):
         common = dict(expert_model_parallel_size=2, deepspeed_config=ds_config(zero=zero), **lr)
-        full = run(train_config(**common, save=f"{root}/zero{zero}", save_interval=SAVED_AT))
+        probe = (lambda engine, groups: live.append(engine.module),) if zero == 1 else ()
+        full = run(train_config(**common, save=f"{root}/zero{zero}", save_interval=SAVED_AT), on_engine_ready=probe)
         resumed = run(train_config(**common, load=f"{root}/zero{zero}/global_step{SAVED_AT}"))
         runs[zero] = [(r.losses, r.grad_norms) for r in (full, resumed)]
     try:     # the same (t, p, d) at E = 1: refused before the data, the model or the engine exist
@@ -35,7 +41,11 @@ def _body(root):
     # a weights-only checkpoint (full tensors, as mtds-convert hf-to-mtds writes) at E = 2 and at E = 1
     first = [run(train_config(expert_model_parallel_size=e, deepspeed_config=ds_config(zero=1),
                               load=f"{root}/weights", **{**lr, "steps": 1})).losses[0] for e in (1, 2)]
-    return runs, refused, first
+    # the ZeRO-1 run's weights as saved last (step 5): this rank's experts, the dense weights
+    weights = {n: p.detach().clone() for n, p in live[0].named_parameters()}
+    # mtds-eval --ckpt of that E = 2 checkpoint, as a data-parallel pair (evaluation has no expert parallelism)
+    evaluated = evaluate(build_parser().parse_args(["--ckpt", f"{root}/zero1", "--data", f"{root}/rows.jsonl"]))
+    return runs, refused, first, weights, evaluated
 
 
 def _weights_only(root):
@@ -58,6 +68,8 @@ def saved(tmp_path_factory):
     from tests.dist import spawn
     root = str(tmp_path_factory.mktemp("epck"))
     _weights_only(root)
+    with open(f"{root}/rows.jsonl", "w") as f:
+        f.writelines(json.dumps({"input_ids": r}) + "\n" for r in EVAL_ROWS)
     return root, spawn(_body, 2, root, timeout=300)
 
 
@@ -94,7 +106,7 @@ def test_each_expert_is_saved_once_by_the_rank_holding_it(saved):
 
 def test_another_expert_parallel_size_is_refused_in_one_line(saved):
     _, per_rank = saved
-    for _, refused, _ in per_rank:
+    for _, refused, *_ in per_rank:
         assert refused is not None and "\n" not in refused, refused
         assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2); this run is at " \
                "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2)" in refused and \
@@ -117,7 +129,7 @@ def test_a_weights_only_checkpoint_loads_at_e2(saved):
     """Each rank slices its own experts from the full tensors (DeepSpeed's MoE load would look for per-expert
     files): the first loss at E = 2 is E = 1's (the same weights; expert outputs summed in another order)."""
     _, per_rank = saved
-    for *_, (e1, e2) in per_rank:
+    for _, _, (e1, e2), *_ in per_rank:
         assert abs(e2 - e1) / e1 < 1e-6, (e1, e2)
 
 
@@ -159,3 +171,126 @@ def test_another_zero_stage_is_refused():
             _check_expert_layout(meta, engine, groups, "ck")
         assert "saved at --expert-model-parallel-size 2 with ZeRO-0; this run uses ZeRO-1" in str(err.value)
         assert isinstance(err.value, user_errors())        # train.py: one error: line, exit 2
+
+
+def _live_layers(per_rank) -> dict:
+    """{global layer: {name: tensor}} of the live model at the last save: the dense weights of rank 0, each
+    block's stacked experts as rank 0's then rank 1's (the global order: rank r holds experts 2r and 2r + 1)."""
+    import torch
+    from mtds.checkpoint.expert_files import STACKED
+    from mtds.checkpoint.names import parse
+    cfg, layers = _training_model("mixtral"), {}
+    for name, tensor in per_rank[0][3].items():
+        try:
+            layer, inner = parse(cfg, name)
+        except KeyError:        # the ExpertGroups module's view of the same experts
+            continue
+        if inner in STACKED:
+            tensor = torch.cat([weights[name] for *_, weights, _ in per_rank])
+        layers.setdefault(layer, {})[inner] = tensor
+    return dict(sorted(layers.items()))
+
+
+@pytest.fixture(scope="module")
+def exported(saved, tmp_path_factory):
+    """``mtds-convert mtds-to-hf`` of the E = 2 ZeRO-1 checkpoint (step 5); the same export of the live weights."""
+    from mtds.cli.convert import main as convert
+    from mtds.hf.stream_export import write_hf_dir
+    root, per_rank = saved
+    out = tmp_path_factory.mktemp("ephf")
+    convert(["mtds-to-hf", "--ckpt", f"{root}/zero1", "--out", str(out / "ckpt")])
+    write_hf_dir(str(out / "live"), _training_model("mixtral"), iter(_live_layers(per_rank).items()))
+    return out
+
+
+def test_the_hf_export_of_an_e2_checkpoint_is_the_trained_model(exported):
+    """The reader joins every block's experts from the per-expert files in global order: the export equals the
+    live model's, tensor for tensor, bit for bit (the experts all differ, so any other order shows)."""
+    import torch
+    from safetensors.torch import load_file
+    got, want = (load_file(exported / d / "model.safetensors") for d in ("ckpt", "live"))
+    assert sorted(got) == sorted(want) and len(want) > 20, sorted(got)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    experts = [want[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"] for e in range(4)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(experts) for b in experts[i + 1:])
+    assert (exported / "ckpt" / "config.json").read_text() == (exported / "live" / "config.json").read_text()
+
+
+def test_transformers_and_mtds_eval_read_the_export(saved, exported):
+    """transformers loads the exported folder: its logits equal those of mtds's model holding the live weights
+    (1e-5); ``mtds-eval --ckpt`` of the E = 2 checkpoint (run at (1,1,2), E = 1, in the fixture's body) gives
+    transformers' loss of the live weights' export (1e-5 relative)."""
+    import torch
+    import transformers
+    from mtds.model import GPTModel
+    _, per_rank = saved
+    cfg = _training_model("mixtral")
+    model = GPTModel(cfg).eval()
+    for layer, tensors in _live_layers(per_rank).items():
+        model.global_layers()[layer].load_state_dict(tensors)
+    hf, live = (transformers.AutoModelForCausalLM.from_pretrained(exported / d).eval() for d in ("ckpt", "live"))
+    ids = torch.tensor([EVAL_ROWS[2]])
+    with torch.no_grad():
+        diff = (model.logits(ids)[..., :cfg.vocab_size] - hf(ids).logits).abs().max().item()
+        losses = [live(torch.tensor([r]), labels=torch.tensor([r])).loss.item() for r in EVAL_ROWS]
+    assert diff < 1e-5, diff
+    want = sum(loss * (len(r) - 1) for loss, r in zip(losses, EVAL_ROWS)) / sum(len(r) - 1 for r in EVAL_ROWS)
+    for *_, evaluated in per_rank:
+        assert evaluated["tokens"] == sum(len(r) - 1 for r in EVAL_ROWS), evaluated
+        assert abs(evaluated["loss"] - want) / want < 1e-5, (evaluated, want)
+
+
+def _split_over_tp(tag: str, root: str, t: int = 2) -> None:
+    """The t = 1 E = 2 checkpoint ``tag`` as t TP ranks would write it, committed under ``root``: each model file
+    and expert file holds its TP shard (mtds.checkpoint.shard_spec), the meta says tp t."""
+    import dataclasses
+
+    import torch
+    from mtds.checkpoint.commit import commit, describe_files, write_manifest
+    from mtds.checkpoint.complete import Marker
+    from mtds.checkpoint.dsformat import expert_file, mp_rank_file
+    from mtds.checkpoint.expert_files import STACKED, file_key
+    from mtds.checkpoint.meta import CheckpointMeta
+    from mtds.checkpoint.names import parse
+    from mtds.checkpoint.safe_load import safe_load
+    from mtds.checkpoint.shard_spec import shard
+    cfg, staging = _training_model("mixtral"), os.path.join(root, "staging")
+    module = safe_load(mp_rank_file(tag, 0))["module"]
+    os.makedirs(staging)
+    for r in range(t):
+        torch.save({"module": {k: shard(cfg, *parse(cfg, k), v, t, r).clone() for k, v in module.items()}},
+                   mp_rank_file(staging, r))
+    blocks = [i for i in range(1, cfg.num_layers + 1) if cfg.is_moe_layer(i)]
+    for g in range(cfg.num_experts):
+        state = safe_load(expert_file(tag, g, 0))
+        for r in range(t):     # shard_spec splits the stacked [E, ...] tensor: expert g's slice alone as [1, ...]
+            torch.save({file_key(cfg, i, n, g): shard(cfg, i, n, state[file_key(cfg, i, n, g)][None], t, r)[0].clone()
+                        for i in blocks for n in STACKED}, expert_file(staging, g, r))
+    write_manifest(staging, 0, describe_files(staging, sorted(os.listdir(staging))))
+    commit(root, os.path.basename(tag), staging, Marker(step=STEPS, world_size=1),
+           dataclasses.replace(CheckpointMeta.load(tag), tp=t))
+
+
+def test_tp_shards_of_the_experts_are_merged(saved, tmp_path):
+    """At t > 1 each TP rank's expert files hold its shard: the reader merges them as the dense weights (the
+    same tensors as the t = 1 checkpoint they were cut from); an expert file missing, or ZeRO-3 at E > 1 (which
+    training refuses), is refused in one line."""
+    import torch
+    from mtds.checkpoint.errors import CheckpointFormatError
+    from mtds.checkpoint.meta import META_FILE
+    from mtds.checkpoint.reader import open_checkpoint
+    root, _ = saved
+    tag = f"{root}/zero1/global_step{STEPS}"
+    _split_over_tp(tag, str(tmp_path))
+    t2 = tmp_path / f"global_step{STEPS}"
+    want, got = dict(open_checkpoint(tag).layers()), dict(open_checkpoint(str(t2)).layers())
+    assert sorted(got) == sorted(want)
+    assert [(i, n) for i in want for n in want[i] if not torch.equal(got[i][n], want[i][n])] == []
+    meta = json.loads((t2 / META_FILE).read_text())
+    (t2 / META_FILE).write_text(json.dumps({**meta, "zero_stage": 3}))
+    with pytest.raises(CheckpointFormatError) as err:
+        open_checkpoint(str(t2))
+    assert "saved at --expert-model-parallel-size 2 with ZeRO-3" in str(err.value) and "\n" not in str(err.value)
+    os.remove(t2 / "layer_0_expert_3_mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointFormatError, match="missing file layer_0_expert_3_mp_rank_01_model_states.pt"):
+        open_checkpoint(str(t2))

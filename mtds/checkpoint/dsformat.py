@@ -32,6 +32,12 @@ def mp_rank_file(tag_dir: str, mp_rank: int) -> str:
     return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
 
 
+def expert_file(tag_dir: str, expert: int, tp_rank: int) -> str:
+    """DeepSpeed's file of global expert ``expert`` (TP rank's slices, every MoE block); "layer_0": its counter
+    of MoE modules, and mtds has one (``ExpertGroups``) for all blocks."""
+    return os.path.join(tag_dir, f"layer_0_expert_{expert}_mp_rank_{tp_rank:02d}_model_states.pt")
+
+
 def has_layer_files(tag_dir: str) -> bool:
     return bool(glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")))
 

@@ -2,7 +2,8 @@
 at a time.
 
 Peak memory is one layer's pieces from every TP rank plus its merged copy: the per-layer files are
-mmapped and only the requested layer is touched.
+mmapped and only the requested layer is touched. Expert-parallel checkpoints (E > 1) too: each block's
+stacked experts are joined from DeepSpeed's per-expert files (mtds.checkpoint.expert_files).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from mtds.checkpoint.complete import resolve_tag_dir
 from mtds.checkpoint.dsformat import ModuleStateReader, has_layer_files, layer_file, mp_rank_file
 from mtds.checkpoint.errors import CheckpointFormatError
+from mtds.checkpoint.expert_files import ExpertFileReader, expert_files
 from mtds.checkpoint.meta import CheckpointMeta
 from mtds.checkpoint.shard_spec import layer_names, unshard
 from mtds.checkpoint.zero3_weights import Zero3StateReader, expected_zero3_files
@@ -23,10 +25,6 @@ class MtdsCheckpoint:
     def __init__(self, path: str):
         self.tag_dir = resolve_tag_dir(path)
         self.meta = CheckpointMeta.load(self.tag_dir)
-        if self.meta.ep > 1:      # its experts are in per-expert files this reader does not join yet
-            raise CheckpointFormatError(f"{self.tag_dir} was saved at --expert-model-parallel-size {self.meta.ep}: "
-                                        f"reading expert-parallel checkpoints as full tensors (mtds-convert, "
-                                        f"mtds-eval) is not built yet; resume it with train.py at its own layout")
         try:
             self.cfg = self.meta.model_config
         except (TypeError, ValueError) as err:
@@ -36,8 +34,15 @@ class MtdsCheckpoint:
                                         f"{'missing' if self.meta.pipeline else 'unexpected'} (partial checkpoint?)")
         # ZeRO-3 keeps the weights only in the optimizer's fp32 partitions (consolidated per TP rank).
         self.zero3 = self.meta.zero_stage == 3 and not self.meta.weights_only
+        # at E > 1 the stacked experts are in DeepSpeed's per-expert files (mtds.checkpoint.expert_files)
+        self.expert_files = self.meta.ep > 1 and not self.meta.weights_only
+        if self.expert_files and (self.zero3 or self.meta.pipeline):     # training refuses these too
+            raise CheckpointFormatError(f"{self.tag_dir} was saved at --expert-model-parallel-size {self.meta.ep} "
+                                        f"with {'ZeRO-3' if self.zero3 else 'a pipeline'}: not a layout mtds writes")
         self._reader = Zero3StateReader(self.tag_dir, self.cfg, self.meta.tp) if self.zero3 else \
             ModuleStateReader(self.tag_dir, self.cfg, self.meta.tp, self.meta.pipeline)
+        if self.expert_files:
+            self._reader = ExpertFileReader(self._reader, self.tag_dir, self.cfg, self.meta.tp)
         self._check_files()
 
     def _check_files(self) -> None:
@@ -47,6 +52,8 @@ class MtdsCheckpoint:
             [mp_rank_file(self.tag_dir, r) for r in range(t * p if self.meta.pipeline else t)]
         if self.meta.pipeline:
             wanted += [layer_file(self.tag_dir, layer, r) for layer in layer_names(self.cfg) for r in range(t)]
+        if self.expert_files:
+            wanted += expert_files(self.tag_dir, self.cfg, t)
         missing = [os.path.basename(f) for f in wanted if not os.path.isfile(f)]
         if missing:
             raise CheckpointFormatError(f"{self.tag_dir} is partial: {len(missing)} file(s) missing, e.g. "

@@ -27,6 +27,7 @@ import torch
 
 # DeepSpeed's infix of one expert's keys (engine.py: moe_str_prefix, without its dots), then the local id
 EXPERT_KEY = "deepspeed_moe.experts.deepspeed_experts"
+EXPERT_GROUPS = "deepspeed_expert_groups"      # the ExpertGroups module's name in the model (engine_setup adds it)
 
 
 def expert_key(local: int, name: str) -> str:

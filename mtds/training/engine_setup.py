@@ -11,7 +11,7 @@ from typing import Callable
 from mtds.observe.comm_trace import label_deepspeed_groups
 from mtds.deepspeed_compat import pipeline as ds_pipeline
 from mtds.deepspeed_compat.bf16_flat import install_flat_bf16
-from mtds.deepspeed_compat.expert_checkpoint import install_expert_checkpointing
+from mtds.deepspeed_compat.expert_checkpoint import EXPERT_GROUPS, install_expert_checkpointing
 from mtds.deepspeed_compat.expert_groups import create_expert_groups, expert_groups_module, mark_expert_parameters
 from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
@@ -28,7 +28,6 @@ from mtds.training.schedule import build_scheduler
 from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
 from mtds.training.world import World
 
-EXPERT_GROUPS = "deepspeed_expert_groups"      # the ExpertGroups module's name in the model
 
 
 def _lr_scheduler(cfg: TrainConfig, ds_config: dict) -> Callable | None:
