@@ -56,7 +56,7 @@ def _foreach_grad_norm(opt, gradients, params) -> torch.Tensor:
         if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:      # counted on the stage that owns it
             continue
         if is_model_parallel_parameter(p) or opt.model_parallel_rank == 0:
-            selected.append(g.detach())
+            selected.append(g)      # plain tensors (no grad): no detach per parameter
     if selected:
         norms = torch._foreach_norm(selected, 2.0, dtype=get_norm_dtype())
         total = torch.stack(norms).pow(2.0).sum().float()
