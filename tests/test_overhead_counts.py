@@ -109,3 +109,8 @@ def test_fp32_zero1_bookkeeping_has_no_per_parameter_operators():
     for op in ("aten.linalg_vector_norm.default", "aten._to_copy.default", "aten.sum.default", "aten.copy_.default"):
         assert computing.get(op, 0) == 0, (op, computing)
     assert sum(computing.values()) <= 32, computing
+    # Views and detaches too (cheap, but each a dispatch on the host): 150 a layer since DeepSpeed's re-pointing
+    # of every parameter after a step is skipped when none moved (zero_repoint.py; 4 a parameter: 198) and the
+    # fill and the norm stopped slicing and detaching whole gradients.
+    every = {op: n // 2 for op, n in per_layer.items() if n and not op.startswith("profiler.")}
+    assert sum(every.values()) <= 150, every

@@ -277,8 +277,10 @@ def test_zero1_reduction_overlaps_the_cool_down():
     before the first stage's last compute ends -- not after the pipeline drained (the tied all-reduce
     waits for the first stage; DeepSpeed's own reduction starts after it).
 
-    Under 1F1B the first stage's last backward needs the last stage's last gradient, so it always ends
-    after the last stage's compute: the check is strict. zb-h1 may defer the last stage's final W past the
+    Under 1F1B (DeepSpeed's engine) it is held by where the reduction runs: inside ReduceTiedGrads, before
+    that instruction's all-reduce (which waits for the first stage), and the order of those two calls is held
+    by test_the_early_reduction_runs_before_the_tied_all_reduce; the wall clock once failed it (4 ranks on
+    2 cores: the last stage started 0.4 ms after the first stage's end). zb-h1 may defer the last stage's final W past the
     first stage's end; a run where that happened has no cool-down left to overlap, and only the order on
     the last stage is checked (reduce-scatter right after its own last compute). The BF16 optimizer's
     reduce-scatter (1f1b bf16) too, at the ring minimum in bf16 values."""
@@ -293,8 +295,33 @@ def test_zero1_reduction_overlaps_the_cool_down():
         early = [e for e in events if e["pid"] == 1 and e["cat"] == "reduce"]
         start = min(e["ts"] for e in early)
         assert last_done <= start, (name, "reduced before its own last compute ended", last_done, start)
-        if name.startswith("1f1b") or last_done < first_done:
+        if name.startswith("1f1b"):
+            # DeepSpeed's engine: the reduction runs inside ReduceTiedGrads, before its all-reduce waits for
+            # the first stage's last backward (the drain). Checked by where it runs, not by the clock: with 4
+            # ranks on 2 cores a descheduled last stage once started it 0.4 ms after the first stage's end.
+            tied = [e for e in events if e["pid"] == 1 and e["cat"] == "tied"]
+            inside = [e for e in early if e["name"] == "early" and any(
+                t["ts"] <= e["ts"] and e["ts"] + e["dur"] <= t["ts"] + t["dur"] for t in tied)]
+            assert inside, (name, "no reduction inside ReduceTiedGrads", early, tied)
+        elif last_done < first_done:
             assert start < first_done, (name, last_done, start, first_done, early)
+
+
+def test_the_early_reduction_runs_before_the_tied_all_reduce():
+    # What test_zero1_reduction_overlaps_the_cool_down holds by where the reduction runs, here in the order of
+    # calls: the hook first, then DeepSpeed's ReduceTiedGrads handler (whose all-reduce waits for the drain).
+    from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
+
+    from mtds.deepspeed_compat.pipeline import before_tied_reduction
+    order = []
+
+    class Engine:
+        _INSTRUCTION_MAP = {ReduceTiedGrads: lambda self, **kwargs: order.append("tied all-reduce")}
+
+    engine = Engine()
+    before_tied_reduction(engine, lambda: order.append("reduce-scatter"))
+    engine._INSTRUCTION_MAP[ReduceTiedGrads](engine)
+    assert order == ["reduce-scatter", "tied all-reduce"], order
 
 
 def test_zero1_reduction_goes_bucket_by_bucket():

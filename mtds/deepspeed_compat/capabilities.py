@@ -163,6 +163,11 @@ CAPABILITIES = (
         Target("deepspeed.runtime.utils", "is_model_parallel_parameter", ("p",)),
         Target("deepspeed.runtime.constants", "PIPE_REPLICATED", A),
         *(Target(ZERO12, name, A, instance=True) for name in ("model_parallel_rank", "cpu_offload")))),
+    Capability("ZeRO-1/2's step re-points parameters only when they moved (zero_repoint.py)", (
+        Target(ZERO12, "_update_model_bit16_weights", ("group_index",)),
+        *(Target(ZERO12, name, A, instance=True) for name in (
+            "round_robin_bit16_groups", "round_robin_bit16_meta", "round_robin_bit16_offsets", "bit16_groups_flat",
+            "cpu_offload", "has_moe_layers")))),
     Capability("durable checkpoint writes and safe loads", (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),
     Capability("load a universal checkpoint", (

@@ -132,7 +132,9 @@ class Zero1ReduceScatter(EarlyReducer):
                 grad = opt.get_gradient_for_reduction(p)
                 if hi <= lo or grad is None:
                     continue
-                piece = grad.reshape(-1).narrow(0, lo - start, hi - lo)
+                piece = grad.reshape(-1)
+                if hi - lo < piece.numel():      # a parameter cut by the window: its part (else no slice)
+                    piece = piece.narrow(0, lo - start, hi - lo)
                 if runs and lo == at:
                     runs[-1][1].append(piece)
                 else:

@@ -17,6 +17,7 @@ from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.deepspeed_compat.zero_norm import install_foreach_norm
+from mtds.deepspeed_compat.zero_repoint import install_skip_repoint
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
 from mtds.pipe.select import OWN_ENGINE
 
@@ -112,6 +113,7 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
     if not experts:
         install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
         install_foreach_norm(engine)    # ZeRO-1/2's norm in one foreach (else nothing)
+        install_skip_repoint(engine)    # ZeRO-1/2: parameters re-pointed after a step only if they moved
     if precision == "fp32" and zero_stage == 0:
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
