@@ -62,18 +62,35 @@ def bytes_per_step(comm: str, c: int, seq: int, hidden: int, layers: int, b: int
     return 2 * (c - 1) / c * 2 * b * sl * (HEADS + KV_HEADS) * e * w * layers
 
 
-def launch(seq: int, c: int, comm: str, args, work: str) -> dict:
-    from benchmarks.bench_schedules import run_train
+def train_command(case: str, seq: int, c: int, comm: str, steps: int, hidden: int, layers: int,
+                  positions: int | None = None) -> tuple[list[str], str]:
+    """train.py on C ranks for one case folder (model, DeepSpeed JSON and step log written there): the
+    command and its step log. ``positions``: the model's room (default ``seq``)."""
     from lab.testing import free_port
-    case = os.path.join(work, f"s{seq}_c{c}_{comm}")
     os.makedirs(case, exist_ok=True)
-    model = write_model(os.path.join(case, "model"), seq, args.hidden, args.layers)
+    model = write_model(os.path.join(case, "model"), positions or seq, hidden, layers)
     jsonl = os.path.join(case, "log.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(c), "--master_port",
            str(free_port()), os.path.join(REPO, "train.py"), "--deepspeed_config",
            write_ds_config(os.path.join(case, "ds.json")), "--model", model, "--seq-length", str(seq),
-           "--cp", str(c), "--cp-comm-type", comm, "--steps", str(args.steps), "--eval-split", "0",
+           "--cp", str(c), "--cp-comm-type", comm, "--steps", str(steps), "--eval-split", "0",
            "--lr-decay", "constant", "--no-progress", "--log-jsonl", jsonl]
+    return cmd, jsonl
+
+
+def write_table(rows: list[str], out: str | None) -> None:
+    """Print the markdown table, and write it to ``out`` when given."""
+    table = "\n".join(rows)
+    print(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
+
+
+def launch(seq: int, c: int, comm: str, args, work: str) -> dict:
+    from benchmarks.bench_schedules import run_train
+    case = os.path.join(work, f"s{seq}_c{c}_{comm}")
+    cmd, jsonl = train_command(case, seq, c, comm, args.steps, args.hidden, args.layers)
     start = time.monotonic()
     error = run_train(cmd, case)
     if error:
@@ -107,11 +124,7 @@ def main(argv=None) -> int:
                     rows.append(f"| {seq} | {c} | {comm if c > 1 else '-'} | {r['tokens_per_s']:,.0f} | {mb:.1f} | "
                                 f"{r['wall_s']:.0f} |")
                 print(rows[-1], flush=True)
-    table = "\n".join(rows)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    write_table(rows, args.out)
     return 0
 
 

@@ -27,18 +27,11 @@ sys.path.insert(0, REPO)
 
 def peak_gib(seq: int, c: int, args, work: str) -> float | str:
     """The highest ``peak_mem_gib`` any step of the run logged (the reporting rank's), or the error."""
-    from benchmarks.bench_cp import write_ds_config, write_model
+    from benchmarks.bench_cp import train_command
     from benchmarks.bench_schedules import run_train
-    from lab.testing import free_port
     case = os.path.join(work, f"s{seq}_c{c}")
-    os.makedirs(case, exist_ok=True)
-    jsonl = os.path.join(case, "log.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(c), "--master_port",
-           str(free_port()), os.path.join(REPO, "train.py"), "--deepspeed_config",
-           write_ds_config(os.path.join(case, "ds.json")),
-           "--model", write_model(os.path.join(case, "model"), max(seq, args.base_seq), args.hidden, args.layers),
-           "--seq-length", str(seq), "--cp", str(c), "--cp-comm-type", args.comm, "--steps", "2",
-           "--eval-split", "0", "--lr-decay", "constant", "--no-progress", "--log-jsonl", jsonl]
+    cmd, jsonl = train_command(case, seq, c, args.comm, 2, args.hidden, args.layers,
+                               positions=max(seq, args.base_seq))
     error = run_train(cmd, case)
     if error:
         return error
@@ -58,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
+    from benchmarks.bench_cp import write_table
     work = tempfile.mkdtemp(prefix="mtds-bench-cp-memory-")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = [f"| C | base peak GiB (seq {args.base_seq}) | growth GiB per seq | longest seq under "
@@ -82,11 +76,7 @@ def main(argv=None) -> int:
         longest[c] = best
         ratio = f"{best / longest[args.cp[0]]:.0f}x" if best and longest.get(args.cp[0]) else "-"
         rows.append(f"| {c} | {base:.2f} | {', '.join(seen)} | {best or '-'} | {ratio} |")
-    table = "\n".join(rows)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    write_table(rows, args.out)
     return 0
 
 

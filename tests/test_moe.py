@@ -116,14 +116,7 @@ def test_logits_loss_and_grads_match_transformers(name, tmp_path):
     assert abs(got - want) / want < REL_TOL, (name, got, want)
     out.loss.backward()
     loss.backward()
-    # mtds's gradients in transformers' names (the export's tables map grads as they map weights)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    as_weights = GPTModel(cfg)
-    with torch.no_grad():
-        for n, p in as_weights.named_parameters():
-            p.copy_(grads[n])
-    ours = model_to_hf_state(as_weights)
-    theirs = _hf_state_of_grads(hf, tmp_path / "grads")
+    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
     assert sorted(ours) == sorted(theirs)
     worst = max(_rel(ours[k], theirs[k]) for k in theirs)
     assert worst < REL_TOL, (name, worst)
@@ -157,6 +150,17 @@ def test_recomputed_training_then_evaluation(tmp_path):
     with torch.no_grad():
         lm = hf.eval()(ids, labels=ids).loss
         assert abs(float(model(ids, labels)) - float(lm)) / float(lm) < REL_TOL
+
+
+def grads_in_hf_names(model, cfg, hf, path):
+    """(mtds's gradients, transformers' gradients), both in transformers' names: mtds's through the export's
+    tables (they map gradients as they map weights), transformers' saved and read back at ``path``."""
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    as_weights = GPTModel(cfg)
+    with torch.no_grad():
+        for n, p in as_weights.named_parameters():
+            p.copy_(grads[n])
+    return model_to_hf_state(as_weights), _hf_state_of_grads(hf, path)
 
 
 def _hf_state_of_grads(hf, path):

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from tests.test_moe import _hf_state_of_grads, _ids, _imported, _rel, _training_model
+from tests.test_moe import _ids, grads_in_hf_names, _imported, _rel, _training_model
 
 Z_COEF = 0.1     # large enough that the z-loss moves every router gradient well past the tolerances
 
@@ -40,13 +40,7 @@ def test_z_loss_matches_by_hand_on_transformers_logits(tmp_path):
     assert all(abs(a - b) / b < 1e-5 for a, b in zip(seen, by_hand)), (seen, by_hand)
     want.backward()
     loss.backward()
-    from mtds.hf import model_to_hf_state
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    as_weights = GPTModel(cfg)
-    with torch.no_grad():
-        for n, p in as_weights.named_parameters():
-            p.copy_(grads[n])
-    ours, theirs = model_to_hf_state(as_weights), _hf_state_of_grads(hf, tmp_path / "grads")
+    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
     worst = max(_rel(ours[k], theirs[k]) for k in theirs)
     assert worst < 1e-5, worst
     # evaluation: no z-loss (Megatron computes it in training only)

@@ -20,6 +20,7 @@ FOREACH = True
 
 
 def unsupported_reason(engine) -> str | None:
+    """Why DeepSpeed's own ZeRO-1/2 code stays (here and in zero_repoint.py); None: the patch applies."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeroOptimizer):

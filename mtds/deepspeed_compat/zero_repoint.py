@@ -10,15 +10,7 @@ host, no operator), which is what DeepSpeed's call would change. Values are neve
 """
 from __future__ import annotations
 
-
-def unsupported_reason(engine) -> str | None:
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    opt = engine.optimizer
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
-        return "not DeepSpeed's ZeRO-1/2 optimizer"
-    if opt.cpu_offload or opt.has_moe_layers:
-        return "CPU offload or MoE"
-    return None
+from mtds.deepspeed_compat.zero_norm import unsupported_reason   # the same ZeRO-1/2 optimizers, the same exceptions
 
 
 def already_pointing(opt, group_index: int) -> bool:
