@@ -4,6 +4,7 @@ DeepSpeed's per-parameter loops, bit for bit on CPU, at the layouts whose gradie
 operators it saves, held as counts."""
 import collections
 import dataclasses
+import math
 
 from lab.testing import spawn
 from tests.training_helpers import TINY, ds_config, train_config
@@ -118,24 +119,43 @@ def test_operators_per_layer_per_step():
 
 
 def _zero1_norm_foreach_and_loop():
+    import torch
+
+    import mtds.deepspeed_compat.compact_partition as compact_partition
     import mtds.deepspeed_compat.zero_norm as zero_norm
     from mtds.training import run
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     runs = {}
+    # every gradient partition starts as NaN: an element the reduce-scatter leaves unwritten shows
+    compact_partition.ALLOC = lambda n, **kw: torch.full((n,), float("nan"), **kw)
+    # DeepSpeed's first gradient hook of a run allocates its (here unused) reduction bucket in setup_buckets
+    setup_buckets, calls = DeepSpeedZeroOptimizer.setup_buckets, []
+    DeepSpeedZeroOptimizer.setup_buckets = lambda self: calls.append(1) or setup_buckets(self)
     for on in (True, False):
         zero_norm.FOREACH = on
         try:
             runs[on] = run(train_config(tp=1, pp=1, steps=STEPS, deepspeed_config=ds_config(zero=1)))
         finally:
             zero_norm.FOREACH = True
+            compact_partition.ALLOC = torch.empty
+            DeepSpeedZeroOptimizer.setup_buckets = setup_buckets
+    runs["setup_buckets"] = len(calls)
     return runs
 
 
 def test_zero1_foreach_norm_equals_deepspeeds_loop_bit_for_bit():
     # fp32 ZeRO-1 at d = 2 (the gradients reduce-scattered, two micro-batches per rank), clipped: the norm
-    # from one _foreach_norm(dtype=float64) is DeepSpeed's per-gradient float64 loop's, bit for bit.
-    reporting = [runs for runs in spawn(_zero1_norm_foreach_and_loop, 2) if runs[True].losses]
+    # from one _foreach_norm(dtype=float64) is DeepSpeed's per-gradient float64 loop's, bit for bit. The
+    # gradient partitions are allocated without zeroing (compact_partition.py), here filled with NaN: the
+    # reduce-scatter writes every element, padding included, or the norms and losses are not finite.
+    # DeepSpeed's per-parameter gradient hooks are gone (zero1_reduce.drop_gradient_hooks): its reduction
+    # bucket is never allocated.
+    every = spawn(_zero1_norm_foreach_and_loop, 2)
+    assert [runs["setup_buckets"] for runs in every] == [0, 0], every
+    reporting = [runs for runs in every if runs[True].losses]
     assert reporting
     for runs in reporting:
         on, off = runs[True], runs[False]
         assert on.losses == off.losses and on.grad_norms == off.grad_norms, (on.grad_norms, off.grad_norms)
         assert len(on.grad_norms) == STEPS and on.grad_norms[0] > 0.5, on.grad_norms
+        assert all(math.isfinite(x) for x in on.losses + on.grad_norms), (on.losses, on.grad_norms)

@@ -37,6 +37,12 @@ def _profiled(workdir):
     return plain.profile, profiled.profile, sorted(os.listdir(workdir))
 
 
+def _range_names(trace: str) -> list[str]:
+    import json
+    with open(trace) as f:
+        return [e.get("name", "") for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("mtds.")]
+
+
 def test_profile_step_sums_one_step_by_kind_and_writes_the_trace(tmp_path):
     plain, summary, files = spawn(_profiled, 1, str(tmp_path), timeout=200)[0]
     assert plain is None                                  # off unless asked
@@ -45,6 +51,12 @@ def test_profile_step_sums_one_step_by_kind_and_writes_the_trace(tmp_path):
     assert kinds["gemm"][0] > 0 and kinds["gemm"][1] > 0 and "optimizer" in kinds
     assert abs(sum(ms for ms, _ in kinds.values()) - summary["busy_ms"]) < 1e-6
     assert 0 < summary["busy_ms"] <= summary["wall_ms"] * 1.05     # own times of one thread's operators
+    # mtds's ranges (mtds.observe.ranges: opened only while a profiler records) are in the trace: the step,
+    # its optimizer step, a forward and a backward per micro-batch, each hook and each layer's forward
+    names = _range_names(str(tmp_path / files[0]))
+    assert "mtds.step" in names and "mtds.optimizer" in names, names
+    assert names.count("mtds.forward") == names.count("mtds.backward") >= 1, names
+    assert names.count("mtds.layer") >= 2 and any(n.startswith("mtds.hook.") for n in names), names
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -133,6 +133,9 @@ CAPABILITIES = (
     Capability("reduce-scatter ZeRO-1's gradients into the partition its step reads", (
         Target(ZERO12, "reduce_gradients", ("pipeline_parallel",)),
         Target(ZERO12, "_build_compact_grad_partition_buffer", ("group_idx",)),
+        # compact_partition.py builds this group itself from the layout of one DeepSpeed build
+        Target("deepspeed.runtime.zero.stage_1_and_2:GradPartitionBufferGroup", "move_flat_partition",
+               ("device", "non_blocking")),
         Target(ZERO12, "get_gradient_for_reduction", ("param",)),
         Target(ZERO12, "_clear_param_grad_only", M),
         Target(ZERO12, "_is_muon_group", ("tensor_list",)),
@@ -141,7 +144,8 @@ CAPABILITIES = (
             "bit16_groups", "bit16_groups_flat", "real_dp_process_group", "dp_process_group", "averaged_gradients",
             "all_grad_tensors", "reduce_bucket_size", "partition_gradients", "overlap_comm", "cpu_offload",
             "use_grad_accum_attribute", "has_moe_layers", "zenflow", "sequence_parallel_size",
-            "communication_data_type", "gradient_accumulation_dtype", "gradient_average")),
+            "communication_data_type", "gradient_accumulation_dtype", "gradient_average",
+            "_grad_acc_hooks", "contiguous_gradients")),
         Target(PIPE_MODULE, "get_tied_weights_and_groups", M),
         Target(PIPE_ENGINE, "_INSTRUCTION_MAP", A))),
     Capability("reduce-scatter BF16_Optimizer's gradients into the partition its step reads", (

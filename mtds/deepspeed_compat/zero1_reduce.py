@@ -29,6 +29,7 @@ import bisect
 
 import torch
 
+from mtds.deepspeed_compat.compact_partition import CompactPartition
 from mtds.deepspeed_compat.ledger import ledger
 
 NAME = "DeepSpeedZeroOptimizer.reduce_gradients"
@@ -105,6 +106,7 @@ class Zero1ReduceScatter(EarlyReducer):
         opt = self.opt
         self.layout = [_sorted_layout(flat, group) for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups)]
         self.bucket = int(opt.reduce_bucket_size)
+        self.partitions = [CompactPartition(opt, i) for i in range(len(opt.bit16_groups))]
         self.note_sum = None    # mtds.safety.numerics.LocalNonFinite.note: where the windows' sums go
 
     def _fill(self, i: int):
@@ -167,7 +169,7 @@ class Zero1ReduceScatter(EarlyReducer):
             size = opt.bit16_groups_flat[i].numel() // d
             spans = [(offset, offset + p.numel()) for offset, p in self.layout[i][1] if id(p) in late]
             now, later = self.split_by_spans(spans, d, size)
-            partition = opt._build_compact_grad_partition_buffer(i)
+            partition = self.partitions[i].build()
             self._reduce(i, partition, now)
             self.pending[i] = (partition, later)
 
@@ -181,7 +183,7 @@ class Zero1ReduceScatter(EarlyReducer):
         pending, self.pending = self.pending, None
         for i in range(len(opt.bit16_groups)):
             if pending is None:
-                partition = opt._build_compact_grad_partition_buffer(i)
+                partition = self.partitions[i].build()
                 self._reduce(i, partition)
             else:
                 partition, later = pending[i]
@@ -203,9 +205,29 @@ def install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_para
         return None
     reducer = Zero1ReduceScatter(engine, reduce_scatter_sum, split_by_spans, late_params)
     reducer.book.expect(NAME)
+    drop_gradient_hooks(engine.optimizer)
     engine.optimizer.reduce_gradients = reducer.reduce_gradients
     object.__setattr__(engine, "mtds_zero1_reduce", reducer)
     return reducer
+
+
+def drop_gradient_hooks(opt) -> None:
+    """Remove the hook DeepSpeed's ZeRO-1 puts on every parameter's gradient accumulator (it does because
+    ``contiguous_gradients`` is on, its default) and turn that flag off: under this reducer the hooks do
+    nothing the step needs and cost, per backward, a Python call per parameter plus, in the first one, a walk
+    from every parameter into the autograd graph (``count_used_parameters_in_backward``: a ``view_as`` each),
+    and the first hook of the run allocates DeepSpeed's reduction bucket (``reduce_bucket_size`` elements:
+    2 GB fp32 at DeepSpeed's default 5e8), which only DeepSpeed's own ``reduce_gradients`` uses and frees --
+    replaced here, so it was held, unused, for the whole run. What the hooks also drive, the engine's
+    post-backward callback, its backward prologue queues as well (torch's ``queue_callback``, checked
+    here: where it is missing the hooks stay)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if not hasattr(engine, "queue_callback") or not hasattr(torch._C, "_current_graph_task_id"):
+        return
+    for handle in opt._grad_acc_hooks:
+        handle.remove()
+    opt._grad_acc_hooks = []
+    opt.contiguous_gradients = False
 
 
 def reduce_early(engine) -> None:

@@ -37,27 +37,41 @@ def install_foreach_norm(engine) -> bool:
         return False
     opt = engine.optimizer
     original = opt.get_grad_norm_direct
+    selections = {}
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
         if not FOREACH or float(norm_type) != 2.0:
             return original(gradients, params, norm_type)
-        return _foreach_grad_norm(opt, gradients, params)
+        return _foreach_grad_norm(opt, _selected(opt, gradients, params, selections))
 
     opt.get_grad_norm_direct = get_grad_norm_direct
     return True
 
 
-def _foreach_grad_norm(opt, gradients, params) -> torch.Tensor:
+def _selected(opt, gradients, params, selections: dict) -> list:
+    """The gradients that count in the norm: DeepSpeed's selection, made once per parameter list (a group's
+    partition: its padding pieces and its parameters' flags do not change) and kept as positions in
+    ``gradients`` -- the walk over every piece and parameter ran each step."""
+    key = (id(params), len(gradients))
+    hit = selections.get(key)
+    if hit is None or hit[0] is not params:
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        pieces = [k for k, g in enumerate(gradients) if not getattr(g, "_zero_padding", False)]
+        positions = []
+        for k, p in zip(pieces, params):
+            if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:      # counted on the stage that owns it
+                continue
+            if is_model_parallel_parameter(p) or opt.model_parallel_rank == 0:
+                positions.append(k)
+        hit = selections[key] = (params, positions)
+    return [gradients[k] for k in hit[1]]      # plain tensors (no grad): no detach per parameter
+
+
+def _foreach_grad_norm(opt, selected: list) -> torch.Tensor:
     from deepspeed import comm as dist
-    from deepspeed.runtime.constants import PIPE_REPLICATED
-    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
     from deepspeed.runtime.zero.utils import get_norm_dtype
-    selected = []
-    for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params):
-        if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:      # counted on the stage that owns it
-            continue
-        if is_model_parallel_parameter(p) or opt.model_parallel_rank == 0:
-            selected.append(g)      # plain tensors (no grad): no detach per parameter
     if selected:
         norms = torch._foreach_norm(selected, 2.0, dtype=get_norm_dtype())
         total = torch.stack(norms).pow(2.0).sum().float()

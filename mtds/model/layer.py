@@ -5,7 +5,6 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
@@ -17,6 +16,7 @@ from mtds.model.mlp import MLP
 from mtds.model import router_carry
 from mtds.model.moe import MoEBlock
 from mtds.model.norms import make_norm
+from mtds.observe.ranges import profiler_range
 
 
 class TransformerLayer(nn.Module):
@@ -70,7 +70,7 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden):
         """``hidden``: [b, s, h], or (hidden, segment ids) with packed documents -- passed on as
         given, so the ids reach every block and pipeline stage (:mod:`mtds.model.documents`)."""
-        with record_function("mtds.layer"):   # a torch.profiler range (benchmarks/profile_step.py)
+        with profiler_range("mtds.layer"):   # a torch.profiler range (benchmarks/profile_step.py)
             return self._forward_keyed(hidden)
 
     def _forward_keyed(self, hidden):

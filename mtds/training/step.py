@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from mtds.parallel.layout import ParallelGroups
 
 from mtds.training.batches import DeviceBatches
+from mtds.observe.ranges import profiler_range
 
 
 def _mean_over_data_parallel(loss: torch.Tensor, groups: ParallelGroups) -> float:
@@ -33,18 +33,18 @@ def _stage_data(stream, groups: ParallelGroups, accumulation: int, device):
 def train_step(engine, stream, groups: ParallelGroups, accumulation: int, device) -> float:
     if groups.layout.pp > 1:
         # The engine runs 1F1B over `accumulation` micro-batches and averages loss over them and DP.
-        with record_function("mtds.train_batch"):
+        with profiler_range("mtds.train_batch"):
             return float(engine.train_batch(data_iter=_stage_data(stream, groups, accumulation, device)))
     losses = []
     batches = DeviceBatches(stream, device, accumulation)
     for _ in range(accumulation):
         input_ids, labels = next(batches)      # an endless iterator: the count bounds the loop
         # named ranges for torch.profiler (benchmarks/profile_step.py): where a step's time goes
-        with record_function("mtds.forward"):
+        with profiler_range("mtds.forward"):
             loss = engine(input_ids, labels)
-        with record_function("mtds.backward"):
+        with profiler_range("mtds.backward"):
             engine.backward(loss)
-        with record_function("mtds.optimizer"):
+        with profiler_range("mtds.optimizer"):
             engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
         losses.append(loss.detach())
     return _mean_over_data_parallel(torch.stack(losses).mean(), groups)

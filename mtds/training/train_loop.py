@@ -6,7 +6,6 @@ import sys
 import time
 
 import torch
-from torch.autograd.profiler import record_function
 
 from mtds.observe.gemm_peak import cpu_gemm_peak
 from mtds.observe.metrics import model_config_flops, peak_tflops
@@ -18,6 +17,7 @@ from mtds.training.distributed import peak_memory_gib
 from mtds.training.hooks import step_hooks
 from mtds.training.result import RunResult
 from mtds.training.step import train_step
+from mtds.observe.ranges import profiler_range
 
 
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,7 +85,7 @@ def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
     for step in range(start_step + 1, cfg.steps + 1):
         for hook in hooks:
             hook.before_step(step)
-        with record_function("mtds.step"):
+        with profiler_range("mtds.step"):
             record = recorder.step(step)
         result.losses.append(record["loss"])
         result.grad_norms.append(record["grad_norm"])
@@ -93,7 +93,7 @@ def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
         result.final_step = step
         reasons = []
         for hook in hooks:   # every hook sees every step
-            with record_function(f"mtds.hook.{type(hook).__name__}"):
+            with profiler_range(f"mtds.hook.{type(hook).__name__}"):
                 reasons.append(hook.after_step(step, record))
         result.stopped_by = next((r for r in reasons if r), None)
         if result.stopped_by:
