@@ -1,10 +1,12 @@
 """``--compile``: torch.compile each transformer layer, on CPU (Inductor's C++ backend) and CUDA alike.
 
 One layer at a time rather than the whole model: every layer has the same code and shapes, so Inductor
-compiles the forward and backward graph once and the other layers reuse it; the tensor-parallel
-collectives, the pipeline's stage boundaries and DeepSpeed's engine stay outside the compiled graphs (a
-collective inside a layer splits its graph there). What is compiled is the layer's computation
-(``TransformerLayer._forward``); its profiler range and the keying of its dropout streams stay outside.
+compiles the forward and backward graph once and the other layers reuse it; the pipeline's stage
+boundaries and DeepSpeed's engine stay outside the compiled graphs. The tensor-parallel collectives inside
+a layer are in its graph: traced, :mod:`mtds.tp.mappings` calls torch's functional collectives (its eager
+``async_op=True`` calls were graph breaks: 14 in two GPT-2 layers at t = 2, 22 with sequence
+parallelism). What is compiled is the layer's computation (``TransformerLayer._forward``); its profiler
+range and the keying of its dropout streams stay outside.
 With dropout a layer is still one graph: the replicated masks are drawn before it and the sharded stream
 sits in the default generator while it runs (mtds.tp.random), so no generator swap breaks it; selective
 recomputation inside it is torch's own checkpoint, which Dynamo traces. Inductor draws dropout masks from

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mtds.tp.mappings import _all_reduce, _compiling
+
 
 class _LinearAllReducingInputGrad(torch.autograd.Function):
     @staticmethod
@@ -28,7 +30,10 @@ class _LinearAllReducingInputGrad(torch.autograd.Function):
         work = None
         if ctx.needs_input_grad[0]:
             grad_input = grad.matmul(weight)
-            work = dist.all_reduce(grad_input, group=ctx.group, async_op=True)
+            if _compiling():    # functional, in the graph: the compiler places its wait (async_op breaks it)
+                grad_input = _all_reduce(grad_input, ctx.group)
+            else:
+                work = dist.all_reduce(grad_input, group=ctx.group, async_op=True)
         g = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             grad_weight = g.t().matmul(x.reshape(-1, x.shape[-1]))
