@@ -11,8 +11,9 @@ With dropout a layer is still one graph: the replicated masks are drawn before i
 sits in the default generator while it runs (mtds.tp.random), so no generator swap breaks it; selective
 recomputation inside it is torch's own checkpoint, which Dynamo traces. Inductor draws dropout masks from
 torch's generators (``fallback_random``), so the keyed masks are the eager ones. ZB-H1 is refused (its
-backward defers weight GEMMs, which AOTAutograd cannot trace). Parameters, their names and checkpoints are
-untouched.
+backward defers weight GEMMs, which AOTAutograd cannot trace). An MoE block runs eagerly inside its compiled
+layer (``MoEBlock.forward`` is ``torch.compiler.disable``d: one break per MoE layer). Parameters, their names
+and checkpoints are untouched.
 """
 from __future__ import annotations
 

@@ -65,6 +65,11 @@ class MoEBlock(nn.Module):
         if z is not None:
             self.z_seen, self.forwards = self.z_seen + z.detach(), self.forwards + 1
 
+    # Eager inside a compiled layer (--compile): the dispatch reads the rows per expert on the host, so a
+    # traced block would be specialised on every count list (a recompile per step), and torch 2.13's fake
+    # kernel of grouped_mm refuses fp32 (compiling a Mixtral layer raised). The layer's attention, norms and
+    # residuals still compile; the block costs one graph break per MoE layer.
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return self._forward_sequence_slices(hidden)
