@@ -96,12 +96,18 @@ def peers_python() -> str:
 
 def peer_missing(peer: str) -> str | None:
     """Why ``peer`` cannot run here (None: it can)."""
-    script, python = os.path.join(peers_dir(), "bench_peer.py"), peers_python()
+    script = os.path.join(peers_dir(), "bench_peer.py")
     if not os.path.exists(script):
         return f"{script} not found (set MTDS_PEERS_DIR to the peers' tools folder)"
+    return peer_python_missing({"megatron": "megatron.core", "torchtitan": "torchtitan"}[peer])
+
+
+def peer_python_missing(module: str) -> str | None:
+    """Why the peers' interpreter cannot import ``module`` (None: it can); for the benchmarks that run a script
+    of their own there (benchmarks/megatron_moe.py), not bench_peer.py."""
+    python = peers_python()
     if not os.access(python, os.X_OK):
         return f"no peers' python at {python} (run the peers' setup.sh, or set PEERS_PYTHON / PEERS_WORK)"
-    module = {"megatron": "megatron.core", "torchtitan": "torchtitan"}[peer]
     probe = subprocess.run([python, "-c", f"import importlib.util as u, sys; "
                             f"sys.exit(0 if u.find_spec({module.split('.')[0]!r}) else 1)"],
                            capture_output=True, text=True)

@@ -90,3 +90,46 @@ def test_bench_moe_deepspeed_layer_computes_mtds_block():
     torch.testing.assert_close(ds(x)[0], block(x), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
     assert mtds_all_to_all_bytes(2, 8, 256, 512, 2) == 8_388_736
+
+
+def test_bench_moe_megatron_layer_computes_mtds_block(tmp_path):
+    """benchmarks/bench_moe.py's Megatron-core side: Megatron-core's ``MoELayer`` as benchmarks/megatron_moe.py
+    builds it in the peers' interpreter, with mtds's weights copied in, gives mtds's block output, input gradient
+    and weight gradients (router, each expert's gate|up and down) in one process at e = 1, tiny shapes. Skipped
+    only where the peers' interpreter (PEERS_PYTHON / PEERS_WORK) or its megatron-core is missing."""
+    import os
+    import subprocess
+
+    import pytest
+    import torch
+
+    from benchmarks.bench_moe import (REPO, megatron_all_to_all_bytes, model_config, parse_args, rank_inputs,
+                                      write_megatron_job)
+    from benchmarks.peer_runner import peer_python_missing, peers_python
+    from mtds.model.moe import MoEBlock
+    # the formula as traced on 2 ranks (h 64, N 256, top-2; docs/moe.md): rows 16·h·e·N·k, weights 8·e·N·k
+    assert megatron_all_to_all_bytes(2, 64, 256, 2) == 1_056_768 and megatron_all_to_all_bytes(1, 64, 256, 2) == 0
+    why = peer_python_missing("megatron.core")
+    if why:
+        pytest.skip(why)
+    args = parse_args(["--hidden", "32", "--experts", "4", "--ffn", "16", "--tokens", "96", "--ranks", "1"])
+    write_megatron_job(args, str(tmp_path))
+    torch.manual_seed(args.seed)
+    block = MoEBlock(model_config(args))        # the job's weights (write_megatron_job draws them the same way)
+    tokens, upstream = rank_inputs(args, 0)
+    x = tokens.clone().requires_grad_(True)
+    out = block(x)
+    out.backward(upstream)
+    script = os.path.join(REPO, "benchmarks", "megatron_moe.py")
+    p = subprocess.run([peers_python(), script, "--job", str(tmp_path), "--ranks", "1", "--iters", "1", "--warmup",
+                        "0", "--out", str(tmp_path / "r.json"), "--grads", str(tmp_path / "g.pt")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    theirs = torch.load(tmp_path / "g.pt")
+    # the values are ~1e-3 (outputs, input gradients) to ~1e-1 (expert gradients); they agree to ~1e-8 here
+    close = dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(theirs["output"], out.detach(), **close)
+    torch.testing.assert_close(theirs["input_grad"], x.grad, **close)
+    torch.testing.assert_close(theirs["router_grad"], block.router.weight.grad, **close)
+    torch.testing.assert_close(torch.stack(theirs["fc1_grads"]), block.experts.gate_up.grad, **close)
+    torch.testing.assert_close(torch.stack(theirs["fc2_grads"]), block.experts.down.grad, **close)
