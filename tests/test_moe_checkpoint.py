@@ -2,11 +2,14 @@
 saved mid-run and resumed at the same layout equal the uninterrupted run bit for bit (losses and grad norms of
 the three steps after loading, so the Adam moments of every expert came back), at ZeRO-0 (optimizer state in
 DeepSpeed's per-EP-shard files) and ZeRO-1 (each data rank's partitions); which rank wrote which expert's
-file; the same checkpoint at another E refused in one line (another ZeRO stage too); a missing expert file makes
-it incomplete; a weights-only checkpoint (full tensors) loads at E = 2. Read back as a whole model: `mtds-convert
-mtds-to-hf` of the E = 2 checkpoint equals the export of the live weights bit for bit, transformers loads it, and
-`mtds-eval --ckpt` (run in the body at E = 1) gives transformers' loss; TP-sharded expert files merge. One spawned
-2-rank body; the file checks run in the test process on what it saved."""
+file; a missing expert file makes it incomplete; a weights-only checkpoint (full tensors) loads at E = 2.
+Resharded (docs/moe.md, "Resharding at E > 1"; fp32 ZeRO-1): the E = 2 checkpoint resumed at E = 1 on the two
+ranks and on one, that run's checkpoint at E = 2 again, continue the run within 1e-5; the universal folder holds
+the live experts in global order; the ZeRO-0 checkpoint at E = 1, another ZeRO stage, bf16 or t refused in one
+line. Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint equals the export of the live
+weights bit for bit, transformers loads it, and `mtds-eval --ckpt` (run in the body at E = 1) gives transformers'
+loss; TP-sharded expert files merge. One spawned 2-rank body (and a 1-rank one); the file checks run in the test
+process on what it saved."""
 import json
 import os
 import shutil
@@ -24,8 +27,7 @@ def _body(root):
     from mtds.checkpoint.lifecycle import CheckpointError
     from mtds.eval import build_parser, run as evaluate
     from mtds.training import run
-    cfg = _training_model("mixtral")      # 4 experts, 2 on each rank
-    lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10, steps=STEPS, model=cfg)
+    lr = _schedule()
     runs, live = {}, []
     for zero in (0, 1):
         common = dict(expert_model_parallel_size=2, deepspeed_config=ds_config(zero=zero), **lr)
@@ -33,11 +35,15 @@ def _body(root):
         full = run(train_config(**common, save=f"{root}/zero{zero}", save_interval=SAVED_AT), on_engine_ready=probe)
         resumed = run(train_config(**common, load=f"{root}/zero{zero}/global_step{SAVED_AT}"))
         runs[zero] = [(r.losses, r.grad_norms) for r in (full, resumed)]
-    try:     # the same (t, p, d) at E = 1: refused before the data, the model or the engine exist
+    try:     # the ZeRO-0 checkpoint at E = 1: resharding is built for ZeRO-1/2, refused at the load
         run(train_config(deepspeed_config=ds_config(zero=0), load=f"{root}/zero0", **lr))
         refused = None
     except CheckpointError as err:
         refused = str(err)
+    # resharding (fp32 ZeRO-1): the E = 2 checkpoint of step 2 at E = 1 (saving step 3), that one at E = 2 again
+    one = dict(deepspeed_config=ds_config(zero=1), **lr)
+    to_e1 = run(train_config(**one, load=f"{root}/zero1/global_step{SAVED_AT}", save=f"{root}/e1", save_interval=3))
+    back = run(train_config(**one, expert_model_parallel_size=2, load=f"{root}/e1/global_step3"))
     # a weights-only checkpoint (full tensors, as mtds-convert hf-to-mtds writes) at E = 2 and at E = 1
     first = [run(train_config(expert_model_parallel_size=e, deepspeed_config=ds_config(zero=1),
                               load=f"{root}/weights", **{**lr, "steps": 1})).losses[0] for e in (1, 2)]
@@ -45,7 +51,17 @@ def _body(root):
     weights = {n: p.detach().clone() for n, p in live[0].named_parameters()}
     # mtds-eval --ckpt of that E = 2 checkpoint, as a data-parallel pair (evaluation has no expert parallelism)
     evaluated = evaluate(build_parser().parse_args(["--ckpt", f"{root}/zero1", "--data", f"{root}/rows.jsonl"]))
-    return runs, refused, first, weights, evaluated
+    return runs, refused, first, weights, evaluated, (to_e1.losses, back.losses)
+
+
+def _schedule() -> dict:
+    return dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10, steps=STEPS, model=_training_model("mixtral"))  # 4 experts
+
+
+def _resume_alone(root):
+    from mtds.training import run
+    return run(train_config(deepspeed_config=ds_config(zero=1), load=f"{root}/zero1/global_step{SAVED_AT}",
+                            **_schedule())).losses
 
 
 def _weights_only(root):
@@ -104,13 +120,60 @@ def test_each_expert_is_saved_once_by_the_rank_holding_it(saved):
                                  f"mlp.experts.{w}" for i in (0, 1) for w in ("gate_up", "down")), sorted(one)
 
 
-def test_another_expert_parallel_size_is_refused_in_one_line(saved):
+def test_resharding_a_zero0_checkpoint_is_refused_in_one_line(saved):
     _, per_rank = saved
     for _, refused, *_ in per_rank:
         assert refused is not None and "\n" not in refused, refused
-        assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2); this run is at " \
-               "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2)" in refused and \
-               refused.endswith("resume at the same layout"), refused
+        assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2) with ZeRO-0 fp32; this run is at " \
+               "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2) with ZeRO-0 fp32: mixture-of-experts checkpoints " \
+               "reshard only between fp32 ZeRO-1/2 runs at --tp 1 --pp 1" in refused and \
+               refused.endswith("resume at the same layout and ZeRO stage"), refused
+
+
+def test_resharding_to_another_expert_parallel_size_continues_the_run(saved):
+    """fp32 ZeRO-1, d = 2: the E = 2 checkpoint of step 2 resumed at E = 1 (the experts' partitions of the two EP
+    shards stacked into one tensor, partitioned over d) gives the uninterrupted E = 2 run's losses of steps 3-5;
+    its E = 1 checkpoint of step 3 resumed at E = 2 (each rank's experts sliced by DeepSpeed's universal load)
+    those of steps 4-5. Held to 1e-5; measured equal. What fails it: the Adam moments reset (9.7e-4; step 3's loss
+    comes before the first update), the experts stacked in reverse (3.7e-4), every rank slicing EP shard 0's experts
+    (2.5e-4), the expert group's hyperparameters left out of the universal folder (7.8e-4: its LR restarts)."""
+    _, per_rank = saved
+    for rank, (runs, *_, (to_e1, back)) in enumerate(per_rank):
+        (losses, _), _ = runs[1]
+        for got, want in ((to_e1, losses[SAVED_AT:]), (back, losses[SAVED_AT + 1:])):
+            assert len(got) == len(want) and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (rank, got, want)
+
+
+def test_resharding_to_one_rank_continues_the_run(saved):
+    """The E = 2 checkpoint of step 2 on one rank (d 2 -> 1, E 2 -> 1; the global batch as accumulated
+    micro-batches): the uninterrupted run's losses of steps 3-5 within 1e-5 (measured 1.1e-7)."""
+    from tests.dist import spawn
+    root, per_rank = saved
+    [got] = spawn(_resume_alone, 1, root, timeout=300)
+    (want, _), _ = per_rank[0][0][1]
+    assert len(got) == STEPS - SAVED_AT and max(abs(a - b) / b for a, b in zip(got, want[SAVED_AT:])) < 1e-5, \
+        (got, want)
+
+
+def test_the_universal_experts_are_stacked_in_global_order(saved):
+    """mtds's converter (mtds.checkpoint.reshard_experts) of the E = 2 ZeRO-1 checkpoint of step 5: every tensor
+    of the universal folder equals the live model's at step 5 bit for bit (the experts: rank 0's then rank 1's),
+    and only the experts carry DeepSpeed's EP mark with E = 4, which makes its load slice each rank's own."""
+    import torch
+    from mtds.checkpoint.names import ds_name
+    from mtds.checkpoint.safe_load import safe_load
+    from mtds.checkpoint.universal import ensure_universal
+    from mtds.deepspeed_compat.expert_universal import marked_experts
+    from mtds.checkpoint.expert_files import STACKED
+    root, per_rank = saved
+    cfg, zero = _training_model("mixtral"), os.path.join(ensure_universal(f"{root}/zero1", f"global_step{STEPS}"), "zero")
+    wrong = []
+    for layer, tensors in _live_layers(per_rank).items():
+        for inner, want in tensors.items():
+            entry = safe_load(os.path.join(zero, ds_name(cfg, layer, inner, pipeline=False), "fp32.pt"))
+            if not torch.equal(entry["param"], want) or marked_experts(entry) != (4 if inner in STACKED else None):
+                wrong.append((layer, inner, marked_experts(entry)))
+    assert wrong == [], wrong
 
 
 def test_a_missing_expert_file_makes_the_checkpoint_incomplete(saved, tmp_path):
@@ -140,17 +203,20 @@ def test_expert_layout_rule():
     saved = {"tp": 1, "pp": 1, "dp": 4, "ep": 2}
     assert expert_layout_problem(saved, ParallelLayout(dp=4, ep=2), "ck") is None
     assert expert_layout_problem({"tp": 2, "pp": 1, "dp": 2}, ParallelLayout(tp=1, dp=4), "ck") is None  # E = 1: others decide
-    for layout in (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(dp=2, ep=2),
-                   ParallelLayout(tp=2, dp=2, ep=2)):
+    for layout in (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(dp=2, ep=2)):   # resharded
+        assert expert_layout_problem(saved, layout, "ck") is None
+    for layout in (ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(tp=2, dp=2), ParallelLayout(pp=2, dp=2, ep=2)):
         problem = expert_layout_problem(saved, layout, "ck")
         assert problem.startswith("checkpoint ck was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 4)")
     # a checkpoint from before E was recorded is E = 1
-    assert "saved at --expert-model-parallel-size 1" in expert_layout_problem({"tp": 1, "pp": 1, "dp": 2},
+    assert "saved at --expert-model-parallel-size 1" in expert_layout_problem({"tp": 2, "pp": 1, "dp": 2},
                                                                               ParallelLayout(dp=2, ep=2), "ck")
 
 
 def test_another_zero_stage_is_refused():
-    """The run checks (t, p, d, E) before building; the load itself also holds the ZeRO stage (an engine's)."""
+    """The run checks t and p before building; the load holds the ZeRO stage and precision (an engine's) and, for
+    any MoE model (E = 1 too), t: only fp32 ZeRO-1/2 at t = p = 1 reshards."""
+    import dataclasses
     from types import SimpleNamespace
 
     from torch import nn
@@ -159,18 +225,39 @@ def test_another_zero_stage_is_refused():
     from mtds.checkpoint.meta import CheckpointMeta
     from mtds.parallel.layout import ParallelLayout
     from mtds.training.cli import user_errors
-    meta = CheckpointMeta(model={}, tp=1, pp=1, dp=2, ep=2, zero_stage=0)
+    meta = CheckpointMeta(model=_training_model("mixtral").to_dict(), tp=1, pp=1, dp=2, ep=2, zero_stage=0)
     groups = SimpleNamespace(layout=ParallelLayout(dp=2, ep=2))
-    for stage in (0, 1):
-        engine = SimpleNamespace(zero_optimization=lambda: stage > 0, zero_optimization_stage=lambda: stage,
-                                 module=nn.Module())
-        if stage == 0:
-            _check_expert_layout(meta, engine, groups, "ck")
-            continue
-        with pytest.raises(CheckpointError) as err:
-            _check_expert_layout(meta, engine, groups, "ck")
-        assert "saved at --expert-model-parallel-size 2 with ZeRO-0; this run uses ZeRO-1" in str(err.value)
-        assert isinstance(err.value, user_errors())        # train.py: one error: line, exit 2
+    def engine(stage, bf16=False):
+        return SimpleNamespace(zero_optimization=lambda: stage > 0, zero_optimization_stage=lambda: stage,
+                               bfloat16_enabled=lambda: bf16, fp16_enabled=lambda: False, module=nn.Module())
+
+    _check_expert_layout(meta, engine(0), groups, "ck")
+    with pytest.raises(CheckpointError) as err:
+        _check_expert_layout(meta, engine(1), groups, "ck")
+    assert "saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2) with ZeRO-0 fp32; this run is at " \
+           "--expert-model-parallel-size 2 (tp 1, pp 1, dp 2) with ZeRO-1 fp32" in str(err.value)
+    assert isinstance(err.value, user_errors())        # train.py: one error: line, exit 2
+    # ZeRO-1 -> ZeRO-2 at another E reshards; into bf16 it is not built
+    zero1 = dataclasses.replace(meta, zero_stage=1)
+    _check_expert_layout(zero1, engine(2), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
+    with pytest.raises(CheckpointError, match="with ZeRO-1 bf16: mixture-of-experts checkpoints reshard only"):
+        _check_expert_layout(zero1, engine(1, bf16=True), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
+    # an E = 1 checkpoint of an MoE model at t = 2 (DeepSpeed's TP merge would join the experts on the wrong dims)
+    t2 = dataclasses.replace(zero1, tp=2, dp=1, ep=1)
+    with pytest.raises(CheckpointError, match=r"\(tp 2, pp 1, dp 1\) with ZeRO-1 fp32; this run is at "):
+        _check_expert_layout(t2, engine(1), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
+
+
+def test_scheduler_state_fits_another_group_count():
+    """E > 1 runs hold two param groups (dense, experts), E = 1 runs one: equal per-group scheduler entries are
+    resized, unequal ones refused (mtds.checkpoint.scheduler_groups)."""
+    from mtds.checkpoint.errors import CheckpointFormatError
+    from mtds.checkpoint.scheduler_groups import fit_groups
+    saved = {"base_lrs": [5e-4, 5e-4], "_last_lr": [4e-4, 4e-4], "lr_lambdas": [None, None], "last_epoch": 2}
+    assert fit_groups(saved, 1) == {"base_lrs": [5e-4], "_last_lr": [4e-4], "lr_lambdas": [None], "last_epoch": 2}
+    assert fit_groups(fit_groups(saved, 1), 2) == saved and fit_groups(saved, 2) is saved
+    with pytest.raises(CheckpointFormatError, match="differs between its 2 param groups"):
+        fit_groups({**saved, "_last_lr": [4e-4, 3e-4]}, 1)
 
 
 def _live_layers(per_rank) -> dict:
@@ -186,7 +273,7 @@ def _live_layers(per_rank) -> dict:
         except KeyError:        # the ExpertGroups module's view of the same experts
             continue
         if inner in STACKED:
-            tensor = torch.cat([weights[name] for *_, weights, _ in per_rank])
+            tensor = torch.cat([ranks[3][name] for ranks in per_rank])
         layers.setdefault(layer, {})[inner] = tensor
     return dict(sorted(layers.items()))
 
@@ -235,7 +322,7 @@ def test_transformers_and_mtds_eval_read_the_export(saved, exported):
         losses = [live(torch.tensor([r]), labels=torch.tensor([r])).loss.item() for r in EVAL_ROWS]
     assert diff < 1e-5, diff
     want = sum(loss * (len(r) - 1) for loss, r in zip(losses, EVAL_ROWS)) / sum(len(r) - 1 for r in EVAL_ROWS)
-    for *_, evaluated in per_rank:
+    for evaluated in (ranks[4] for ranks in per_rank):
         assert evaluated["tokens"] == sum(len(r) - 1 for r in EVAL_ROWS), evaluated
         assert abs(evaluated["loss"] - want) / want < 1e-5, (evaluated, want)
 

@@ -13,10 +13,12 @@ Every file a load touches is unpickled with ``weights_only=True`` and an allow-l
     converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
     weights, Adam moments and step; the loss scaler, LR schedule, data position and RNG come along.
     Where DeepSpeed stops (ZeRO-0 checkpoints and engines) mtds.checkpoint.reshard_zero0 does the same job;
+    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (fp32 ZeRO-1/2, t = p = 1);
   * weights-only checkpoints (``mtds-convert hf-to-mtds``) -> module weights only, step 0.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -31,11 +33,12 @@ from mtds.parallel.layout import ParallelGroups
 from mtds.checkpoint.complete import (STAGING_SUFFIX, IncompleteCheckpoint, Marker, newest_listed, rank_manifest, share,
                                    verify_contents)
 from mtds.checkpoint.errors import CheckpointFormatError
-from mtds.checkpoint.expert_layout import expert_layout_problem
+from mtds.checkpoint.expert_layout import expert_layout_problem, reshard_problem
 from mtds.checkpoint.meta import CheckpointMeta
 from mtds.checkpoint.commit import commit, prune, write_manifest
 from mtds.checkpoint.universal import ensure_universal, universal_dir, universal_info
 from mtds.checkpoint.reshard_zero0 import PARAM_NAMES_KEY, load_universal_into_zero0
+from mtds.checkpoint.scheduler_groups import scheduler_fits_groups
 from mtds.checkpoint.durable import DurableCheckpointEngine
 from mtds.safety.leader import leader_first
 from mtds.checkpoint.safe_load import safe_load, verify_loadable
@@ -109,7 +112,7 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
     }
     if model_cfg is not None and layout.ep == 1:
         # DeepSpeed's ds_to_universal reads these patterns from the checkpoint to merge TP slices. (Its MoE save
-        # reserves the key, and an MoE checkpoint is not converted: mtds.checkpoint.universal.)
+        # reserves the key; MoE checkpoints are converted by mtds: mtds.checkpoint.reshard_experts.)
         state[UNIVERSAL_CHECKPOINT_INFO] = universal_info(model_cfg, layout.tp)
     durable = _durable(engine)
     durable.written.clear()
@@ -234,25 +237,25 @@ def _partition_tag(parts) -> str:
 
 
 def _check_expert_layout(meta: CheckpointMeta, engine, groups: ParallelGroups, tag_dir: str) -> None:
-    """Expert-parallel checkpoints resume at their own layout and ZeRO stage only (mtds.checkpoint.expert_layout);
-    the run checked the layout before building anything (mtds.training.job), library callers get it here."""
+    """Mixture-of-experts checkpoints reshard between fp32 ZeRO-1/2 runs at t = p = 1 only
+    (mtds.checkpoint.expert_layout); the run checked the layout before building anything (mtds.training.job),
+    library callers get it here, and both the ZeRO stage and precision (an engine's)."""
     problem = expert_layout_problem(meta.layout, groups.layout, tag_dir)
-    if problem is None and max(meta.ep, groups.layout.ep) > 1 and _needs_reshard(meta, engine, groups):
-        problem = (f"checkpoint {tag_dir} was saved at --expert-model-parallel-size {meta.ep} with ZeRO-"
-                   f"{meta.zero_stage}; this run uses ZeRO-{_zero_stage(engine)}: checkpoints of expert-parallel runs "
-                   f"are not resharded; resume at the same layout and ZeRO stage")
+    if problem is None and meta.model_config.num_experts and _needs_reshard(meta, engine, groups):
+        problem = reshard_problem(meta, groups.layout, _zero_stage(engine), _precision(engine), tag_dir)
     if problem:
         raise CheckpointError(problem)
 
 
 def _needs_reshard(meta: CheckpointMeta, engine, groups: ParallelGroups) -> bool:
     layout = groups.layout
-    if (meta.tp, meta.pp) != (layout.tp, layout.pp) or meta.zero_stage != _zero_stage(engine):
+    if (meta.tp, meta.pp, meta.ep) != (layout.tp, layout.pp, layout.ep) or meta.zero_stage != _zero_stage(engine):
         return True
     if meta.module_order != _module_order(engine):     # another schedule / v: same weights, other order
         return True
-    # ZeRO-1/2 partition the optimizer state over d: another d needs re-partitioning.
-    return meta.zero_stage > 0 and meta.dp != layout.dp_cp
+    # ZeRO-1/2 partition the optimizer state over d: another d needs re-partitioning; at E > 1 so does ZeRO-0's
+    # (each data rank's files are its EP shard's, and only the resharding path is checked at another d)
+    return (meta.zero_stage > 0 or max(meta.ep, layout.ep) > 1) and meta.dp != layout.dp_cp
 
 
 def load(engine, directory: str, groups: ParallelGroups, *, model_cfg: ModelConfig | None = None,
@@ -378,8 +381,24 @@ def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, grou
     universal = universal_dir(directory, tag)
     if target_zero == 0:
         return _load_universal_zero0(engine, universal, os.path.join(directory, tag), meta, groups)
-    with loading_universal(engine):
+    if meta.model_config.num_experts:
+        _check_expert_slicing(groups, engine.device)
+    fit = scheduler_fits_groups(engine) if meta.model_config.num_experts else contextlib.nullcontext()
+    with loading_universal(engine), fit:      # an MoE run at E > 1 has one param group more than at E = 1
         return _deepspeed_load(engine, directory, os.path.basename(universal))
+
+
+def _check_expert_slicing(groups: ParallelGroups, device) -> None:
+    """DeepSpeed's universal load slices each rank's experts by its own notion of the EP rank (its largest expert
+    group): it must be the shard mtds placed on this rank, or the rank would train another shard's experts."""
+    from mtds.deepspeed_compat.expert_universal import universal_ep_rank
+    theirs, mine = universal_ep_rank(), (groups.ep_rank, groups.layout.ep)
+    problem = None if theirs == mine else (
+        f"DeepSpeed's universal load would give this rank the experts of EP shard {theirs[0]} of {theirs[1]}, but it "
+        f"holds shard {mine[0]} of {mine[1]}: its expert groups are not this run's; start a new process")
+    problem = _first_problem(problem, device)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 # Keys of an engine file that are DeepSpeed's, not client_state.

@@ -102,6 +102,11 @@ def _write_engine_state(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> Non
     torch.save({"ds_version": deepspeed.__version__, "param_groups": first["optimizer"]["param_groups"]},
                os.path.join(out_dir, "zero", "optimizer_state.pt"))
     del first
+    link_engine_files(tag_dir, out_dir, meta)
+
+
+def link_engine_files(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
+    """The ``mp_rank_*`` engine files beside the universal tensors (step, LR schedule, client state)."""
     for mp in range(meta.tp * meta.pp if meta.pipeline else meta.tp):
         src = mp_rank_file(tag_dir, mp)
         dst = os.path.join(out_dir, os.path.basename(src))

@@ -85,18 +85,21 @@ def ensure_universal(root: str, tag: str | None = None) -> str:
     tag_dir = resolve_tag_dir(os.path.join(root, tag) if tag else root)
     root, tag = os.path.split(os.path.normpath(tag_dir))
     meta = CheckpointMeta.load(tag_dir)
-    if meta.model_config.num_experts:
-        # the experts' [E, 2F, h] / [E, h, F] tensors split on dims 1 and 2 have no universal pattern yet
-        raise CheckpointFormatError(f"{tag_dir}: resharding a mixture-of-experts checkpoint to another layout is "
-                                    f"not built yet (docs/moe.md); resume it at the layout it was saved at")
     out = universal_dir(root, tag)
     # zero/optimizer_state.pt: ZeRO-0 conversions of earlier mtds versions lack it (ZeRO-0 engines only)
     if all(os.path.isfile(os.path.join(out, *f)) for f in ((DONE_MARKER,), ("zero", "optimizer_state.pt"))):
         return out
+    if meta.model_config.num_experts:
+        from mtds.checkpoint.reshard_experts import check_convertible
+        check_convertible(tag_dir, meta)        # before anything is written
     if meta.weights_only:
         raise CheckpointFormatError(f"{tag_dir} holds weights only (no optimizer state): nothing to reshard")
     shutil.rmtree(out, ignore_errors=True)      # a conversion that did not finish
-    if meta.zero_stage == 0:
+    if meta.model_config.num_experts:
+        # DeepSpeed's converter would merge every EP shard's experts as one tensor's partitions: ours
+        from mtds.checkpoint.reshard_experts import write_universal_from_moe       # (checked above)
+        write_universal_from_moe(tag_dir, out, meta)
+    elif meta.zero_stage == 0:
         # DeepSpeed's converter reads ZeRO partitions only; a ZeRO-0 checkpoint gets our own converter.
         from mtds.checkpoint.reshard_zero0 import write_universal_from_zero0
         write_universal_from_zero0(tag_dir, out, meta)

@@ -176,6 +176,15 @@ CAPABILITIES = (
         Target(ENGINE, "checkpoint_engine", A, instance=True),)),
     Capability("load a universal checkpoint", (
         Target(ENGINE, "_config.load_universal_checkpoint", A, instance=True),)),
+    # expert_universal.py: mtds reads the ZeRO-1/2 partition files and writes the stacked experts marked so that
+    # DeepSpeed's universal load slices each rank's own (a loader without the EP slicing would fail the numel check)
+    Capability("load expert tensors of a universal checkpoint per EP rank (expert_universal.py)", (
+        Target("deepspeed.checkpoint.universal_checkpoint", "load_hp_checkpoint_state",
+               ("folder", "tp_rank", "tp_world_size", "ep_rank", "ep_size")),
+        Target("deepspeed.runtime.base_optimizer", "_get_universal_checkpoint_ep_info", M),
+        *(Target("deepspeed.checkpoint.constants", name, A) for name in (
+            "EP_IS_EXPERT_PARAM", "EP_NUM_EXPERTS", "PARAM", "PARAM_GROUPS", "OPTIMIZER_STATE_DICT",
+            "BASE_OPTIMIZER_STATE", "PARAM_SLICE_MAPPINGS", "SINGLE_PARTITION_OF_FP32_GROUPS")))),
     Capability("refresh ZeRO's fp32 master weights from the module", (
         Target(ZERO12, "refresh_fp32_params", M),
         Target(BF16, "_restore_from_bit16_weights", M))),
