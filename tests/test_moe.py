@@ -201,11 +201,11 @@ def test_export_round_trip(name, tmp_path):
     convert(["mtds-to-hf", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "conv")])
     converted = load_file(str(tmp_path / "conv" / "model.safetensors"))
     assert sorted(converted) == sorted(disk) and all(torch.equal(converted[k], disk[k]) for k in disk), name
-    # as training state it is not resharded (t = 2, p = 2, no optimizer state): refused, not done wrong
+    # as training state it is not resharded (p = 2, no optimizer state): refused, not done wrong
     from mtds.checkpoint.errors import CheckpointFormatError
     from mtds.checkpoint.universal import ensure_universal
     with pytest.raises(CheckpointFormatError, match="with weights only: mixture-of-experts checkpoints reshard only "
-                                                    "between fp32 ZeRO-1/2 runs at --tp 1 --pp 1"):
+                                                    "between fp32 ZeRO-1/2 runs at --pp 1"):
         ensure_universal(str(tmp_path / "ck"))
 
 

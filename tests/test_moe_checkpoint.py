@@ -4,12 +4,12 @@ the three steps after loading, so the Adam moments of every expert came back), a
 DeepSpeed's per-EP-shard files) and ZeRO-1 (each data rank's partitions); which rank wrote which expert's
 file; a missing expert file makes it incomplete; a weights-only checkpoint (full tensors) loads at E = 2.
 Resharded (docs/moe.md, "Resharding at E > 1"; fp32 ZeRO-1): the E = 2 checkpoint resumed at E = 1 on the two
-ranks and on one, that run's checkpoint at E = 2 again, continue the run within 1e-5; the universal folder holds
-the live experts in global order; the ZeRO-0 checkpoint at E = 1, another ZeRO stage, bf16 or t refused in one
-line. Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint equals the export of the live
-weights bit for bit, transformers loads it, and `mtds-eval --ckpt` (run in the body at E = 1) gives transformers'
-loss; TP-sharded expert files merge. One spawned 2-rank body (and a 1-rank one); the file checks run in the test
-process on what it saved."""
+ranks and on one, and at (2,1,1), those runs' checkpoints at E = 2 again, continue the run within 1e-5; the
+universal folder holds the live experts in global order; the ZeRO-0 checkpoint at E = 1, another ZeRO stage into
+bf16, or p refused in one line. Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint
+equals the export of the live weights bit for bit, transformers loads it, and `mtds-eval --ckpt` (run in the body
+at E = 1) gives transformers' loss; TP-sharded expert files merge. One spawned 2-rank body (and a 1-rank one);
+the file checks run in the test process on what it saved."""
 import json
 import os
 import shutil
@@ -44,6 +44,10 @@ def _body(root):
     one = dict(deepspeed_config=ds_config(zero=1), **lr)
     to_e1 = run(train_config(**one, load=f"{root}/zero1/global_step{SAVED_AT}", save=f"{root}/e1", save_interval=3))
     back = run(train_config(**one, expert_model_parallel_size=2, load=f"{root}/e1/global_step3"))
+    # and across t: the E = 2 checkpoint of step 2 at (2,1,1) (saving step 3), that one at (1,1,2) E = 2
+    to_t2 = run(train_config(**one, tp=2, load=f"{root}/zero1/global_step{SAVED_AT}", save=f"{root}/t2",
+                             save_interval=3))
+    from_t2 = run(train_config(**one, expert_model_parallel_size=2, load=f"{root}/t2/global_step3"))
     # a weights-only checkpoint (full tensors, as mtds-convert hf-to-mtds writes) at E = 2 and at E = 1
     first = [run(train_config(expert_model_parallel_size=e, deepspeed_config=ds_config(zero=1),
                               load=f"{root}/weights", **{**lr, "steps": 1})).losses[0] for e in (1, 2)]
@@ -51,7 +55,7 @@ def _body(root):
     weights = {n: p.detach().clone() for n, p in live[0].named_parameters()}
     # mtds-eval --ckpt of that E = 2 checkpoint, as a data-parallel pair (evaluation has no expert parallelism)
     evaluated = evaluate(build_parser().parse_args(["--ckpt", f"{root}/zero1", "--data", f"{root}/rows.jsonl"]))
-    return runs, refused, first, weights, evaluated, (to_e1.losses, back.losses)
+    return runs, refused, first, weights, evaluated, [r.losses for r in (to_e1, back, to_t2, from_t2)]
 
 
 def _schedule() -> dict:
@@ -126,7 +130,7 @@ def test_resharding_a_zero0_checkpoint_is_refused_in_one_line(saved):
         assert refused is not None and "\n" not in refused, refused
         assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2) with ZeRO-0 fp32; this run is at " \
                "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2) with ZeRO-0 fp32: mixture-of-experts checkpoints " \
-               "reshard only between fp32 ZeRO-1/2 runs at --tp 1 --pp 1" in refused and \
+               "reshard only between fp32 ZeRO-1/2 runs at --pp 1" in refused and \
                refused.endswith("resume at the same layout and ZeRO stage"), refused
 
 
@@ -136,11 +140,25 @@ def test_resharding_to_another_expert_parallel_size_continues_the_run(saved):
     its E = 1 checkpoint of step 3 resumed at E = 2 (each rank's experts sliced by DeepSpeed's universal load)
     those of steps 4-5. Held to 1e-5; measured equal. What fails it: the Adam moments reset (9.7e-4; step 3's loss
     comes before the first update), the experts stacked in reverse (3.7e-4), every rank slicing EP shard 0's experts
-    (2.5e-4), the expert group's hyperparameters left out of the universal folder (7.8e-4: its LR restarts)."""
+    (2.5e-4, with mtds's EP-rank check off), the expert group's hyperparameters left out of the universal folder
+    (7.8e-4: its LR restarts)."""
     _, per_rank = saved
-    for rank, (runs, *_, (to_e1, back)) in enumerate(per_rank):
+    for rank, (runs, *_, (to_e1, back, _, _)) in enumerate(per_rank):
         (losses, _), _ = runs[1]
         for got, want in ((to_e1, losses[SAVED_AT:]), (back, losses[SAVED_AT + 1:])):
+            assert len(got) == len(want) and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (rank, got, want)
+
+
+def test_resharding_to_another_tensor_parallel_size_continues_the_run(saved):
+    """fp32 ZeRO-1: the E = 2 (1,1,2) checkpoint of step 2 resumed at (2,1,1) E = 1 (the TP pieces of every tensor
+    cut by DeepSpeed's loader from the keys mtds wrote: the experts' gate|up per segment on dim 1, down on dim 2),
+    and that run's t = 2 checkpoint of step 3 at (1,1,2) E = 2 (the TP pieces merged by the converter): the
+    uninterrupted run's losses within 1e-5 (measured equal). What fails it: the experts written without TP keys
+    (cut on dim 0: 5.2e-4), gate|up cut as one block (4.0e-4), down's TP pieces merged in reverse (6.2e-4)."""
+    _, per_rank = saved
+    for rank, (runs, *_, (_, _, to_t2, from_t2)) in enumerate(per_rank):
+        (losses, _), _ = runs[1]
+        for got, want in ((to_t2, losses[SAVED_AT:]), (from_t2, losses[SAVED_AT + 1:])):
             assert len(got) == len(want) and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (rank, got, want)
 
 
@@ -166,7 +184,8 @@ def test_the_universal_experts_are_stacked_in_global_order(saved):
     from mtds.deepspeed_compat.expert_universal import marked_experts
     from mtds.checkpoint.expert_files import STACKED
     root, per_rank = saved
-    cfg, zero = _training_model("mixtral"), os.path.join(ensure_universal(f"{root}/zero1", f"global_step{STEPS}"), "zero")
+    cfg = _training_model("mixtral")
+    zero = os.path.join(ensure_universal(f"{root}/zero1", f"global_step{STEPS}"), "zero")
     wrong = []
     for layer, tensors in _live_layers(per_rank).items():
         for inner, want in tensors.items():
@@ -203,19 +222,20 @@ def test_expert_layout_rule():
     saved = {"tp": 1, "pp": 1, "dp": 4, "ep": 2}
     assert expert_layout_problem(saved, ParallelLayout(dp=4, ep=2), "ck") is None
     assert expert_layout_problem({"tp": 2, "pp": 1, "dp": 2}, ParallelLayout(tp=1, dp=4), "ck") is None  # E = 1: others decide
-    for layout in (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(dp=2, ep=2)):   # resharded
+    for layout in (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(dp=2, ep=2),
+                   ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(tp=2, dp=2)):          # resharded
         assert expert_layout_problem(saved, layout, "ck") is None
-    for layout in (ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(tp=2, dp=2), ParallelLayout(pp=2, dp=2, ep=2)):
+    for layout in (ParallelLayout(pp=2, dp=2, ep=2), ParallelLayout(pp=2, dp=2)):
         problem = expert_layout_problem(saved, layout, "ck")
         assert problem.startswith("checkpoint ck was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 4)")
     # a checkpoint from before E was recorded is E = 1
-    assert "saved at --expert-model-parallel-size 1" in expert_layout_problem({"tp": 2, "pp": 1, "dp": 2},
+    assert "saved at --expert-model-parallel-size 1" in expert_layout_problem({"tp": 1, "pp": 2, "dp": 2},
                                                                               ParallelLayout(dp=2, ep=2), "ck")
 
 
 def test_another_zero_stage_is_refused():
-    """The run checks t and p before building; the load holds the ZeRO stage and precision (an engine's) and, for
-    any MoE model (E = 1 too), t: only fp32 ZeRO-1/2 at t = p = 1 reshards."""
+    """The run checks p before building; the load holds the ZeRO stage and precision (an engine's) and, for any
+    MoE model (E = 1 too), p: only fp32 ZeRO-1/2 at p = 1 reshards."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -242,10 +262,10 @@ def test_another_zero_stage_is_refused():
     _check_expert_layout(zero1, engine(2), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
     with pytest.raises(CheckpointError, match="with ZeRO-1 bf16: mixture-of-experts checkpoints reshard only"):
         _check_expert_layout(zero1, engine(1, bf16=True), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
-    # an E = 1 checkpoint of an MoE model at t = 2 (DeepSpeed's TP merge would join the experts on the wrong dims)
-    t2 = dataclasses.replace(zero1, tp=2, dp=1, ep=1)
-    with pytest.raises(CheckpointError, match=r"\(tp 2, pp 1, dp 1\) with ZeRO-1 fp32; this run is at "):
-        _check_expert_layout(t2, engine(1), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
+    # an E = 1 checkpoint of an MoE model at p = 2 (its per-layer files are not read)
+    p2 = dataclasses.replace(zero1, pp=2, dp=1, ep=1)
+    with pytest.raises(CheckpointError, match=r"\(tp 1, pp 2, dp 1\) with ZeRO-1 fp32; this run is at "):
+        _check_expert_layout(p2, engine(1), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
 
 
 def test_scheduler_state_fits_another_group_count():

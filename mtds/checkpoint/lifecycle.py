@@ -13,7 +13,7 @@ Every file a load touches is unpickled with ``weights_only=True`` and an allow-l
     converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
     weights, Adam moments and step; the loss scaler, LR schedule, data position and RNG come along.
     Where DeepSpeed stops (ZeRO-0 checkpoints and engines) mtds.checkpoint.reshard_zero0 does the same job;
-    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (fp32 ZeRO-1/2, t = p = 1);
+    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (fp32 ZeRO-1/2, p = 1);
   * weights-only checkpoints (``mtds-convert hf-to-mtds``) -> module weights only, step 0.
 """
 from __future__ import annotations
@@ -237,7 +237,7 @@ def _partition_tag(parts) -> str:
 
 
 def _check_expert_layout(meta: CheckpointMeta, engine, groups: ParallelGroups, tag_dir: str) -> None:
-    """Mixture-of-experts checkpoints reshard between fp32 ZeRO-1/2 runs at t = p = 1 only
+    """Mixture-of-experts checkpoints reshard between fp32 ZeRO-1/2 runs at p = 1 only
     (mtds.checkpoint.expert_layout); the run checked the layout before building anything (mtds.training.job),
     library callers get it here, and both the ZeRO stage and precision (an engine's)."""
     problem = expert_layout_problem(meta.layout, groups.layout, tag_dir)

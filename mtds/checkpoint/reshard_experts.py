@@ -1,17 +1,20 @@
-"""A mixture-of-experts checkpoint (any E, fp32 ZeRO-1/2, t = p = 1) -> DeepSpeed's universal layout, the
+"""A mixture-of-experts checkpoint (any t and E, fp32 ZeRO-1/2, p = 1) -> DeepSpeed's universal layout, the
 experts stacked whole (docs/moe.md, "Resharding at E > 1").
 
 DeepSpeed's ds_to_universal merges each parameter's fragments over all d partition files, which at E > 1 is
 wrong for the experts: their param group is partitioned over the d/E expert-data-parallel ranks, and each EP
-shard's files hold other experts under the same name. Here data rank D (mtds.parallel.layout: EP shard D mod E,
-position D // E in its expert-data-parallel group) contributes its fragments of each parameter; the dense ones
-are joined in D order, an expert tensor per EP shard in position order, then the shards stacked in EP order:
-[E/e, ...] x e -> [E, ...], global expert order. Each tensor is written whole (``zero/<name>/<state>.pt``,
-fp32 weight and both Adam moments, ``step.pt``), the experts marked for DeepSpeed's universal load, which
-slices every rank's own experts (mtds.deepspeed_compat.expert_universal). An E = 1 checkpoint of an MoE model
-is the case e = 1 (its experts in the dense group).
+shard's files hold other experts under the same name. Here, for each TP rank, data rank D (mtds.parallel.layout:
+EP shard D mod E, position D // E in its expert-data-parallel group) contributes its fragments of each
+parameter; the dense ones are joined in D order, an expert tensor per EP shard in position order, then the shards
+stacked in EP order: [E/e, ...] x e -> [E, ...], global expert order. The TP pieces are then merged as every
+mtds reader merges them (mtds.checkpoint.shard_spec: the experts' gate|up per segment on dim 1, down on dim 2).
+Each tensor is written whole (``zero/<name>/<state>.pt``, fp32 weight and both Adam moments, ``step.pt``) with
+the keys telling DeepSpeed's loader how to cut it over TP, the experts marked for its EP slicing
+(mtds.deepspeed_compat.expert_universal). An E = 1 checkpoint of an MoE model is the case e = 1 (its experts in
+the dense group).
 
-Memory: the partition files are memory-mapped; one parameter's three states are materialised at a time.
+Memory: the partition files are memory-mapped; one state of one parameter is materialised at a time (twice:
+merged and its saved copy).
 """
 from __future__ import annotations
 
@@ -25,13 +28,11 @@ from mtds.checkpoint.errors import CheckpointFormatError
 from mtds.checkpoint.expert_files import STACKED
 from mtds.checkpoint.expert_layout import BUILT, convertible
 from mtds.checkpoint.meta import CheckpointMeta
-from mtds.checkpoint.reshard_zero0 import link_engine_files
+from mtds.checkpoint.names import parse
+from mtds.checkpoint.reshard_zero0 import deepspeed_split_keys, link_engine_files
+from mtds.checkpoint.shard_spec import split_of, unshard
 from mtds.deepspeed_compat.expert_universal import (STATES, optimizer_globals, partition_groups, tensor_file,
                                                     zero_file_name)
-
-
-def is_expert(name: str) -> bool:
-    return any(name.endswith("." + s) for s in STACKED)
 
 
 def check_convertible(tag_dir: str, meta: CheckpointMeta) -> None:
@@ -43,40 +44,51 @@ def check_convertible(tag_dir: str, meta: CheckpointMeta) -> None:
 
 def write_universal_from_moe(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
     check_convertible(tag_dir, meta)
-    shapes = {n: tuple(s) for group in load_file(mp_rank_file(tag_dir, 0))["param_shapes"] for n, s in group.items()}
-    pieces: dict[str, dict[int, list]] = {}     # name -> EP shard -> [(position, {state: fragment})]
-    steps, step, globals_ = set(), None, None
-    for d in range(meta.dp):
-        sd = load_file(os.path.join(tag_dir, zero_file_name(d)))
-        if globals_ is None:
-            globals_ = optimizer_globals(sd)
-        for group in partition_groups(sd):
-            shard, position = (d % meta.ep, d // meta.ep) if group.moe else (0, d)
-            if group.step is not None:      # Adam's step, a tensor as the engine keeps it
-                steps.add(float(group.step))
-                step = group.step if step is None else step
-            for name, (start, numel) in group.fragments.items():
-                pieces.setdefault(name, {}).setdefault(shard, []).append(
-                    (position, {s: group.flat[s].narrow(0, start, numel) for s in STATES}))
+    cfg = meta.model_config
+    shapes, pieces, steps, step, globals_ = [], [], set(), None, None
+    for tp_rank in range(meta.tp):
+        shapes.append({n: tuple(s) for group in load_file(mp_rank_file(tag_dir, tp_rank))["param_shapes"]
+                       for n, s in group.items()})
+        mine: dict[str, dict[int, list]] = {}     # name -> EP shard -> [(position, {state: fragment})]
+        for d in range(meta.dp):
+            sd = load_file(os.path.join(tag_dir, zero_file_name(d, tp_rank)))
+            if globals_ is None:
+                globals_ = optimizer_globals(sd)
+            for group in partition_groups(sd):
+                shard, position = (d % meta.ep, d // meta.ep) if group.moe else (0, d)
+                if group.step is not None:      # Adam's step, a tensor as the engine keeps it
+                    steps.add(float(group.step))
+                    step = group.step if step is None else step
+                for name, (start, numel) in group.fragments.items():
+                    mine.setdefault(name, {}).setdefault(shard, []).append(
+                        (position, {s: group.flat[s].narrow(0, start, numel) for s in STATES}))
+        pieces.append(mine)
     if len(steps) != 1:
         raise CheckpointFormatError(f"{tag_dir}: the partition files disagree on Adam's step ({sorted(steps)})")
     zero = os.path.join(out_dir, "zero")
-    for name, shape in shapes.items():
+    for name in shapes[0]:
+        layer, inner = parse(cfg, name)
         folder = os.path.join(zero, name)
         os.makedirs(folder, exist_ok=True)
-        experts = is_expert(name)
+        experts = inner in STACKED
+        keys = deepspeed_split_keys(cfg, inner, split_of(cfg, layer, inner))
         for state in STATES:
-            full = _joined(tag_dir, name, pieces.get(name, {}), state, shape, meta.ep if experts else 1)
-            torch.save(tensor_file(full, meta.model_config.num_experts if experts else None),
+            per_tp = [_joined(tag_dir, name, pieces[r].get(name, {}), state, shapes[r][name], meta.ep if experts else 1)
+                      for r in range(meta.tp)]
+            full = unshard(cfg, layer, inner, per_tp)
+            del per_tp      # the pieces go before the copy: two copies of one state at most
+            # a copy: a view (the vocabulary rows of a padded table) would save its whole storage
+            torch.save(tensor_file(full.clone(), cfg.num_experts if experts else None, keys),
                        os.path.join(folder, f"{state}.pt"))
+            del full
         torch.save(step.clone(), os.path.join(folder, "step.pt"))
     torch.save(globals_, os.path.join(zero, "optimizer_state.pt"))
     link_engine_files(tag_dir, out_dir, meta)
 
 
 def _joined(tag_dir: str, name: str, shards: dict, state: str, shape: tuple, ep: int) -> torch.Tensor:
-    """``name``'s whole ``state``: each EP shard's fragments in position order, shaped as a rank holds it
-    (``shape``), the shards stacked in EP order (experts: [E/e, ...] -> [E, ...])."""
+    """One TP rank's ``state`` of ``name``: each EP shard's fragments in position order, shaped as a rank holds
+    it (``shape``), the shards stacked in EP order (experts: [E/e, ...] -> [E, ...])."""
     if sorted(shards) != list(range(ep)):
         raise CheckpointFormatError(f"{tag_dir}: the partition files hold {name} for expert shards {sorted(shards)}, "
                                     f"not 0..{ep - 1} (partial checkpoint?)")
@@ -88,4 +100,4 @@ def _joined(tag_dir: str, name: str, shards: dict, state: str, shape: tuple, ep:
             raise CheckpointFormatError(f"{tag_dir}: the partition files hold {flat.numel()} values of {name} "
                                         f"(shard {j}), not {math.prod(shape)} {shape} (partial checkpoint?)")
         parts.append(flat.view(shape))
-    return torch.cat(parts) if ep > 1 else parts[0].clone()
+    return torch.cat(parts)

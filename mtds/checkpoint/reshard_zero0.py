@@ -51,7 +51,7 @@ def _optimizer_states(tag_dir: str, meta: CheckpointMeta) -> dict[tuple[int, int
     return out
 
 
-def _deepspeed_keys(cfg: ModelConfig, name: str, split: Split) -> dict:
+def deepspeed_split_keys(cfg: ModelConfig, name: str, split: Split) -> dict:
     """The keys ds_to_universal writes beside a merged tensor, which tell DeepSpeed's loader how to cut
     it for a rank (deepspeed.checkpoint.constants; shard() makes the same cut). Without them it cuts
     every tensor on dim 0: the row-parallel weights come back wrong (1.1e-2 off the uninterrupted run)."""
@@ -60,9 +60,13 @@ def _deepspeed_keys(cfg: ModelConfig, name: str, split: Split) -> dict:
     if split.dim is None:
         return {}                   # replicated: the loader copies a tensor of the rank's own shape
     if split.segments:
-        trailing = (cfg.hidden_size,) if name.endswith(".weight") else ()
-        return {SUB_PARAM_SHAPE: SubparamShape(patterns=[name], shape=(split.segments, *trailing),
-                                               partition_dim=split.dim)}
+        if name == "mlp.experts.gate_up":
+            # [E, 2F, h], gate|up per expert: the loader views the tensor after slicing the rank's E/e experts
+            # (mtds.deepspeed_compat.expert_universal), so the expert count is left to the view (-1)
+            shape = (-1, split.segments, cfg.hidden_size)
+        else:
+            shape = (split.segments, *((cfg.hidden_size,) if name.endswith(".weight") else ()))
+        return {SUB_PARAM_SHAPE: SubparamShape(patterns=[name], shape=shape, partition_dim=split.dim)}
     return {CAT_DIM: split.dim, **({VOCAB_TENSOR: True} if split.vocab else {})}
 
 
@@ -80,7 +84,7 @@ def write_universal_from_zero0(tag_dir: str, out_dir: str, meta: CheckpointMeta)
             key = ds_name(cfg, layer, name, meta.pipeline)
             folder = os.path.join(zero, key)
             os.makedirs(folder, exist_ok=True)
-            extra = _deepspeed_keys(cfg, name, split_of(cfg, layer, name))
+            extra = deepspeed_split_keys(cfg, name, split_of(cfg, layer, name))
             torch.save({"param": unshard(cfg, layer, name, [p.float() for p in pieces[name]]), **extra},
                        os.path.join(folder, "fp32.pt"))
             # Each TP rank's Adam state of this parameter, found by name (a stage holds only its layers).

@@ -66,12 +66,13 @@ def optimizer_globals(sd: dict) -> dict:
     return out
 
 
-def tensor_file(tensor: torch.Tensor, num_experts: int | None) -> dict:
-    """A universal ``<state>.pt``: the whole tensor; a stacked expert tensor marked for DeepSpeed's EP slicing."""
+def tensor_file(tensor: torch.Tensor, num_experts: int | None, split_keys: dict) -> dict:
+    """A universal ``<state>.pt``: the whole tensor with ``split_keys`` (how the loader cuts it over TP, after the
+    EP slicing); a stacked expert tensor marked for DeepSpeed's EP slicing."""
     from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
     if num_experts is None:
-        return {PARAM: tensor}
-    return {PARAM: tensor, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: num_experts}
+        return {PARAM: tensor, **split_keys}
+    return {PARAM: tensor, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: num_experts, **split_keys}
 
 
 def marked_experts(entry: dict) -> int | None:
