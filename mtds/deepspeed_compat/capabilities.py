@@ -125,6 +125,13 @@ CAPABILITIES = (
                                                "num_experts", "checkpoint_engine", "checkpoint_mp_rank")),
         Target(ENGINE, "_get_expert_ckpt_name", ("checkpoints_path", "layer_id", "expert_id", "tag",
                                                  "checkpoint_mp_rank")))),
+    # on a pipeline the same path runs per stage: _save_moe_checkpoint takes the stage's whole module from
+    # DeepSpeedEngine.module_state_dict (not the per-layer files), names every file by the grid's model-parallel
+    # rank (stage * t + TP rank), and PipelineEngine.load_module_state_dict loads that dict when has_moe_layers
+    Capability("checkpoint an expert-parallel pipeline stage through DeepSpeed's MoE path (expert_checkpoint.py)", (
+        Target(PIPE_ENGINE, "load_module_state_dict", ("checkpoint", "strict")),
+        Target("deepspeed.runtime.pipe.topology:PipelineParallelGrid", "get_model_parallel_rank", M),
+        Target(ENGINE, "checkpoint_mp_rank", A, instance=True))),
     Capability("sum sequence-parallel gradients before the data-parallel reduction", (
         Target(ENGINE, "allreduce_gradients", M),
         Target(BF16, "__init__", A))),

@@ -19,7 +19,15 @@ each local expert's slices under DeepSpeed's per-expert names (:func:`per_expert
 (:func:`install_expert_checkpointing`); a load pre-hook on the model stacks the per-expert entries DeepSpeed
 put into the state dict back into mtds's names (:func:`stack_expert_state`).
 
-Checked against DeepSpeed 0.19.8 (capabilities: "checkpoint mtds's experts through DeepSpeed's MoE path").
+On a pipeline (p > 1) the same path runs on each stage holding MoE blocks (docs/moe.md, "Checkpoints at E > 1 on a
+pipeline"): DeepSpeed's MoE save takes the stage's module from ``DeepSpeedEngine.module_state_dict`` (not the
+pipeline's per-layer files) into ``mp_rank_MM`` and its experts into ``layer_0_expert_G_mp_rank_MM``, MM the grid's
+model-parallel rank (stage·t + TP rank), and ``PipelineEngine.load_module_state_dict`` loads that module dict back
+when the engine has MoE layers. A stage without MoE blocks (no ``ExpertGroups``; ZeRO-0 only) saves and loads the
+pipeline's per-layer files as a dense one. Nothing of mtds's differs from p = 1.
+
+Checked against DeepSpeed 0.19.8 (capabilities: "checkpoint mtds's experts through DeepSpeed's MoE path",
+"checkpoint an expert-parallel pipeline stage through DeepSpeed's MoE path").
 """
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
                           f"{layout.dp}")
 
 
-def refuse_unbuilt_expert_parallel(layout: ParallelLayout, precision: str, zero_stage: int,
-                                   checkpoints: bool) -> None:
+def refuse_unbuilt_expert_parallel(layout: ParallelLayout, precision: str, zero_stage: int) -> None:
     """What expert parallelism does not do yet, or not correctly on DeepSpeed's side (docs/moe.md)."""
     if layout.ep == 1:
         return
@@ -35,12 +34,6 @@ def refuse_unbuilt_expert_parallel(layout: ParallelLayout, precision: str, zero_
         # at p > 1 DeepSpeed's BF16_Optimizer runs instead, not checked with experts)
         raise LayoutError(f"{e} with {precision} needs ZeRO-1 or 2: at ZeRO-0 DeepSpeed's unfused {precision} "
                           f"optimizer leaves the expert gradients out of the global norm it clips by")
-    if checkpoints and layout.pp > 1:
-        # DeepSpeed's MoE save writes one module file per data rank 0 instead of the pipeline's per-layer
-        # files, which its pipeline load reads (mtds.deepspeed_compat.expert_checkpoint)
-        raise LayoutError(f"{e} with --pp {layout.pp}: checkpoints of expert-parallel pipelines are not built yet "
-                          f"(DeepSpeed's MoE save writes no per-layer files); train without --save/--load, or at "
-                          f"--pp 1")
 
 
 def refuse_unbuilt_moe(cfg: ModelConfig, layout: ParallelLayout, *, carry_router_stats: bool = False,

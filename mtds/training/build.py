@@ -129,7 +129,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     prec, zero = precision(ds_config), zero_stage(ds_config)
     tf32 = configure_matmul_precision(world.device, prec)
     layout, groups = world.layout, world.groups
-    refuse_unbuilt_expert_parallel(layout, prec, zero, checkpoints=bool(cfg.save or cfg.load))
+    refuse_unbuilt_expert_parallel(layout, prec, zero)
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
