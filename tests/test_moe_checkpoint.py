@@ -5,8 +5,8 @@ DeepSpeed's per-EP-shard files) and ZeRO-1 (each data rank's partitions); which 
 file; a missing expert file makes it incomplete; a weights-only checkpoint (full tensors) loads at E = 2.
 Resharded (docs/moe.md, "Resharding at E > 1"; fp32 ZeRO-1): the E = 2 checkpoint resumed at E = 1 on the two
 ranks and on one, and at (2,1,1), those runs' checkpoints at E = 2 again, continue the run within 1e-5; the
-universal folder holds the live experts in global order; the ZeRO-0 checkpoint at E = 1, another ZeRO stage into
-bf16, or p refused in one line. Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint
+universal folder holds the live experts in global order; the ZeRO-0 checkpoint at E = 1 or another ZeRO stage into
+bf16 refused in one line (pipelines: tests/test_moe.py's four-rank test). Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint
 equals the export of the live weights bit for bit, transformers loads it, and `mtds-eval --ckpt` (run in the body
 at E = 1) gives transformers' loss; TP-sharded expert files merge. One spawned 2-rank body (and a 1-rank one);
 the file checks run in the test process on what it saved."""
@@ -130,7 +130,7 @@ def test_resharding_a_zero0_checkpoint_is_refused_in_one_line(saved):
         assert refused is not None and "\n" not in refused, refused
         assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2) with ZeRO-0 fp32; this run is at " \
                "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2) with ZeRO-0 fp32: mixture-of-experts checkpoints " \
-               "reshard only between fp32 ZeRO-1/2 runs at --pp 1" in refused and \
+               "reshard only between fp32 ZeRO-1/2 runs (any --tp, --pp," in refused and \
                refused.endswith("resume at the same layout and ZeRO stage"), refused
 
 
@@ -216,26 +216,28 @@ def test_a_weights_only_checkpoint_loads_at_e2(saved):
 
 
 def test_expert_layout_rule():
-    """Which saved layouts a run may resume (mtds.checkpoint.expert_layout), without a run."""
-    from mtds.checkpoint.expert_layout import expert_layout_problem
+    """Which checkpoints a run may reshard (mtds.checkpoint.expert_layout), without a run: fp32 ZeRO-1/2 at any t,
+    p, d and E on either side (pipelines too); ZeRO-0, bf16 or a weights-only checkpoint on either side not."""
+    import dataclasses
+    from mtds.checkpoint.expert_layout import reshard_problem
+    from mtds.checkpoint.meta import CheckpointMeta
     from mtds.parallel.layout import ParallelLayout
-    saved = {"tp": 1, "pp": 1, "dp": 4, "ep": 2}
-    assert expert_layout_problem(saved, ParallelLayout(dp=4, ep=2), "ck") is None
-    assert expert_layout_problem({"tp": 2, "pp": 1, "dp": 2}, ParallelLayout(tp=1, dp=4), "ck") is None  # E = 1: others decide
-    for layout in (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(dp=2, ep=2),
-                   ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(tp=2, dp=2)):          # resharded
-        assert expert_layout_problem(saved, layout, "ck") is None
-    for layout in (ParallelLayout(pp=2, dp=2, ep=2), ParallelLayout(pp=2, dp=2)):
-        problem = expert_layout_problem(saved, layout, "ck")
-        assert problem.startswith("checkpoint ck was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 4)")
-    # a checkpoint from before E was recorded is E = 1
-    assert "saved at --expert-model-parallel-size 1" in expert_layout_problem({"tp": 1, "pp": 2, "dp": 2},
-                                                                              ParallelLayout(dp=2, ep=2), "ck")
+    cfg = _training_model("mixtral").to_dict()
+    layouts = (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4), ParallelLayout(pp=2, dp=2, ep=2),
+               ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2, dp=2, ep=2))
+    for saved in (dict(tp=1, pp=2, dp=2, ep=2), dict(tp=1, pp=1, dp=4, ep=2), dict(tp=2, pp=2, dp=1)):
+        meta = CheckpointMeta(model=cfg, zero_stage=1, **saved)
+        assert [reshard_problem(meta, lay, z, "fp32", "ck") for lay in layouts for z in (1, 2)] == [None] * 10
+        for other, zero, precision in ((meta, 0, "fp32"), (meta, 1, "bf16"), (dataclasses.replace(meta, zero_stage=0), 1,
+                                       "fp32"), (dataclasses.replace(meta, weights_only=True), 1, "fp32")):
+            problem = reshard_problem(other, layouts[0], zero, precision, "ck")
+            assert problem.startswith(f"checkpoint ck was saved at --expert-model-parallel-size {meta.ep} (") and \
+                "reshard only between fp32 ZeRO-1/2 runs (any --tp, --pp," in problem, problem
 
 
 def test_another_zero_stage_is_refused():
-    """The run checks p before building; the load holds the ZeRO stage and precision (an engine's) and, for any
-    MoE model (E = 1 too), p: only fp32 ZeRO-1/2 at p = 1 reshards."""
+    """The load holds the ZeRO stage and precision (an engine's) for any MoE model (E = 1 too): only fp32
+    ZeRO-1/2 reshards, at any p."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -262,10 +264,12 @@ def test_another_zero_stage_is_refused():
     _check_expert_layout(zero1, engine(2), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
     with pytest.raises(CheckpointError, match="with ZeRO-1 bf16: mixture-of-experts checkpoints reshard only"):
         _check_expert_layout(zero1, engine(1, bf16=True), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
-    # an E = 1 checkpoint of an MoE model at p = 2 (its per-layer files are not read)
-    p2 = dataclasses.replace(zero1, pp=2, dp=1, ep=1)
-    with pytest.raises(CheckpointError, match=r"\(tp 1, pp 2, dp 1\) with ZeRO-1 fp32; this run is at "):
+    # a pipeline checkpoint reshards too (E = 1 or 2), not into ZeRO-0
+    for ep in (1, 2):
+        p2 = dataclasses.replace(zero1, pp=2, dp=1, ep=ep)
         _check_expert_layout(p2, engine(1), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
+        with pytest.raises(CheckpointError, match=r"\(tp 1, pp 2, dp 1\) with ZeRO-1 fp32; this run is at "):
+            _check_expert_layout(p2, engine(0), SimpleNamespace(layout=ParallelLayout(dp=2)), "ck")
 
 
 def test_scheduler_state_fits_another_group_count():

@@ -13,7 +13,7 @@ Every file a load touches is unpickled with ``weights_only=True`` and an allow-l
     converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
     weights, Adam moments and step; the loss scaler, LR schedule, data position and RNG come along.
     Where DeepSpeed stops (ZeRO-0 checkpoints and engines) mtds.checkpoint.reshard_zero0 does the same job;
-    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (fp32 ZeRO-1/2, p = 1);
+    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (fp32 ZeRO-1/2, any p);
   * weights-only checkpoints (``mtds-convert hf-to-mtds``) -> module weights only, step 0.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from mtds.parallel.layout import ParallelGroups
 from mtds.checkpoint.complete import (STAGING_SUFFIX, IncompleteCheckpoint, Marker, newest_listed, rank_manifest, share,
                                    verify_contents)
 from mtds.checkpoint.errors import CheckpointFormatError
-from mtds.checkpoint.expert_layout import expert_layout_problem, reshard_problem
+from mtds.checkpoint.expert_layout import reshard_problem
 from mtds.checkpoint.meta import CheckpointMeta
 from mtds.checkpoint.commit import commit, prune, write_manifest
 from mtds.checkpoint.universal import ensure_universal, universal_dir, universal_info
@@ -237,11 +237,10 @@ def _partition_tag(parts) -> str:
 
 
 def _check_expert_layout(meta: CheckpointMeta, engine, groups: ParallelGroups, tag_dir: str) -> None:
-    """Mixture-of-experts checkpoints reshard between fp32 ZeRO-1/2 runs at p = 1 only
-    (mtds.checkpoint.expert_layout); the run checked the layout before building anything (mtds.training.job),
-    library callers get it here, and both the ZeRO stage and precision (an engine's)."""
-    problem = expert_layout_problem(meta.layout, groups.layout, tag_dir)
-    if problem is None and meta.model_config.num_experts and _needs_reshard(meta, engine, groups):
+    """Mixture-of-experts checkpoints reshard between fp32 ZeRO-1/2 runs only, at any t, p, d and E
+    (mtds.checkpoint.expert_layout): the ZeRO stage and precision are an engine's."""
+    problem = None
+    if meta.model_config.num_experts and _needs_reshard(meta, engine, groups):
         problem = reshard_problem(meta, groups.layout, _zero_stage(engine), _precision(engine), tag_dir)
     if problem:
         raise CheckpointError(problem)

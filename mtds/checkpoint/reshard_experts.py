@@ -1,5 +1,10 @@
-"""A mixture-of-experts checkpoint (any t and E, fp32 ZeRO-1/2, p = 1) -> DeepSpeed's universal layout, the
+"""A mixture-of-experts checkpoint (any t, p and E, fp32 ZeRO-1/2) -> DeepSpeed's universal layout, the
 experts stacked whole (docs/moe.md, "Resharding at E > 1").
+
+On a pipeline each stage's files carry its model-parallel rank MM = stage·t + TP rank (``mp_rank_MM`` parameter
+shapes, ``zero_pp_rank_D_mp_rank_MM`` partitions, at E > 1 and E = 1 alike): for each TP rank the stages'
+parameters are gathered under their pipeline names (a tied embedding's from the first stage holding it), and
+the rest is as at p = 1; mtds.checkpoint.universal aliases each folder under the other naming.
 
 DeepSpeed's ds_to_universal merges each parameter's fragments over all d partition files, which at E > 1 is
 wrong for the experts: their param group is partitioned over the d/E expert-data-parallel ranks, and each EP
@@ -47,21 +52,27 @@ def write_universal_from_moe(tag_dir: str, out_dir: str, meta: CheckpointMeta) -
     cfg = meta.model_config
     shapes, pieces, steps, step, globals_ = [], [], set(), None, None
     for tp_rank in range(meta.tp):
-        shapes.append({n: tuple(s) for group in load_file(mp_rank_file(tag_dir, tp_rank))["param_shapes"]
-                       for n, s in group.items()})
+        shape: dict[str, tuple] = {}
         mine: dict[str, dict[int, list]] = {}     # name -> EP shard -> [(position, {state: fragment})]
-        for d in range(meta.dp):
-            sd = load_file(os.path.join(tag_dir, zero_file_name(d, tp_rank)))
-            if globals_ is None:
-                globals_ = optimizer_globals(sd)
-            for group in partition_groups(sd):
-                shard, position = (d % meta.ep, d // meta.ep) if group.moe else (0, d)
-                if group.step is not None:      # Adam's step, a tensor as the engine keeps it
-                    steps.add(float(group.step))
-                    step = group.step if step is None else step
-                for name, (start, numel) in group.fragments.items():
-                    mine.setdefault(name, {}).setdefault(shard, []).append(
-                        (position, {s: group.flat[s].narrow(0, start, numel) for s in STATES}))
+        for stage in range(meta.pp):              # a pipeline: each stage's files, under its model-parallel rank
+            mp = stage * meta.tp + tp_rank
+            new = {n: tuple(s) for group in load_file(mp_rank_file(tag_dir, mp))["param_shapes"]
+                   for n, s in group.items() if n not in shape}      # a tied embedding: the first stage's
+            shape.update(new)
+            for d in range(meta.dp):
+                sd = load_file(os.path.join(tag_dir, zero_file_name(d, mp)))
+                if globals_ is None:
+                    globals_ = optimizer_globals(sd)
+                for group in partition_groups(sd):
+                    shard, position = (d % meta.ep, d // meta.ep) if group.moe else (0, d)
+                    if group.step is not None:      # Adam's step, a tensor as the engine keeps it
+                        steps.add(float(group.step))
+                        step = group.step if step is None else step
+                    for name, (start, numel) in group.fragments.items():
+                        if name in new:
+                            mine.setdefault(name, {}).setdefault(shard, []).append(
+                                (position, {s: group.flat[s].narrow(0, start, numel) for s in STATES}))
+        shapes.append(shape)
         pieces.append(mine)
     if len(steps) != 1:
         raise CheckpointFormatError(f"{tag_dir}: the partition files disagree on Adam's step ({sorted(steps)})")

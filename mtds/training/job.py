@@ -28,7 +28,6 @@ from mtds.safety.signals import StopRequest
 from mtds.safety.startup import BuildLockWatchdog
 
 from mtds.checkpoint import lifecycle as ckpt
-from mtds.checkpoint.expert_layout import expert_layout_problem
 from mtds.training.build import BuiltRun, build_run
 from mtds.training.config import TrainConfig
 from mtds.training.result import RunResult
@@ -94,8 +93,6 @@ def load_or_start(cfg: TrainConfig, world: World) -> TrainConfig:
     if plan.error:
         raise ckpt.CheckpointError(plan.error)
     if plan.fresh_start is None:
-        if plan.layout is not None and (problem := expert_layout_problem(plan.layout, world.layout, plan.tag_dir)):
-            raise ckpt.CheckpointError(problem)       # before the data, the model and the engine
         return cfg
     if dist.get_rank() == 0:
         print(plan.fresh_start, flush=True)
