@@ -464,7 +464,8 @@ def test_expert_and_pipeline_parallel_four_ranks(tmp_path):
     weight; a misplaced expert is off by its whole size). Resharded (fp32 ZeRO-1, every stage's partitions
     converted): the step-8 pipeline checkpoint at (1,1,4) E = 4 (steps 9-10), that run's step-9 checkpoint at
     (1,2,2) E = 2 again (step 10), and the Qwen3-MoE (2,2,1) E = 1 run's step-8 checkpoint at (1,1,4) E = 2
-    continue the uninterrupted runs within 1e-5."""
+    continue the uninterrupted runs within 1e-5. Last, Mixtral (2,2,1) without --sequence-parallel (the stage
+    outputs sent whole: DeepSpeed's TP scatter of them stopped at the router statistics' gradient) vs transformers."""
     import json
 
     from tests.training_helpers import BATCH, SEQ, ds_config, run_layouts, train_config
@@ -486,15 +487,18 @@ def test_expert_and_pipeline_parallel_four_ranks(tmp_path):
                train_config(**pipe, load=str(tmp_path / "e4" / "global_step9")),
                # a (2,2,1) E = 1 pipeline checkpoint (stage-major model-parallel ranks, stage 1 without experts)
                train_config(model=qwen, expert_model_parallel_size=2, load=str(tmp_path / "qwen" / "global_step8"),
-                            **lr)]
+                            **lr),
+               # t > 1 and p > 1 without --sequence-parallel: the stage outputs (hidden + router statistics) go
+               # whole, not split over the TP ranks (DeepSpeed's scatter refuses a second tensor with a gradient)
+               train_config(model=mixtral, tp=2, pp=2, **lr)]
     per_rank = run_layouts(4, configs)
     results = per_rank[-1]      # a last-stage rank: the pipelines report their loss there
     assert [r.layout for r in results] == ["(tp=1, pp=1, dp=4, ep=2)", "(tp=2, pp=1, dp=2, ep=2)",
                                            "(tp=1, pp=2, dp=2, ep=2)", "(tp=2, pp=2, dp=1)", "(tp=1, pp=2, dp=2, ep=2)",
                                            "(tp=1, pp=1, dp=4, ep=4)", "(tp=1, pp=2, dp=2, ep=2)",
-                                           "(tp=1, pp=1, dp=4, ep=2)"]
-    _parity(results[:4], [("mixtral", mixtral), ("qwen3_moe", qwen)] * 2,
-            "(1,1,4)e2 (2,1,2)e2+sp (1,2,2)e2 (2,2,1)+sp")
+                                           "(tp=1, pp=1, dp=4, ep=2)", "(tp=2, pp=2, dp=1)"]
+    _parity(results[:4] + results[8:], [("mixtral", mixtral), ("qwen3_moe", qwen)] * 2 + [("mixtral", mixtral)],
+            "(1,1,4)e2 (2,1,2)e2+sp (1,2,2)e2 (2,2,1)+sp (2,2,1)")
     assert all([(r.losses, r.grad_norms) for r in other[:2]] == [(r.losses, r.grad_norms) for r in results[:2]]
                for other in per_rank[:-1])
     full, resumed = results[2], results[4]

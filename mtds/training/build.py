@@ -57,10 +57,14 @@ def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan, list
                                           weight_decay=cfg.weight_decay)
     ds_config, batch = prepare_ds_config(user, layout,
                                          device_type=world.device.type, lr=cfg.lr)
-    if cfg.sequence_parallel and layout.pp > 1:
+    router_carry = world.model_cfg.num_experts > 0
+    if (cfg.sequence_parallel or router_carry) and layout.pp > 1:
         # DeepSpeed's pipeline splits a stage's output over the TP ranks and the next stage
         # all-gathers it (scatter/gather, PTD-P Section 4.1): correct only for activations that are
-        # replicated across TP ranks. Sequence-parallel activations are already one slice per rank.
+        # replicated across TP ranks. Sequence-parallel activations are already one slice per rank. An MoE
+        # model's stage output also carries the router statistics (mtds.model.router_carry), whose `probs`
+        # needs a gradient: DeepSpeed's scatter asserts that only the first tensor does (an MoE model at
+        # t > 1, p > 1 without --sequence-parallel stopped there); its outputs go whole (t x the p2p bytes).
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
     if dualpipev and layout.tp > 1:
