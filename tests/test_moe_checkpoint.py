@@ -5,8 +5,9 @@ DeepSpeed's per-EP-shard files) and ZeRO-1 (each data rank's partitions); which 
 file; a missing expert file makes it incomplete; a weights-only checkpoint (full tensors) loads at E = 2.
 Resharded (docs/moe.md, "Resharding at E > 1"; fp32 ZeRO-1): the E = 2 checkpoint resumed at E = 1 on the two
 ranks and on one, and at (2,1,1), those runs' checkpoints at E = 2 again, continue the run within 1e-5; the
-universal folder holds the live experts in global order; the ZeRO-0 checkpoint at E = 1 or another ZeRO stage into
-bf16 refused in one line (pipelines: tests/test_moe.py's four-rank test). Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint
+universal folder holds the live experts in global order; a bf16 ZeRO-1 checkpoint (DeepSpeed's BF16 optimizer) at
+E = 1 within bf16's layout noise; the ZeRO-0 checkpoint at E = 1 or an fp32 one into bf16 refused in one line
+(pipelines: tests/test_moe.py's four-rank test). Read back as a whole model: `mtds-convert mtds-to-hf` of the E = 2 checkpoint
 equals the export of the live weights bit for bit, transformers loads it, and `mtds-eval --ckpt` (run in the body
 at E = 1) gives transformers' loss; TP-sharded expert files merge. One spawned 2-rank body (and a 1-rank one);
 the file checks run in the test process on what it saved."""
@@ -55,7 +56,12 @@ def _body(root):
     weights = {n: p.detach().clone() for n, p in live[0].named_parameters()}
     # mtds-eval --ckpt of that E = 2 checkpoint, as a data-parallel pair (evaluation has no expert parallelism)
     evaluated = evaluate(build_parser().parse_args(["--ckpt", f"{root}/zero1", "--data", f"{root}/rows.jsonl"]))
-    return runs, refused, first, weights, evaluated, [r.losses for r in (to_e1, back, to_t2, from_t2)]
+    # bf16 ZeRO-1 (DeepSpeed's BF16 optimizer, its bf16_zero_pp_rank files): saved at step 2, resumed at E = 1
+    b16 = dict(deepspeed_config=ds_config(zero=1, precision="bf16"), **lr)
+    bf16 = [run(train_config(**b16, expert_model_parallel_size=2, save=f"{root}/bf16", save_interval=SAVED_AT)),
+            run(train_config(**b16, load=f"{root}/bf16/global_step{SAVED_AT}"))]
+    return runs, refused, first, weights, evaluated, [r.losses for r in (to_e1, back, to_t2, from_t2)], \
+        [(r.losses, r.grad_norms) for r in bf16]
 
 
 def _schedule() -> dict:
@@ -130,7 +136,7 @@ def test_resharding_a_zero0_checkpoint_is_refused_in_one_line(saved):
         assert refused is not None and "\n" not in refused, refused
         assert "was saved at --expert-model-parallel-size 2 (tp 1, pp 1, dp 2) with ZeRO-0 fp32; this run is at " \
                "--expert-model-parallel-size 1 (tp 1, pp 1, dp 2) with ZeRO-0 fp32: mixture-of-experts checkpoints " \
-               "reshard only between fp32 ZeRO-1/2 runs (any --tp, --pp," in refused and \
+               "reshard only between ZeRO-1/2 runs of the same precision, fp32 or bf16 (any --tp, --pp," in refused and \
                refused.endswith("resume at the same layout and ZeRO stage"), refused
 
 
@@ -143,7 +149,7 @@ def test_resharding_to_another_expert_parallel_size_continues_the_run(saved):
     (2.5e-4, with mtds's EP-rank check off), the expert group's hyperparameters left out of the universal folder
     (7.8e-4: its LR restarts)."""
     _, per_rank = saved
-    for rank, (runs, *_, (to_e1, back, _, _)) in enumerate(per_rank):
+    for rank, (runs, *_, (to_e1, back, _, _), _) in enumerate(per_rank):
         (losses, _), _ = runs[1]
         for got, want in ((to_e1, losses[SAVED_AT:]), (back, losses[SAVED_AT + 1:])):
             assert len(got) == len(want) and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (rank, got, want)
@@ -156,10 +162,27 @@ def test_resharding_to_another_tensor_parallel_size_continues_the_run(saved):
     uninterrupted run's losses within 1e-5 (measured equal). What fails it: the experts written without TP keys
     (cut on dim 0: 5.2e-4), gate|up cut as one block (4.0e-4), down's TP pieces merged in reverse (6.2e-4)."""
     _, per_rank = saved
-    for rank, (runs, *_, (_, _, to_t2, from_t2)) in enumerate(per_rank):
+    for rank, (runs, *_, (_, _, to_t2, from_t2), _) in enumerate(per_rank):
         (losses, _), _ = runs[1]
         for got, want in ((to_t2, losses[SAVED_AT:]), (from_t2, losses[SAVED_AT + 1:])):
             assert len(got) == len(want) and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (rank, got, want)
+
+
+def test_a_bf16_checkpoint_reshards(saved):
+    """bf16 ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 master partitions and moments in bf16_zero_pp_rank files,
+    converted as fp32 ZeRO-1's): the E = 2 checkpoint of step 2 resumed at E = 1. Step 3's loss equals the
+    uninterrupted E = 2 run's bit for bit (the bf16 weights are the rounded fp32 masters, and this forward sums
+    the same experts); steps 4-5 and the grad norms only within bf16's layout noise: an E = 1 run and an E = 2 run
+    round their bf16 expert sums in other orders (from the same weights 1.5e-6 apart in loss after one step,
+    and 9.4e-6 / 3.0e-4 over five), so they are held as tests/test_moe.py holds bf16 E = 2 against E = 1, 5e-5 /
+    2e-3. Measured 2.4e-6 / 2.0e-4. What fails it: the Adam moments written as zeros (steps 4-5 9.6e-4 off), the
+    experts stacked in reverse (step 3's loss 9.037930 vs 9.035231)."""
+    _, per_rank = saved
+    for rank, (*_, ((losses, norms), (got, got_norms))) in enumerate(per_rank):
+        assert len(got) == STEPS - SAVED_AT and got[0] == losses[SAVED_AT], (rank, got, losses)
+        loss = max(abs(a - b) / b for a, b in zip(got, losses[SAVED_AT:]))
+        norm = max(abs(a - b) / b for a, b in zip(got_norms, norms[SAVED_AT:]))
+        assert loss < 5e-5 and norm < 2e-3, (rank, loss, norm, got, losses, got_norms, norms)
 
 
 def test_resharding_to_one_rank_continues_the_run(saved):
@@ -216,8 +239,9 @@ def test_a_weights_only_checkpoint_loads_at_e2(saved):
 
 
 def test_expert_layout_rule():
-    """Which checkpoints a run may reshard (mtds.checkpoint.expert_layout), without a run: fp32 ZeRO-1/2 at any t,
-    p, d and E on either side (pipelines too); ZeRO-0, bf16 or a weights-only checkpoint on either side not."""
+    """Which checkpoints a run may reshard (mtds.checkpoint.expert_layout), without a run: ZeRO-1/2 in the same
+    precision, fp32 or bf16, at any t, p, d and E on either side (pipelines too); ZeRO-0, fp16, another precision
+    or a weights-only checkpoint not."""
     import dataclasses
     from mtds.checkpoint.expert_layout import reshard_problem
     from mtds.checkpoint.meta import CheckpointMeta
@@ -228,11 +252,15 @@ def test_expert_layout_rule():
     for saved in (dict(tp=1, pp=2, dp=2, ep=2), dict(tp=1, pp=1, dp=4, ep=2), dict(tp=2, pp=2, dp=1)):
         meta = CheckpointMeta(model=cfg, zero_stage=1, **saved)
         assert [reshard_problem(meta, lay, z, "fp32", "ck") for lay in layouts for z in (1, 2)] == [None] * 10
-        for other, zero, precision in ((meta, 0, "fp32"), (meta, 1, "bf16"), (dataclasses.replace(meta, zero_stage=0), 1,
-                                       "fp32"), (dataclasses.replace(meta, weights_only=True), 1, "fp32")):
+        bf16 = dataclasses.replace(meta, precision="bf16")      # DeepSpeed's BF16 optimizer: fp32 masters too
+        assert [reshard_problem(bf16, lay, z, "bf16", "ck") for lay in layouts for z in (1, 2)] == [None] * 10
+        for other, zero, precision in ((meta, 0, "fp32"), (meta, 1, "bf16"), (bf16, 1, "fp32"), (bf16, 0, "bf16"),
+                                       (dataclasses.replace(meta, precision="fp16"), 1, "fp16"),
+                                       (dataclasses.replace(meta, zero_stage=0), 1, "fp32"),
+                                       (dataclasses.replace(meta, weights_only=True), 1, "fp32")):
             problem = reshard_problem(other, layouts[0], zero, precision, "ck")
             assert problem.startswith(f"checkpoint ck was saved at --expert-model-parallel-size {meta.ep} (") and \
-                "reshard only between fp32 ZeRO-1/2 runs (any --tp, --pp," in problem, problem
+                "reshard only between ZeRO-1/2 runs of the same precision" in problem, problem
 
 
 def test_another_zero_stage_is_refused():

@@ -1,17 +1,18 @@
 """Which layouts a mixture-of-experts checkpoint resumes at (docs/moe.md, "Resharding at E > 1").
 
 At its own layout every checkpoint resumes through DeepSpeed's load (its MoE path at E > 1, per pipeline stage
-at p > 1). Another layout needs resharding, built (mtds.checkpoint.reshard_experts) between fp32 ZeRO-1/2 runs:
-any t, p, d and E on either side. The rest (ZeRO-0, bf16/fp16, a weights-only checkpoint as training state) is
-refused in one line at the load, where the engine's ZeRO stage and precision are known.
+at p > 1). Another layout needs resharding, built (mtds.checkpoint.reshard_experts) between ZeRO-1/2 runs of the same precision, fp32 or
+bf16 (DeepSpeed's BF16 optimizer keeps fp32 masters as ZeRO does): any t, p, d and E on either side. The rest
+(ZeRO-0, fp16, another precision, a weights-only checkpoint as training state) is refused in one line at the
+load, where the engine's ZeRO stage and precision are known.
 """
 from __future__ import annotations
 
 from mtds.parallel.layout import ParallelLayout
 
 FIELDS = ("tp", "pp", "dp", "ep")      # dp: DeepSpeed's data-parallel size, d·c (CheckpointMeta.dp)
-BUILT = ("mixture-of-experts checkpoints reshard only between fp32 ZeRO-1/2 runs (any --tp, --pp, "
-         "--expert-model-parallel-size and data-parallel size; docs/moe.md)")
+BUILT = ("mixture-of-experts checkpoints reshard only between ZeRO-1/2 runs of the same precision, fp32 or bf16 "
+         "(any --tp, --pp, --expert-model-parallel-size and data-parallel size; docs/moe.md)")
 
 
 def run_layout(layout: ParallelLayout) -> dict:
@@ -21,7 +22,7 @@ def run_layout(layout: ParallelLayout) -> dict:
 def reshard_problem(meta, layout: ParallelLayout, zero: int, precision: str, where: str) -> str | None:
     """Why the mixture-of-experts checkpoint ``where`` (its CheckpointMeta ``meta``), which this run (``layout``,
     ZeRO stage ``zero``, ``precision``) would have to reshard, cannot be; None when it can."""
-    if convertible(meta) and zero in (1, 2) and precision == "fp32":
+    if convertible(meta) and zero in (1, 2) and precision == meta.precision:
         return None
     return (f"checkpoint {where} was saved at --expert-model-parallel-size {meta.ep} ({_text(meta.layout)}) with "
             f"ZeRO-{meta.zero_stage} {meta.precision}; this run is at --expert-model-parallel-size {layout.ep} "
@@ -30,8 +31,9 @@ def reshard_problem(meta, layout: ParallelLayout, zero: int, precision: str, whe
 
 
 def convertible(meta) -> bool:
-    """Whether mtds's converter reads the checkpoint: its ZeRO-1/2 fp32 partitions (each pipeline stage's)."""
-    return meta.zero_stage in (1, 2) and meta.precision == "fp32" and not meta.weights_only
+    """Whether mtds's converter reads the checkpoint: the fp32 partitions of its ZeRO-1/2 or BF16 optimizer (each
+    pipeline stage's)."""
+    return meta.zero_stage in (1, 2) and meta.precision in ("fp32", "bf16") and not meta.weights_only
 
 
 def _text(layout: dict) -> str:

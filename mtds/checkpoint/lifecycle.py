@@ -13,7 +13,7 @@ Every file a load touches is unpickled with ``weights_only=True`` and an allow-l
     converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
     weights, Adam moments and step; the loss scaler, LR schedule, data position and RNG come along.
     Where DeepSpeed stops (ZeRO-0 checkpoints and engines) mtds.checkpoint.reshard_zero0 does the same job;
-    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (fp32 ZeRO-1/2, any p);
+    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (ZeRO-1/2, fp32 or bf16);
   * weights-only checkpoints (``mtds-convert hf-to-mtds``) -> module weights only, step 0.
 """
 from __future__ import annotations
@@ -237,8 +237,8 @@ def _partition_tag(parts) -> str:
 
 
 def _check_expert_layout(meta: CheckpointMeta, engine, groups: ParallelGroups, tag_dir: str) -> None:
-    """Mixture-of-experts checkpoints reshard between fp32 ZeRO-1/2 runs only, at any t, p, d and E
-    (mtds.checkpoint.expert_layout): the ZeRO stage and precision are an engine's."""
+    """Mixture-of-experts checkpoints reshard between ZeRO-1/2 runs of one precision (fp32, bf16) only, at any t,
+    p, d and E (mtds.checkpoint.expert_layout): the ZeRO stage and precision are an engine's."""
     problem = None
     if meta.model_config.num_experts and _needs_reshard(meta, engine, groups):
         problem = reshard_problem(meta, groups.layout, _zero_stage(engine), _precision(engine), tag_dir)

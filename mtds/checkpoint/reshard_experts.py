@@ -60,7 +60,7 @@ def write_universal_from_moe(tag_dir: str, out_dir: str, meta: CheckpointMeta) -
                    for n, s in group.items() if n not in shape}      # a tied embedding: the first stage's
             shape.update(new)
             for d in range(meta.dp):
-                sd = load_file(os.path.join(tag_dir, zero_file_name(d, mp)))
+                sd = load_file(_partition_file(tag_dir, d, mp))
                 if globals_ is None:
                     globals_ = optimizer_globals(sd)
                 for group in partition_groups(sd):
@@ -112,3 +112,12 @@ def _joined(tag_dir: str, name: str, shards: dict, state: str, shape: tuple, ep:
                                         f"(shard {j}), not {math.prod(shape)} {shape} (partial checkpoint?)")
         parts.append(flat.view(shape))
     return torch.cat(parts)
+
+
+def _partition_file(tag_dir: str, dp_rank: int, mp_rank: int) -> str:
+    """Data rank ``dp_rank``'s partition file: DeepSpeed's ZeRO-1/2 optimizer's, or its BF16 optimizer's (bf16
+    ZeRO-1 with fp32 gradient accumulation), whose ``bf16_`` file holds the same keys."""
+    name = zero_file_name(dp_rank, mp_rank)
+    path = os.path.join(tag_dir, name)
+    bf16 = os.path.join(tag_dir, "bf16_" + name)
+    return bf16 if not os.path.isfile(path) and os.path.isfile(bf16) else path
