@@ -56,8 +56,8 @@ def _body(root):
     weights = {n: p.detach().clone() for n, p in live[0].named_parameters()}
     # mtds-eval --ckpt of that E = 2 checkpoint, as a data-parallel pair (evaluation has no expert parallelism)
     evaluated = evaluate(build_parser().parse_args(["--ckpt", f"{root}/zero1", "--data", f"{root}/rows.jsonl"]))
-    # bf16 ZeRO-1 (DeepSpeed's BF16 optimizer, its bf16_zero_pp_rank files): saved at step 2, resumed at E = 1
-    b16 = dict(deepspeed_config=ds_config(zero=1, precision="bf16"), **lr)
+    # bf16 ZeRO-1 with fp32 gradient accumulation: DeepSpeed's BF16 optimizer; saved at step 2, resumed at E = 1
+    b16 = dict(deepspeed_config=ds_config(zero=1, precision="bf16", data_types={"grad_accum_dtype": "fp32"}), **lr)
     bf16 = [run(train_config(**b16, expert_model_parallel_size=2, save=f"{root}/bf16", save_interval=SAVED_AT)),
             run(train_config(**b16, load=f"{root}/bf16/global_step{SAVED_AT}"))]
     return runs, refused, first, weights, evaluated, [r.losses for r in (to_e1, back, to_t2, from_t2)], \
@@ -169,14 +169,15 @@ def test_resharding_to_another_tensor_parallel_size_continues_the_run(saved):
 
 
 def test_a_bf16_checkpoint_reshards(saved):
-    """bf16 ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 master partitions and moments in bf16_zero_pp_rank files,
-    converted as fp32 ZeRO-1's): the E = 2 checkpoint of step 2 resumed at E = 1. Step 3's loss equals the
-    uninterrupted E = 2 run's bit for bit (the bf16 weights are the rounded fp32 masters, and this forward sums
-    the same experts); steps 4-5 and the grad norms only within bf16's layout noise: an E = 1 run and an E = 2 run
-    round their bf16 expert sums in other orders (from the same weights 1.5e-6 apart in loss after one step,
-    and 9.4e-6 / 3.0e-4 over five), so they are held as tests/test_moe.py holds bf16 E = 2 against E = 1, 5e-5 /
-    2e-3. Measured 2.4e-6 / 2.0e-4. What fails it: the Adam moments written as zeros (steps 4-5 9.6e-4 off), the
-    experts stacked in reverse (step 3's loss 9.037930 vs 9.035231)."""
+    """bf16 ZeRO-1 with fp32 gradient accumulation (DeepSpeed's BF16 optimizer: fp32 master partitions and Adam
+    moments in bf16_zero_pp_rank files with ZeRO's keys, converted as fp32 ZeRO-1's): the E = 2 checkpoint of step 2
+    resumed at E = 1. Step 3's loss equals the uninterrupted E = 2 run's bit for bit (the bf16 weights are the
+    rounded fp32 masters, and this forward rounds the same sums); steps 4-5 and the grad norms only within bf16's
+    layout noise: a bf16 run at E = 1 rounds its expert sums in another order than at E = 2 (two uninterrupted runs
+    from the same weights: 1.5e-6 apart in loss after one step, 3.8e-6 / 3.3e-4 over five), so they are held as
+    tests/test_moe.py holds bf16 E = 2 against E = 1, 5e-5 / 2e-3. Measured 5.7e-6 / 8.7e-5. What fails it: the Adam
+    moments written as zeros (steps 4-5 9.6e-4 off, norms 3.4e-3), the experts' EP shards stacked in reverse (step
+    3's loss 9.037929 vs 9.035230)."""
     _, per_rank = saved
     for rank, (*_, ((losses, norms), (got, got_norms))) in enumerate(per_rank):
         assert len(got) == STEPS - SAVED_AT and got[0] == losses[SAVED_AT], (rank, got, losses)

@@ -115,8 +115,8 @@ def _joined(tag_dir: str, name: str, shards: dict, state: str, shape: tuple, ep:
 
 
 def _partition_file(tag_dir: str, dp_rank: int, mp_rank: int) -> str:
-    """Data rank ``dp_rank``'s partition file: DeepSpeed's ZeRO-1/2 optimizer's, or its BF16 optimizer's (bf16
-    ZeRO-1 with fp32 gradient accumulation), whose ``bf16_`` file holds the same keys."""
+    """Data rank ``dp_rank``'s partition file; DeepSpeed prefixes ``bf16_`` in bf16 runs, whether its ZeRO-1/2
+    optimizer or its BF16 optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) wrote it: the same keys."""
     name = zero_file_name(dp_rank, mp_rank)
     path = os.path.join(tag_dir, name)
     bf16 = os.path.join(tag_dir, "bf16_" + name)
