@@ -240,7 +240,6 @@ class LoadPlan:
     error: str | None = None
     tag_dir: str | None = None
     model: dict | None = None
-    layout: dict | None = None     # {tp, pp, dp, ep} the files are sharded for (None: weights only, or unread)
 
 
 def plan_load(path: str) -> LoadPlan:
@@ -255,7 +254,7 @@ def plan_load(path: str) -> LoadPlan:
         return LoadPlan(fresh_start=line)
     try:
         meta = CheckpointMeta.load(tag_dir)
-        return LoadPlan(tag_dir=tag_dir, model=meta.model, layout=None if meta.weights_only else meta.layout)
+        return LoadPlan(tag_dir=tag_dir, model=meta.model)
     except ValueError:
         return LoadPlan(tag_dir=tag_dir)
 
