@@ -474,7 +474,7 @@ def test_expert_and_pipeline_parallel_four_ranks(tmp_path):
     log = str(tmp_path / "pp.jsonl")
     pipe = dict(model=mixtral, pp=2, expert_model_parallel_size=2, pipeline_balance="uniform", **lr)
     configs = [train_config(model=mixtral, expert_model_parallel_size=2, deepspeed_config=ds_config(zero=1),
-                            save=str(tmp_path / "flat"), save_interval=10, **lr),
+                            save=str(tmp_path / "flat"), save_interval=10, trace_comm=True, **lr),
                train_config(model=qwen, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
                             deepspeed_config=ds_config(zero=0), **lr),
                train_config(**pipe, save=str(tmp_path / "pipe"), save_interval=8),
@@ -499,6 +499,15 @@ def test_expert_and_pipeline_parallel_four_ranks(tmp_path):
                                            "(tp=1, pp=1, dp=4, ep=2)", "(tp=2, pp=2, dp=1)"]
     _parity(results[:4] + results[8:], [("mixtral", mixtral), ("qwen3_moe", qwen)] * 2 + [("mixtral", mixtral)],
             "(1,1,4)e2 (2,1,2)e2+sp (1,2,2)e2 (2,2,1)+sp (2,2,1)")
+    # fp32 ZeRO-1 at E = 2: mtds's reduce-scatter reduces the dense group over d = 4 and the experts' group over
+    # their expert-data-parallel pair (DeepSpeed's partitions): no gradient goes through an all-reduce (those
+    # left carry the step's flags and norm), and each group's ring sends equal its parameter all-gather,
+    # (d-1)/d of its bytes each -- 2Ψ(d-1)/d, where DeepSpeed's MoE path all-reduces (3Ψ(d-1)/d)
+    for rank in per_rank:
+        comm = rank[0].comm
+        assert all(v["bytes"] <= 64 for key, v in comm.items() if key.startswith("all_reduce/")), comm
+        for group in ("dp", "other"):       # "other": the expert-data-parallel pair, unnamed by the tracer
+            assert comm[f"send/{group}"]["bus_bytes"] == comm[f"all_gather/{group}"]["bus_bytes"] > 0, comm
     assert all([(r.losses, r.grad_norms) for r in other[:2]] == [(r.losses, r.grad_norms) for r in results[:2]]
                for other in per_rank[:-1])
     full, resumed = results[2], results[4]

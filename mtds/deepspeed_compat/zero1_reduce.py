@@ -20,7 +20,7 @@ DeepSpeed's own epilogue does. A pipeline stage may reduce its final gradients e
 (:func:`reduce_early`, right after its last backward) and the rest (tied weights) here.
 
 Installed only where that is exactly DeepSpeed's state otherwise: stage 1, gradients in ``param.grad`` in
-the communication dtype (no separate fp32 accumulation, no bucket overlap, no CPU offload), no MoE,
+the communication dtype (no separate fp32 accumulation, no bucket overlap, no CPU offload), no
 Muon, ZenFlow or sequence-parallel (Ulysses) group. Checked against DeepSpeed 0.19.8.
 """
 from __future__ import annotations
@@ -43,8 +43,11 @@ def unsupported_reason(engine) -> str | None:
         return "not DeepSpeed's ZeRO-1 optimizer"
     if opt.partition_gradients or opt.overlap_comm or opt.cpu_offload or opt.use_grad_accum_attribute:
         return "ZeRO-1 with overlap_comm, CPU offload or separate gradient accumulation"
-    if opt.has_moe_layers or opt.zenflow or opt.sequence_parallel_size != 1 or not opt.reduce_scatter:
-        return "MoE, ZenFlow, sequence-parallel groups or reduce_scatter off"
+    # MoE param groups need nothing else: DeepSpeed partitions an expert group over its expert-data-parallel
+    # group (real_dp_process_group[i]), which the reduce-scatter uses, and divides expert gradients by the whole
+    # data-parallel size, as the fill does for every group (average_tensor)
+    if opt.zenflow or opt.sequence_parallel_size != 1 or not opt.reduce_scatter:
+        return "ZenFlow, sequence-parallel groups or reduce_scatter off"
     if opt.communication_data_type != opt.dtype or opt.gradient_accumulation_dtype != opt.dtype:
         return "gradients communicated or accumulated in another dtype"
     if any(opt._is_muon_group(group) for group in opt.bit16_groups if group):

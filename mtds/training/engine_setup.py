@@ -106,9 +106,10 @@ def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
 def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: str, zero_stage: int) -> None:
     """The gradient fixes this run's precision / ZeRO stage / layout need, then the tracer's group names."""
     groups = world.groups
-    # With expert parallelism DeepSpeed's MoE paths run on the stages holding experts; mtds's flat-bf16 and
-    # reduce-scatter paths decline there, and must on every stage: a pipeline's stages share the norm's
-    # collectives over the model-parallel group, which the two paths run differently.
+    # With expert parallelism DeepSpeed's MoE paths run on the stages holding experts; mtds's flat-bf16 path and
+    # foreach norm decline there, and must on every stage: a pipeline's stages share the norm's collectives over
+    # the model-parallel group, which the two paths run differently. The fp32 ZeRO-1 reduce-scatter takes MoE
+    # param groups (zero1_reduce.py); at ZeRO-1 every stage holds an expert group (refused otherwise, above).
     experts = world.layout.ep > 1
     if not experts:
         install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
@@ -118,7 +119,7 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
-    if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter" and not experts:
+    if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
         install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
