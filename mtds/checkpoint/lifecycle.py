@@ -13,7 +13,7 @@ Every file a load touches is unpickled with ``weights_only=True`` and an allow-l
     converts the checkpoint once (``global_stepN_universal``), every rank loads its new shards of
     weights, Adam moments and step; the loss scaler, LR schedule, data position and RNG come along.
     Where DeepSpeed stops (ZeRO-0 checkpoints and engines) mtds.checkpoint.reshard_zero0 does the same job;
-    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (ZeRO-1/2, fp32 or bf16);
+    mixture-of-experts checkpoints are converted by mtds.checkpoint.reshard_experts (ZeRO-1/2, fp32 or bf16; fp32 ZeRO-0);
   * weights-only checkpoints (``mtds-convert hf-to-mtds``) -> module weights only, step 0.
 """
 from __future__ import annotations
@@ -237,8 +237,9 @@ def _partition_tag(parts) -> str:
 
 
 def _check_expert_layout(meta: CheckpointMeta, engine, groups: ParallelGroups, tag_dir: str) -> None:
-    """Mixture-of-experts checkpoints reshard between ZeRO-1/2 runs of one precision (fp32, bf16) only, at any t,
-    p, d and E (mtds.checkpoint.expert_layout): the ZeRO stage and precision are an engine's."""
+    """Mixture-of-experts checkpoints reshard between ZeRO-1/2 runs of one precision (fp32, bf16), at any t, p, d
+    and E, and from or into fp32 ZeRO-0 at p = 1 (mtds.checkpoint.expert_layout): the ZeRO stage and precision are
+    an engine's."""
     problem = None
     if meta.model_config.num_experts and _needs_reshard(meta, engine, groups):
         problem = reshard_problem(meta, groups.layout, _zero_stage(engine), _precision(engine), tag_dir)
@@ -411,12 +412,15 @@ def _load_universal_zero0(engine, universal: str, tag_dir: str, meta: Checkpoint
     """What DeepSpeed's load would do, for an engine without ZeRO: weights and Adam state from the
     universal folder, step/scheduler/client state from the saved engine file (identical on all ranks)."""
     try:
-        load_universal_into_zero0(engine, universal, meta.model_config, groups.layout.tp, groups.tp_rank)
+        load_universal_into_zero0(engine, universal, meta.model_config, groups.layout.tp, groups.tp_rank,
+                                  groups.layout.ep, groups.ep_rank)
     except CheckpointFormatError as err:
         raise CheckpointError(str(err)) from None
     state = safe_load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # an MoE run at E > 1 has one param group more than at E = 1 (dense, experts)
+        with scheduler_fits_groups(engine) if meta.model_config.num_experts else contextlib.nullcontext():
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         # A scheduler sets the optimizer's lr only when it steps: the next step must use the saved lr.
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr

@@ -1,5 +1,6 @@
-"""A mixture-of-experts checkpoint (any t, p and E, fp32 ZeRO-1/2) -> DeepSpeed's universal layout, the
-experts stacked whole (docs/moe.md, "Resharding at E > 1").
+"""A mixture-of-experts checkpoint (any t, p and E, fp32 or bf16 ZeRO-1/2; fp32 ZeRO-0 at p = 1:
+:func:`write_universal_from_moe_zero0`) -> DeepSpeed's universal layout, the experts stacked whole (docs/moe.md,
+"Resharding at E > 1").
 
 On a pipeline each stage's files carry its model-parallel rank MM = stage·t + TP rank (``mp_rank_MM`` parameter
 shapes, ``zero_pp_rank_D_mp_rank_MM`` partitions, at E > 1 and E = 1 alike): for each TP rank the stages'
@@ -33,8 +34,8 @@ from mtds.checkpoint.errors import CheckpointFormatError
 from mtds.checkpoint.expert_files import STACKED
 from mtds.checkpoint.expert_layout import BUILT, convertible
 from mtds.checkpoint.meta import CheckpointMeta
-from mtds.checkpoint.names import parse
-from mtds.checkpoint.reshard_zero0 import deepspeed_split_keys, link_engine_files
+from mtds.checkpoint.names import ds_name, parse
+from mtds.checkpoint.reshard_zero0 import PARAM_NAMES_KEY, deepspeed_split_keys, link_engine_files
 from mtds.checkpoint.shard_spec import split_of, unshard
 from mtds.deepspeed_compat.expert_universal import (STATES, optimizer_globals, partition_groups, tensor_file,
                                                     zero_file_name)
@@ -49,6 +50,8 @@ def check_convertible(tag_dir: str, meta: CheckpointMeta) -> None:
 
 def write_universal_from_moe(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
     check_convertible(tag_dir, meta)
+    if meta.zero_stage == 0:
+        return write_universal_from_moe_zero0(tag_dir, out_dir, meta)
     cfg = meta.model_config
     shapes, pieces, steps, step, globals_ = [], [], set(), None, None
     for tp_rank in range(meta.tp):
@@ -121,3 +124,83 @@ def _partition_file(tag_dir: str, dp_rank: int, mp_rank: int) -> str:
     path = os.path.join(tag_dir, name)
     bf16 = os.path.join(tag_dir, "bf16_" + name)
     return bf16 if not os.path.isfile(path) and os.path.isfile(bf16) else path
+
+
+def write_universal_from_moe_zero0(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
+    """An fp32 ZeRO-0 checkpoint of an MoE model (p = 1, any t and E) -> the same universal layout: the weights as
+    mtds's reader gives them (experts from DeepSpeed's per-expert files, stacked in global order), the Adam state
+    from each EP shard's whole torch optimizer (``expp_rank_J_mp_rank_TT``; at E = 1 the ``mp_rank_TT`` file's),
+    an expert tensor's moments stacked over the shards in EP order, a dense one's from shard 0 (every shard holds
+    the same: ZeRO-0 all-reduces the dense gradients over d)."""
+    from mtds.checkpoint.reader import open_checkpoint
+    cfg = meta.model_config
+    states = [_zero0_states(tag_dir, meta, r) for r in range(meta.tp)]       # per TP rank: name -> state
+    steps = {float(s["step"]) for per in states for s in per.values()}
+    if len(steps) != 1:
+        raise CheckpointFormatError(f"{tag_dir}: the optimizer files disagree on Adam's step ({sorted(steps)})")
+    zero = os.path.join(out_dir, "zero")
+    for layer, tensors in open_checkpoint(tag_dir).layers():
+        for inner, weight in tensors.items():
+            name = ds_name(cfg, layer, inner, pipeline=False)
+            if any(name not in per for per in states):
+                raise CheckpointFormatError(f"{tag_dir}: no optimizer state for {name} (different model?)")
+            folder = os.path.join(zero, name)
+            os.makedirs(folder, exist_ok=True)
+            experts = cfg.num_experts if inner in STACKED else None
+            keys = deepspeed_split_keys(cfg, inner, split_of(cfg, layer, inner))
+            torch.save(tensor_file(weight.float().clone(), experts, keys), os.path.join(folder, "fp32.pt"))
+            for state in STATES[1:]:
+                full = unshard(cfg, layer, inner, [per[name][state] for per in states])
+                torch.save(tensor_file(full.clone(), experts, keys), os.path.join(folder, f"{state}.pt"))
+            torch.save(states[0][name]["step"].clone(), os.path.join(folder, "step.pt"))
+    import deepspeed
+    groups = load_file(_zero0_optimizer_files(tag_dir, meta, 0)[0])["optimizer"]["param_groups"]
+    groups = [{k: v for k, v in g.items() if k not in ("params", "name", "moe")} for g in groups]
+    torch.save({"ds_version": deepspeed.__version__, "param_groups": groups + [dict(groups[0])] * (2 - len(groups))},
+               os.path.join(zero, "optimizer_state.pt"))
+    link_engine_files(tag_dir, out_dir, meta)
+
+
+def _zero0_optimizer_files(tag_dir: str, meta: CheckpointMeta, tp_rank: int) -> list[str]:
+    """Each EP shard's optimizer file of TP rank ``tp_rank`` (DeepSpeed's MoE save at E > 1), else its model file."""
+    files = [os.path.join(tag_dir, f"expp_rank_{j}_mp_rank_{tp_rank:02d}_optim_states.pt") for j in range(meta.ep)]
+    if meta.ep == 1 and not os.path.isfile(files[0]):
+        return [mp_rank_file(tag_dir, tp_rank)]
+    missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+    if missing:
+        raise CheckpointFormatError(f"{tag_dir} is partial: {', '.join(missing)} missing")
+    return files
+
+
+def _zero0_states(tag_dir: str, meta: CheckpointMeta, tp_rank: int) -> dict[str, dict]:
+    """{name: {"exp_avg", "exp_avg_sq", "step"}} of TP rank ``tp_rank``, the experts' moments [E, ...]. A torch
+    optimizer keys its state by position over its param groups: DeepSpeed's MoE groups hold the expert tensors
+    (``moe`` True), the others the rest, each in the model's order (``split_params_into_different_moe_groups_for_
+    optimizer``), which the saved names (``PARAM_NAMES_KEY``, the model's order) are split into."""
+    cfg = meta.model_config
+    names = load_file(mp_rank_file(tag_dir, tp_rank)).get(PARAM_NAMES_KEY)
+    if not names:
+        raise CheckpointFormatError(f"{mp_rank_file(tag_dir, tp_rank)} lacks the parameter names mtds needs to reshard "
+                                    f"a ZeRO-0 checkpoint")
+    shards = []
+    for path in _zero0_optimizer_files(tag_dir, meta, tp_rank):
+        opt = load_file(path).get("optimizer")
+        if not opt or "state" not in opt:
+            raise CheckpointFormatError(f"{path} holds no optimizer state")
+        queues = {True: [n for n in names if parse(cfg, n)[1] in STACKED], False: list(names)}
+        if any(g.get("moe") for g in opt["param_groups"]):
+            queues[False] = [n for n in names if n not in queues[True]]
+        mine = {}
+        for group in opt["param_groups"]:
+            queue = queues[bool(group.get("moe"))]
+            if len(queue) < len(group["params"]):
+                raise CheckpointFormatError(f"{path}: its param groups do not match the saved parameter names")
+            for i in group["params"]:
+                mine[queue.pop(0)] = opt["state"].get(i, {})
+        shards.append(mine)
+    out = {}
+    for name, first in shards[0].items():
+        stacked = parse(cfg, name)[1] in STACKED and len(shards) > 1
+        out[name] = {"step": first["step"], **{s: torch.cat([sh[name][s] for sh in shards]) if stacked else first[s]
+                                              for s in STATES[1:]}}
+    return out

@@ -27,6 +27,7 @@ from mtds.checkpoint.safe_load import safe_load
 
 from mtds.checkpoint.dsformat import ModuleStateReader, load_file, mp_rank_file
 from mtds.checkpoint.errors import CheckpointFormatError
+from mtds.checkpoint.expert_files import STACKED
 from mtds.checkpoint.meta import CheckpointMeta
 from mtds.checkpoint.names import ds_name, parse
 from mtds.checkpoint.shard_spec import Split, layer_names, shard, split_of, unshard
@@ -130,8 +131,11 @@ def _torch_optimizer(engine) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int, tp_rank: int) -> None:
-    """Weights and Adam state of every local parameter from a universal folder, sliced for this rank."""
+def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int, tp_rank: int,
+                              ep: int = 1, ep_rank: int = 0) -> None:
+    """Weights and Adam state of every local parameter from a universal folder, sliced for this rank: a stacked
+    expert tensor [E, ...] (mixture of experts) first to this rank's EP shard's E/``ep`` experts, as DeepSpeed's
+    universal load slices it for ZeRO-1/2 (mtds.deepspeed_compat.expert_universal), then over TP."""
     opt = _torch_optimizer(engine)
     on_device_step = any(group.get("fused") or group.get("capturable") for group in opt.param_groups)
     zero = os.path.join(universal, "zero")
@@ -143,6 +147,12 @@ def load_universal_into_zero0(engine, universal: str, cfg: ModelConfig, tp: int,
 
         def piece(state: str) -> torch.Tensor:
             full = safe_load(os.path.join(folder, f"{state}.pt"))["param"]
+            if inner in STACKED and ep > 1:
+                if full.shape[0] != cfg.num_experts:
+                    raise CheckpointFormatError(f"{universal}: {name} holds {full.shape[0]} experts, not "
+                                                f"{cfg.num_experts} (different model?)")
+                local = cfg.num_experts // ep
+                full = full[ep_rank * local:(ep_rank + 1) * local]
             s = split_of(cfg, layer, inner)
             if s.vocab:
                 full = full[:cfg.vocab_size]       # DeepSpeed strips padding too; be explicit
