@@ -372,9 +372,18 @@ def _hf_import_at_e2(hf_dir) -> float:
         return _rel(model(ids)[..., :VOCAB], hf(ids).logits)
 
 
-def _tp_body(configs, hf_dir):
+def _tp_body(configs, hf_dir, deepspeed_bf16=()):
+    """``deepspeed_bf16``: the indices of the configs run with mtds's bf16 reduce-scatter switched off."""
     import torch.distributed as dist
+    import mtds.deepspeed_compat.bf16_reduce as bf16_reduce
     from mtds.training import run
+
+    def run_one(k, cfg):
+        bf16_reduce.SCATTER = k not in deepspeed_bf16
+        try:
+            return run(cfg)
+        finally:
+            bf16_reduce.SCATTER = True
     _split_spec_matches(dist.group.WORLD)
     imported = _hf_import_at_e2(hf_dir)
     assert imported < REL_TOL, imported
@@ -383,7 +392,7 @@ def _tp_body(configs, hf_dir):
     # here, not after the runs: TP ranks whose blocks disagree route differently in training and then part
     # ways in the per-expert collectives (a crash, not a number)
     assert all(err < REL_TOL for err in blocks.values()), blocks
-    return blocks, [run(cfg) for cfg in configs]
+    return blocks, [run_one(k, cfg) for k, cfg in enumerate(configs)]
 
 
 def test_tensor_parallel(tmp_path):
@@ -396,6 +405,7 @@ def test_tensor_parallel(tmp_path):
     at e = 2 (each rank its own experts) give transformers' logits."""
     from tests.dist import spawn
     from tests.training_helpers import ds_config, train_config
+    FP32_ACC = {"data_types": {"grad_accum_dtype": "fp32"}}
     models = [(name, _training_model(name)) for name in ("mixtral", "qwen3_moe")]
     lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10)
     configs = [train_config(model=models[0][1], tp=2, recompute="full", **lr),
@@ -404,25 +414,40 @@ def test_tensor_parallel(tmp_path):
                # e = d = 2: each rank holds 2 of the 4 experts, tokens exchanged by all-to-all
                train_config(model=models[0][1], expert_model_parallel_size=2, deepspeed_config=ds_config(zero=0),
                             trace_comm=True, **lr),
-               # bf16 with ZeRO-1 at e = 1 and e = 2 (DeepSpeed's MoE param groups and expert reduction)
-               *(train_config(model=models[0][1], expert_model_parallel_size=e,
-                              deepspeed_config=ds_config(zero=1, precision="bf16"), **lr) for e in (1, 2))]
+               # bf16 with ZeRO-1 at e = 1 and e = 2 (DeepSpeed's MoE param groups and expert reduction) through
+               # DeepSpeed's BF16_Optimizer (fp32 accumulation), e = 2 also with mtds's reduce-scatter off
+               *(train_config(model=models[0][1], expert_model_parallel_size=e, trace_comm=e == 2,
+                              deepspeed_config=ds_config(zero=1, precision="bf16", **FP32_ACC), **lr) for e in (1, 2, 2))]
     _hf("mixtral").save_pretrained(str(tmp_path))
-    per_rank = spawn(_tp_body, 2, configs, str(tmp_path), timeout=600)
+    per_rank = spawn(_tp_body, 2, configs, str(tmp_path), (6,), timeout=600)
     blocks, results = per_rank[0]
     print("t = 2 blocks against t = 1, max rel diff:", blocks)
     assert all(err < REL_TOL for err in blocks.values()), blocks
     assert [r.layout for r in results] == ["(tp=2, pp=1, dp=1)", "(tp=2, pp=1, dp=1)", "(tp=1, pp=1, dp=2)",
                                            "(tp=1, pp=1, dp=2, ep=2)", "(tp=1, pp=1, dp=2)",
-                                           "(tp=1, pp=1, dp=2, ep=2)"], [r.layout for r in results]
+                                           "(tp=1, pp=1, dp=2, ep=2)", "(tp=1, pp=1, dp=2, ep=2)"], [r.layout for r in results]
     _parity(results[:4], models + models[:1] * 2, "(2,1,1) (2,1,1)+sp (1,1,2) (1,1,2)e2")
-    # bf16: the e = 1 and e = 2 runs reduce in other orders and dtypes (mtds's reduce-scatter vs DeepSpeed's
-    # MoE all-reduce), measured 1.1e-5 / 3.0e-4; an expert reduced over the wrong ranks moves the loss ~3e-4
+    # bf16: the e = 1 and e = 2 runs reduce in other orders and dtypes, measured 8.6e-6 / 3.3e-4; an expert reduced over the wrong ranks moves the loss ~3e-4
     # and a norm without the experts ~4e-3 (docs/moe.md)
     from tests.training_helpers import max_rel_diff
-    e1, e2 = results[4:]
+    e1, e2, ds = results[4:]
     loss, norm = max_rel_diff(e2.losses, e1.losses), max_rel_diff(e2.grad_norms, e1.grad_norms)
     assert loss < 5e-5 and norm < 2e-3, (loss, norm, e1.losses, e2.losses, e1.grad_norms, e2.grad_norms)
+    # e = 2 through mtds's bf16 reduce-scatter against DeepSpeed's own BF16_Optimizer MoE path (switched off):
+    # the gradients are summed in the same order (d = 2; the experts' expert-data-parallel group is one rank:
+    # the same cast, division by d and copy), so the losses are bit-identical; the norm sums its fp32 squares
+    # per partition slice instead of per whole tensor: measured 3.8e-7 relative (fp32 rounding), held at 2e-6
+    norm = max_rel_diff(e2.grad_norms, ds.grad_norms)
+    print("bf16 e = 2 vs e = 1:", max_rel_diff(e2.losses, e1.losses), max_rel_diff(e2.grad_norms, e1.grad_norms),
+          "mtds reduce-scatter vs DeepSpeed: grad norm", norm)
+    assert e2.losses == ds.losses and norm < 2e-6, (norm, e2.losses, ds.losses, e2.grad_norms, ds.grad_norms)
+    # ... with no gradient in an all-reduce (those left: the step's flags and norm), the dense group's ring
+    # sends = its bf16 parameter all-gather (the experts' expert-data-parallel group is one rank: no traffic)
+    for rank in per_rank:
+        comm, off = rank[1][5].comm, rank[1][6].comm
+        print("bf16 e = 2 comm:", comm, "DeepSpeed:", off)
+        assert all(v["bytes"] <= 64 for key, v in comm.items() if key.startswith("all_reduce/")), comm
+        assert comm["send/dp"]["bus_bytes"] == comm["all_gather/dp"]["bus_bytes"] > 0, comm
     _assert_all_to_all_bytes([rank[1][3].comm for rank in per_rank], models[0][1])
     assert [(r.losses, r.grad_norms) for r in per_rank[1][1]] == [(r.losses, r.grad_norms) for r in results]
 

@@ -25,9 +25,19 @@ reduction starts, as ZeRO-1's does (``zero1_reduce.reduce_early``), as soon as a
 ends, for everything but the tied weights (whose fp32 gradients the tied all-reduce still changes),
 and ends at ReduceGrads.
 
+MoE param groups (since 2026-11-27): DeepSpeed partitions an expert group over its expert-data-parallel
+group (``real_dp_process_group[i]``, ``_configure_moe_settings``) and its engine all-reduces the expert
+buffers over that group, divided by the whole data-parallel size d (``_reduce_expert_gradients``); here
+each expert buffer is reduce-scattered over that group, divided by d in the communication dtype -- the
+values DeepSpeed leaves in the partition (at an expert-data-parallel size of 1 no collective: the cast,
+the division, the copy, as DeepSpeed's all-reduce of one rank). The norm: the expert gradients' partition
+slices summed over their expert-data-parallel group, handed to DeepSpeed's ``get_norm_with_moe_layers``
+per expert group (which sums them over the model-parallel and expert-parallel groups as before).
+
 Installed only where that is exactly DeepSpeed's state otherwise: ZeRO stage 1, d > 1, fp32
-accumulation, 2-norm, post-scaled averaging without a predivide factor, no MoE, Muon or sequence-data
--parallel group. Checked against DeepSpeed 0.19.8.
+accumulation, 2-norm, post-scaled averaging without a predivide factor, no Muon or sequence-data
+-parallel group. ``SCATTER = False`` keeps DeepSpeed's path (tests compare the two). Checked against
+DeepSpeed 0.19.8.
 """
 from __future__ import annotations
 
@@ -39,22 +49,33 @@ from mtds.deepspeed_compat.zero1_reduce import EarlyReducer
 REDUCE = "BF16_Optimizer gradient reduction (engine.buffered_allreduce_fallback)"
 NORM = "BF16_Optimizer.get_grads_for_norm"
 EARLY_BUCKET = 500_000_000      # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE, the pipeline's ReduceGrads bucket
+SCATTER = True                  # False: DeepSpeed's all-reduce stays (read at install)
+
+
+def _is_expert_group(param_group) -> bool:
+    from deepspeed.moe.utils import is_moe_param_group
+    return bool(is_moe_param_group(param_group))
 
 
 def unsupported_reason(engine) -> str | None:
     """Why this engine keeps DeepSpeed's bf16 all-reduce (None: the reduce-scatter applies)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     opt = engine.optimizer
+    if not SCATTER:
+        return "switched off (bf16_reduce.SCATTER)"
     if type(opt) is not BF16_Optimizer or engine.zero_optimization_stage() != 1:
         return "not DeepSpeed's BF16_Optimizer under ZeRO-1"
-    if opt.grad_acc_dtype != torch.float32 or opt.norm_type != 2 or opt.has_moe_layers or opt._uses_muon:
-        return "bf16 accumulation, another norm, MoE or Muon"
+    if opt.grad_acc_dtype != torch.float32 or opt.norm_type != 2 or opt._uses_muon:
+        return "bf16 accumulation, another norm or Muon"
     if not engine.gradient_average or not engine.postscale_gradients() or engine.gradient_predivide_factor() != 1.0:
         return "gradient averaging off, pre-scaled or with a predivide factor"
     if engine.sequence_parallel_size != 1:
         return "a sequence-data-parallel group"
-    ranks = {tuple(dist.get_process_group_ranks(group)) for group in opt.real_dp_process_group}
-    if len(ranks) != 1 or len(next(iter(ranks))) == 1:
+    # the dense groups over the data-parallel group; an expert group over its own (expert-data-parallel) one
+    dense = tuple(dist.get_process_group_ranks(opt.dp_process_group))
+    ranks = {tuple(dist.get_process_group_ranks(group)) for group, param_group in
+             zip(opt.real_dp_process_group, opt.optimizer.param_groups) if not _is_expert_group(param_group)}
+    if ranks != {dense} or len(dense) == 1:
         return "no data parallelism (or several data-parallel groups)"
     return None
 
@@ -70,25 +91,32 @@ class Bf16ReduceScatter(EarlyReducer):
         self.engine = engine
         self.fallback = engine.buffered_allreduce_fallback
         self.grads_for_norm = self.opt.get_grads_for_norm
-        self.group = self.opt.real_dp_process_group[0]
+        self.group = self.opt.dp_process_group
+        # group i's reduce-scatter group: the data-parallel group, or an expert group's expert-data-parallel one
+        self.groups = list(self.opt.real_dp_process_group)
+        # expert norms: each expert group name's expert-data-parallel group (one per name)
+        self.expert_groups = {pg["name"]: group for pg, group in zip(self.opt.optimizer.param_groups, self.groups)
+                              if _is_expert_group(pg)}
 
-    def _reduce(self, flat, partition, bucket: int, ranges=None) -> None:
-        self.reduce_scatter_sum(flat, partition, self.group, bucket_elements=bucket, ranges=ranges,
+    def _reduce(self, i: int, bucket: int, ranges=None) -> None:
+        # every group divided by the whole data-parallel size, experts too (DeepSpeed's _reduce_expert_gradients)
+        self.reduce_scatter_sum(self.opt.fp32_groups_gradients_flat[i], self.opt.fp32_groups_gradient_flat_partition[i],
+                                self.groups[i], bucket_elements=bucket, ranges=ranges,
                                 dtype=self.engine.communication_data_type,
                                 post_scale=1.0 / dist.get_world_size(self.group))
 
     def _reduce_early(self) -> None:
         late, opt = {id(p) for p in self.late_params()}, self.opt
-        d = dist.get_world_size(self.group)
         self.pending = []
         for i, (flat, partition) in enumerate(zip(opt.fp32_groups_gradients_flat, opt.fp32_groups_gradient_flat_partition)):
+            d = dist.get_world_size(self.groups[i])
             spans = []
             for lp, grad in zip(opt.bf16_groups[i], opt.fp32_groups_gradients[i]):
                 if id(lp) in late:
                     offset = (grad.data_ptr() - flat.data_ptr()) // flat.element_size()
                     spans.append((offset, offset + grad.numel()))
             now, later = self.split_by_spans(spans, d, partition.numel())
-            self._reduce(flat, partition, EARLY_BUCKET, now)
+            self._reduce(i, EARLY_BUCKET, now)
             self.pending.append(later)
 
     def reduce(self, grads=None, elements_per_buffer=EARLY_BUCKET) -> None:
@@ -96,12 +124,11 @@ class Bf16ReduceScatter(EarlyReducer):
             return self.fallback(grads=grads, elements_per_buffer=elements_per_buffer)
         self.book.mark(REDUCE)
         pending, self.pending = self.pending, None
-        for i, (flat, partition) in enumerate(zip(self.opt.fp32_groups_gradients_flat,
-                                                  self.opt.fp32_groups_gradient_flat_partition)):
+        for i in range(len(self.opt.fp32_groups_gradients_flat)):
             if pending is None:
-                self._reduce(flat, partition, elements_per_buffer)
+                self._reduce(i, elements_per_buffer)
             elif any(pending[i]):
-                self._reduce(flat, partition, elements_per_buffer, pending[i])
+                self._reduce(i, elements_per_buffer, pending[i])
         return None
 
     def norm_tensors(self, for_clipping=False):
@@ -111,13 +138,21 @@ class Bf16ReduceScatter(EarlyReducer):
             return self.grads_for_norm(for_clipping=True)
         self.book.mark(NORM)
         tensors, expert = self.grads_for_norm(for_clipping=False)
+        # the experts' norms: the same per expert group name, over its expert-data-parallel group; DeepSpeed's
+        # get_norm_with_moe_layers then sums them over the model- and expert-parallel groups as before
+        return ([self._partition_norm(tensors, self.group)],
+                {name: [self._partition_norm(grads, self.expert_groups[name])] for name, grads in expert.items()})
+
+    def _partition_norm(self, tensors, group) -> torch.Tensor:
+        """The 2-norm of ``tensors``' slices in this rank's partitions, summed over ``group``."""
         pieces = [piece for t in tensors for piece in self._pieces(t)]
         device = self.opt.fp32_groups_gradients_flat[0].device
         # one _foreach_norm, not a norm per tensor (on CPU the same per-tensor kernels: bit-identical)
         squares = (torch.stack(torch._foreach_norm(pieces, 2.0)).pow(2).sum() if pieces else
                    torch.zeros((), dtype=torch.float32, device=device))
-        dist.all_reduce(squares, group=self.group)
-        return [squares.sqrt().reshape(1)], expert
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+        return squares.sqrt().reshape(1)
 
     def _pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
         """:meth:`_in_partition`, kept per gradient view (the flat buffers never move)."""

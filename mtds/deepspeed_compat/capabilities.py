@@ -164,8 +164,9 @@ CAPABILITIES = (
         Target(BF16, "get_grads_for_norm", ("for_clipping",)),
         *(Target(BF16, name, A, instance=True) for name in (
             "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition", "fp32_groups_gradients",
-            "bf16_groups", "real_dp_process_group",
-            "grad_acc_dtype", "norm_type", "has_moe_layers", "_uses_muon")))),
+            "bf16_groups", "real_dp_process_group", "dp_process_group",
+            "grad_acc_dtype", "norm_type", "_uses_muon")),
+        Target("deepspeed.moe.utils", "is_moe_param_group", ("param_group",)))),
     Capability("ZeRO-1/2's gradient norm in one foreach (zero_norm.py)", (
         Target(ZERO12, "get_grad_norm_direct", ("gradients", "params", "norm_type")),
         Target(ZERO12, "_model_parallel_all_reduce", ("tensor", "op")),

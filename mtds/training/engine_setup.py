@@ -108,8 +108,9 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
     groups = world.groups
     # With expert parallelism DeepSpeed's MoE paths run on the stages holding experts; mtds's flat-bf16 path and
     # foreach norm decline there, and must on every stage: a pipeline's stages share the norm's collectives over
-    # the model-parallel group, which the two paths run differently. The fp32 ZeRO-1 reduce-scatter takes MoE
-    # param groups (zero1_reduce.py); at ZeRO-1 every stage holds an expert group (refused otherwise, above).
+    # the model-parallel group, which the two paths run differently. The ZeRO-1 reduce-scatters, fp32
+    # (zero1_reduce.py) and BF16_Optimizer's (bf16_reduce.py), take MoE param groups, leaving the model-parallel
+    # collectives of the norm DeepSpeed's; at ZeRO-1 every stage holds an expert group (refused otherwise, above).
     experts = world.layout.ep > 1
     if not experts:
         install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
