@@ -373,17 +373,27 @@ def _hf_import_at_e2(hf_dir) -> float:
 
 
 def _tp_body(configs, hf_dir, deepspeed_bf16=()):
-    """``deepspeed_bf16``: the indices of the configs run with mtds's bf16 reduce-scatter switched off."""
+    """``deepspeed_bf16``: the indices of the configs run with mtds's bf16 reduce-scatter and flat
+    bookkeeping switched off (DeepSpeed's BF16_Optimizer as it ships)."""
     import torch.distributed as dist
+    import mtds.deepspeed_compat.bf16_flat as bf16_flat
     import mtds.deepspeed_compat.bf16_reduce as bf16_reduce
     from mtds.training import run
 
+    gather, flat_calls = bf16_flat.accumulate_flat, []
+
+    def counted(owner, clear_lp_grads):
+        flat_calls[-1] += 1
+        gather(owner, clear_lp_grads)
+
     def run_one(k, cfg):
-        bf16_reduce.SCATTER = k not in deepspeed_bf16
+        bf16_reduce.SCATTER = bf16_flat.FLAT = k not in deepspeed_bf16
+        bf16_flat.accumulate_flat, flat_calls[len(flat_calls):] = counted, [0]
         try:
             return run(cfg)
         finally:
-            bf16_reduce.SCATTER = True
+            bf16_reduce.SCATTER = bf16_flat.FLAT = True
+            bf16_flat.accumulate_flat = gather
     _split_spec_matches(dist.group.WORLD)
     imported = _hf_import_at_e2(hf_dir)
     assert imported < REL_TOL, imported
@@ -392,7 +402,7 @@ def _tp_body(configs, hf_dir, deepspeed_bf16=()):
     # here, not after the runs: TP ranks whose blocks disagree route differently in training and then part
     # ways in the per-expert collectives (a crash, not a number)
     assert all(err < REL_TOL for err in blocks.values()), blocks
-    return blocks, [run_one(k, cfg) for k, cfg in enumerate(configs)]
+    return blocks, [run_one(k, cfg) for k, cfg in enumerate(configs)], flat_calls
 
 
 def test_tensor_parallel(tmp_path):
@@ -415,12 +425,13 @@ def test_tensor_parallel(tmp_path):
                train_config(model=models[0][1], expert_model_parallel_size=2, deepspeed_config=ds_config(zero=0),
                             trace_comm=True, **lr),
                # bf16 with ZeRO-1 at e = 1 and e = 2 (DeepSpeed's MoE param groups and expert reduction) through
-               # DeepSpeed's BF16_Optimizer (fp32 accumulation), e = 2 also with mtds's reduce-scatter off
+               # DeepSpeed's BF16_Optimizer (fp32 accumulation), e = 2 also with mtds's reduce-scatter and flat
+               # bookkeeping off
                *(train_config(model=models[0][1], expert_model_parallel_size=e, trace_comm=e == 2,
                               deepspeed_config=ds_config(zero=1, precision="bf16", **FP32_ACC), **lr) for e in (1, 2, 2))]
     _hf("mixtral").save_pretrained(str(tmp_path))
     per_rank = spawn(_tp_body, 2, configs, str(tmp_path), (6,), timeout=600)
-    blocks, results = per_rank[0]
+    blocks, results, flat_calls = per_rank[0]
     print("t = 2 blocks against t = 1, max rel diff:", blocks)
     assert all(err < REL_TOL for err in blocks.values()), blocks
     assert [r.layout for r in results] == ["(tp=2, pp=1, dp=1)", "(tp=2, pp=1, dp=1)", "(tp=1, pp=1, dp=2)",
@@ -433,7 +444,8 @@ def test_tensor_parallel(tmp_path):
     e1, e2, ds = results[4:]
     loss, norm = max_rel_diff(e2.losses, e1.losses), max_rel_diff(e2.grad_norms, e1.grad_norms)
     assert loss < 5e-5 and norm < 2e-3, (loss, norm, e1.losses, e2.losses, e1.grad_norms, e2.grad_norms)
-    # e = 2 through mtds's bf16 reduce-scatter against DeepSpeed's own BF16_Optimizer MoE path (switched off):
+    # e = 2 through mtds's bf16 reduce-scatter and flat bookkeeping against DeepSpeed's own BF16_Optimizer MoE
+    # path (both switched off):
     # the gradients are summed in the same order (d = 2; the experts' expert-data-parallel group is one rank:
     # the same cast, division by d and copy), so the losses are bit-identical; the norm sums its fp32 squares
     # per partition slice instead of per whole tensor: measured 3.8e-7 relative (fp32 rounding), held at 2e-6
@@ -441,6 +453,8 @@ def test_tensor_parallel(tmp_path):
     print("bf16 e = 2 vs e = 1:", max_rel_diff(e2.losses, e1.losses), max_rel_diff(e2.grad_norms, e1.grad_norms),
           "mtds reduce-scatter vs DeepSpeed: grad norm", norm)
     assert e2.losses == ds.losses and norm < 2e-6, (norm, e2.losses, ds.losses, e2.grad_norms, ds.grad_norms)
+    # ... and BF16_Optimizer's bookkeeping on flat buffers (bf16_flat.py) there: one gather per micro-batch
+    assert flat_calls[4] == flat_calls[5] > 0 == flat_calls[6], flat_calls
     # ... with no gradient in an all-reduce (those left: the step's flags and norm), the dense group's ring
     # sends = its bf16 parameter all-gather (the experts' expert-data-parallel group is one rank: no traffic)
     for rank in per_rank:

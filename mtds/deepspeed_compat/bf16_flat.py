@@ -26,7 +26,9 @@ On CPU the ``_foreach`` operators loop over the same per-tensor kernels (bit-ide
 multi-tensor norm sums in another order (relative differences of ~1e-7 in the norm).
 
 A parameter without a gradient in a micro-batch keeps zeros in the buffer (then the group is copied tensor
-by tensor). ``FLAT`` is the benchmark's switch, read at every call: False runs DeepSpeed's own loops.
+by tensor). MoE param groups (since 2026-11-27) are gathered and accumulated the same way; the experts' norms
+stay DeepSpeed's own (``get_norm_with_moe_layers`` calls ``deepspeed.runtime.utils``' norm, which is not
+patched here; the ``moe_ep_group`` fallback below only guards other callers). ``FLAT`` is the benchmark's switch, read at every call: False runs DeepSpeed's own loops.
 """
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ def unsupported_reason(engine) -> str | None:
     opt = engine.optimizer
     if type(opt) is not BF16_Optimizer:
         return "not DeepSpeed's BF16_Optimizer"
-    if opt.immediate_grad_update or opt.has_moe_layers or opt._uses_muon or opt.autoep_folding_tp_group is not None:
-        return "immediate gradient update, MoE, Muon or AutoEP folding"
+    # MoE param groups need nothing else: their buffers are laid out as the dense ones', and the experts' norms
+    # stay DeepSpeed's (get_norm_with_moe_layers calls deepspeed.runtime.utils' own, unpatched)
+    if opt.immediate_grad_update or opt._uses_muon or opt.autoep_folding_tp_group is not None:
+        return "immediate gradient update, Muon or AutoEP folding"
     if opt.norm_type != 2:
         return "a norm other than 2"
     return None

@@ -106,14 +106,15 @@ def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
 def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: str, zero_stage: int) -> None:
     """The gradient fixes this run's precision / ZeRO stage / layout need, then the tracer's group names."""
     groups = world.groups
-    # With expert parallelism DeepSpeed's MoE paths run on the stages holding experts; mtds's flat-bf16 path and
-    # foreach norm decline there, and must on every stage: a pipeline's stages share the norm's collectives over
-    # the model-parallel group, which the two paths run differently. The ZeRO-1 reduce-scatters, fp32
-    # (zero1_reduce.py) and BF16_Optimizer's (bf16_reduce.py), take MoE param groups, leaving the model-parallel
-    # collectives of the norm DeepSpeed's; at ZeRO-1 every stage holds an expert group (refused otherwise, above).
+    # With expert parallelism DeepSpeed's MoE paths run on the stages holding experts; mtds's ZeRO foreach norm
+    # declines there, and must on every stage: a pipeline's stages share the norm's collectives over the
+    # model-parallel group, which the two paths run differently. The ZeRO-1 reduce-scatters, fp32
+    # (zero1_reduce.py) and BF16_Optimizer's (bf16_reduce.py), and the flat-bf16 bookkeeping (bf16_flat.py: its
+    # dense norm sums over the model-parallel group as DeepSpeed's, the expert norms stay DeepSpeed's) take MoE
+    # param groups; at ZeRO-1 every stage holds an expert group (refused otherwise, above).
     experts = world.layout.ep > 1
+    install_flat_bf16(engine)           # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
     if not experts:
-        install_flat_bf16(engine)       # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
         install_foreach_norm(engine)    # ZeRO-1/2's norm in one foreach (else nothing)
         install_skip_repoint(engine)    # ZeRO-1/2: parameters re-pointed after a step only if they moved
     if precision == "fp32" and zero_stage == 0:
