@@ -38,6 +38,16 @@ def expert_file(tag_dir: str, expert: int, tp_rank: int) -> str:
     return os.path.join(tag_dir, f"layer_0_expert_{expert}_mp_rank_{tp_rank:02d}_model_states.pt")
 
 
+def zero_optim_file(tag_dir: str, dp_rank: int, mp_rank: int) -> str:
+    """ZeRO-1/2 data rank ``dp_rank``'s optimizer partition of model-parallel rank ``mp_rank``."""
+    return os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def expert_optim_file(tag_dir: str, ep_shard: int, mp_rank: int) -> str:
+    """ZeRO-0 at E > 1: the whole optimizer of EP shard ``ep_shard`` (DeepSpeed's MoE save)."""
+    return os.path.join(tag_dir, f"expp_rank_{ep_shard}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
 def has_layer_files(tag_dir: str) -> bool:
     return bool(glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")))
 

@@ -18,7 +18,6 @@ Every file a load touches is unpickled with ``weights_only=True`` and an allow-l
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import os
@@ -383,8 +382,7 @@ def _load_resharded(engine, directory: str, tag: str, meta: CheckpointMeta, grou
         return _load_universal_zero0(engine, universal, os.path.join(directory, tag), meta, groups)
     if meta.model_config.num_experts:
         _check_expert_slicing(groups, engine.device)
-    fit = scheduler_fits_groups(engine) if meta.model_config.num_experts else contextlib.nullcontext()
-    with loading_universal(engine), fit:      # an MoE run at E > 1 has one param group more than at E = 1
+    with loading_universal(engine), scheduler_fits_groups(engine):     # MoE: E > 1 has one param group more
         return _deepspeed_load(engine, directory, os.path.basename(universal))
 
 
@@ -418,8 +416,7 @@ def _load_universal_zero0(engine, universal: str, tag_dir: str, meta: Checkpoint
         raise CheckpointError(str(err)) from None
     state = safe_load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        # an MoE run at E > 1 has one param group more than at E = 1 (dense, experts)
-        with scheduler_fits_groups(engine) if meta.model_config.num_experts else contextlib.nullcontext():
+        with scheduler_fits_groups(engine):     # an MoE run at E > 1 has one param group more (dense, experts)
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         # A scheduler sets the optimizer's lr only when it steps: the next step must use the saved lr.
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):

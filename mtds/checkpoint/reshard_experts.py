@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from mtds.checkpoint.dsformat import load_file, mp_rank_file
+from mtds.checkpoint.dsformat import expert_optim_file, load_file, mp_rank_file, zero_optim_file
 from mtds.checkpoint.errors import CheckpointFormatError
 from mtds.checkpoint.expert_files import STACKED
 from mtds.checkpoint.expert_layout import BUILT, convertible
@@ -38,7 +38,7 @@ from mtds.checkpoint.names import ds_name, parse
 from mtds.checkpoint.reshard_zero0 import PARAM_NAMES_KEY, deepspeed_split_keys, link_engine_files
 from mtds.checkpoint.shard_spec import split_of, unshard
 from mtds.deepspeed_compat.expert_universal import (STATES, optimizer_globals, partition_groups, tensor_file,
-                                                    zero_file_name)
+                                                    universal_param_groups)
 
 
 def check_convertible(tag_dir: str, meta: CheckpointMeta) -> None:
@@ -49,7 +49,7 @@ def check_convertible(tag_dir: str, meta: CheckpointMeta) -> None:
 
 
 def write_universal_from_moe(tag_dir: str, out_dir: str, meta: CheckpointMeta) -> None:
-    check_convertible(tag_dir, meta)
+    """The conversion (the caller, mtds.checkpoint.universal, has run :func:`check_convertible`)."""
     if meta.zero_stage == 0:
         return write_universal_from_moe_zero0(tag_dir, out_dir, meta)
     cfg = meta.model_config
@@ -120,9 +120,8 @@ def _joined(tag_dir: str, name: str, shards: dict, state: str, shape: tuple, ep:
 def _partition_file(tag_dir: str, dp_rank: int, mp_rank: int) -> str:
     """Data rank ``dp_rank``'s partition file; DeepSpeed prefixes ``bf16_`` in bf16 runs, whether its ZeRO-1/2
     optimizer or its BF16 optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) wrote it: the same keys."""
-    name = zero_file_name(dp_rank, mp_rank)
-    path = os.path.join(tag_dir, name)
-    bf16 = os.path.join(tag_dir, "bf16_" + name)
+    path = zero_optim_file(tag_dir, dp_rank, mp_rank)
+    bf16 = os.path.join(tag_dir, "bf16_" + os.path.basename(path))
     return bf16 if not os.path.isfile(path) and os.path.isfile(bf16) else path
 
 
@@ -155,15 +154,14 @@ def write_universal_from_moe_zero0(tag_dir: str, out_dir: str, meta: CheckpointM
             torch.save(states[0][name]["step"].clone(), os.path.join(folder, "step.pt"))
     import deepspeed
     groups = load_file(_zero0_optimizer_files(tag_dir, meta, 0)[0])["optimizer"]["param_groups"]
-    groups = [{k: v for k, v in g.items() if k not in ("params", "name", "moe")} for g in groups]
-    torch.save({"ds_version": deepspeed.__version__, "param_groups": groups + [dict(groups[0])] * (2 - len(groups))},
+    torch.save({"ds_version": deepspeed.__version__, "param_groups": universal_param_groups(groups)},
                os.path.join(zero, "optimizer_state.pt"))
     link_engine_files(tag_dir, out_dir, meta)
 
 
 def _zero0_optimizer_files(tag_dir: str, meta: CheckpointMeta, tp_rank: int) -> list[str]:
     """Each EP shard's optimizer file of TP rank ``tp_rank`` (DeepSpeed's MoE save at E > 1), else its model file."""
-    files = [os.path.join(tag_dir, f"expp_rank_{j}_mp_rank_{tp_rank:02d}_optim_states.pt") for j in range(meta.ep)]
+    files = [expert_optim_file(tag_dir, j, tp_rank) for j in range(meta.ep)]
     if meta.ep == 1 and not os.path.isfile(files[0]):
         return [mp_rank_file(tag_dir, tp_rank)]
     missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]

@@ -60,10 +60,15 @@ def optimizer_globals(sd: dict) -> dict:
     osd = sd[OPTIMIZER_STATE_DICT]
     out = {k: v for k, v in osd.items() if k not in (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS,
                                                       SINGLE_PARTITION_OF_FP32_GROUPS)}
-    groups = [{k: v for k, v in g.items() if k not in ("params", "name", "moe")}
-              for g in osd[BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
-    out[PARAM_GROUPS] = groups + [dict(groups[0])] * (2 - len(groups))
+    out[PARAM_GROUPS] = universal_param_groups(osd[BASE_OPTIMIZER_STATE][PARAM_GROUPS])
     return out
+
+
+def universal_param_groups(groups: list[dict]) -> list[dict]:
+    """A saved optimizer's param groups as the universal folder keeps them: [dense, experts] whatever the saving
+    E was (at E = 1 the dense one stands for both), without the parameters and DeepSpeed's ``name`` / ``moe``."""
+    groups = [{k: v for k, v in g.items() if k not in ("params", "name", "moe")} for g in groups]
+    return groups + [dict(groups[0])] * (2 - len(groups))
 
 
 def tensor_file(tensor: torch.Tensor, num_experts: int | None, split_keys: dict) -> dict:
@@ -79,10 +84,6 @@ def marked_experts(entry: dict) -> int | None:
     """The E a universal ``<state>.pt`` is marked with (None: not marked as experts)."""
     from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS
     return entry.get(EP_NUM_EXPERTS) if entry.get(EP_IS_EXPERT_PARAM) else None
-
-
-def zero_file_name(dp_rank: int, tp_rank: int = 0) -> str:
-    return f"zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
 
 
 def universal_ep_rank() -> tuple[int, int]:

@@ -82,6 +82,7 @@ def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
                        layers=sorted(stage_modules(built.model, built.world.model_cfg)))
     recorder = StepRecorder(built)
     hooks = step_hooks(built, result, stop, start_step)
+    hook_ranges = [f"mtds.hook.{type(hook).__name__}" for hook in hooks]     # profiler range names, made once
     for step in range(start_step + 1, cfg.steps + 1):
         for hook in hooks:
             hook.before_step(step)
@@ -92,8 +93,8 @@ def train(built: BuiltRun, start_step: int, stop: StopRequest) -> RunResult:
         result.skipped.append(record["skipped"])
         result.final_step = step
         reasons = []
-        for hook in hooks:   # every hook sees every step
-            with profiler_range(f"mtds.hook.{type(hook).__name__}"):
+        for hook, name in zip(hooks, hook_ranges):   # every hook sees every step
+            with profiler_range(name):
                 reasons.append(hook.after_step(step, record))
         result.stopped_by = next((r for r in reasons if r), None)
         if result.stopped_by:
