@@ -118,7 +118,8 @@ def main(argv=None):
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is warm-up and not measured)")
     sys.path.insert(0, REPO)
-    from mtds.pipe.select import PIPELINE_SCHEDULES, check_schedule
+    from mtds.pipe.select import PIPELINE_SCHEDULES
+    from mtds.rules.schedule import micro_batches_problem
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     model = write_model(os.path.join(args.work, "model"), args.blocks or 4 * args.p, args.hidden)
@@ -131,11 +132,10 @@ def main(argv=None):
         for m in args.m:
             lead = f"| {name} | {v} | {m} |"
             if name == "dualpipev" and m < 2 * p:
-                # what train.py itself answers: same check, no launch needed
-                try:
-                    check_schedule(name, pp=p, virtual_stages=1, micro_batches=m)
-                except ValueError as e:
-                    rows.append(f"{lead} train.py: {str(e).split(':')[0]} | | | | | | |")
+                # what train.py itself answers: the rulebook's line, no launch needed
+                problem = micro_batches_problem(name, p, m)
+                if problem is not None:
+                    rows.append(f"{lead} train.py: {problem.split(':')[0]} | | | | | | |")
                     print(rows[-1], flush=True)
                     continue
             t_max, t_mean, t_ratio = theory(name, p, v, m)

@@ -111,8 +111,11 @@ def parse_scheme(text: str) -> Scheme:
     if kind != "ptdp" and ("schedule" in fields or "v" in fields):
         raise ValueError(f"{text!r}: schedule= and v= are pipeline options of ptdp schemes")
     if "schedule" in fields or "v" in fields:
-        from mtds.pipe.select import check_schedule   # the trainer's own check, before anything launches
-        check_schedule(fields.get("schedule", "1f1b"), pp=fields.get("pp", 1), virtual_stages=fields.get("v", 1))
+        from mtds.rules.schedule import chunks_problem, name_problem   # the rulebook's, before anything launches
+        name = fields.get("schedule", "1f1b")
+        problem = name_problem(name) or chunks_problem(name, fields.get("pp", 1), fields.get("v", 1))
+        if problem is not None:
+            raise ValueError(problem)
     if kind in DATA_PARALLEL_ONLY and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1 or fields.get("sp", 0)):
         raise ValueError(f"{kind} runs with tp=1, pp=1 (data parallelism only)")
     if kind == "autotp" and (fields.get("pp", 1) != 1 or fields.get("sp", 0)):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "mtds"
 # Layers of the house, lowest first: a folder may import its own layer and those below it. Folders of one
 # layer do not import each other in a circle (tests/test_import_cycles.py checks modules).
 LAYERS = (
-    ("mtds.deepspeed_compat", "mtds.parallel", "mtds.safety", "mtds.local_ranks"),
+    ("mtds.deepspeed_compat", "mtds.parallel", "mtds.safety", "mtds.local_ranks", "mtds.rules"),
     ("mtds.observe", "mtds.tp", "mtds.cp", "mtds.data"),
     ("mtds.model",),
     ("mtds.hf", "mtds.checkpoint", "mtds.plan", "mtds.megatron"),

@@ -106,26 +106,30 @@ def padded_length(length: int, cp: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def check_eval_context_parallel(layout, cfg, rows: list[list[int]], comm_type: str) -> None:
-    """What train.py refuses of context parallelism (mtds.cp.checks), one line, for the longest row once
-    padded. Dropout is not: evaluation runs without it."""
-    if layout.cp == 1:
-        return
+def admit_eval(args, cfg, world_size: int, rows: list[list[int]]):
+    """The rulebook's verdict on this evaluation (mtds.rules, as train.py's start-up asks it): the layout against
+    the model, context parallelism for the longest row once padded, MoE pipelines; then what evaluation adds, the
+    padded rows against learned positions. The layout, or one ``error:`` line. Dropout is not weighed:
+    evaluation runs without it."""
     import dataclasses
+
+    from mtds import rules
     from mtds.cp import ContextParallelError
-    from mtds.cp.checks import check_context_parallel
     from mtds.parallel.cp_rules import sequence_multiple
-    longest = padded_length(max(len(row) for row in rows), layout.cp)
-    check_context_parallel(layout, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0),
-                           seq_length=longest, comm_type=comm_type, sequence_parallel=False,
-                           reset_position_ids=False)
-    if cfg.position_embedding == "learned" and longest > cfg.max_position_embeddings:
-        chunks = sequence_multiple(layout.cp)
+    from mtds.parallel.layout import ParallelLayout
+    cp = args.context_parallel_size
+    longest = padded_length(max(len(row) for row in rows), cp)
+    facts = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0).facts()
+    rules.check(rules.Job(model=facts, world_size=world_size, tp=args.tp, pp=args.pp, cp=cp,
+                          cp_comm_type=args.cp_comm_type, seq_length=longest, purpose=rules.EVAL))
+    if cp > 1 and cfg.position_embedding == "learned" and longest > cfg.max_position_embeddings:
+        chunks = sequence_multiple(cp)
         raise ContextParallelError(
-            f"--cp {layout.cp} pads rows to a multiple of 2*C = {chunks}: a row of {longest} tokens exceeds the "
+            f"--cp {cp} pads rows to a multiple of 2*C = {chunks}: a row of {longest} tokens exceeds the "
             f"model's {cfg.max_position_embeddings} learned positions: use --seq-length "
             f"{cfg.max_position_embeddings // chunks * chunks} or a --cp whose 2*C divides "
             f"{cfg.max_position_embeddings}")
+    return ParallelLayout.for_world(world_size, tp=args.tp, pp=args.pp, cp=cp)
 
 
 @torch.no_grad()
@@ -222,20 +226,16 @@ def _model_config_and_tokenizer(args):
 
 
 def run(args) -> dict:
-    from mtds.parallel.layout import ParallelLayout
     from mtds.training.distributed import init_distributed
     device, _ = init_distributed()
     cfg, tokenizer = _model_config_and_tokenizer(args)
-    layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, pp=args.pp, cp=args.context_parallel_size)
-    layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
-                       ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     seq = args.seq_length or min(cfg.max_position_embeddings, 1024)
     if seq > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {seq} exceeds the model's {cfg.max_position_embeddings} positions")
     rows = read_rows(args.data, tokenizer=tokenizer, seq_length=seq)
     if not rows:
         raise ValueError(f"{args.data}: no row with at least 2 tokens")
-    check_eval_context_parallel(layout, cfg, rows, args.cp_comm_type)     # before any process group exists
+    layout = admit_eval(args, cfg, dist.get_world_size(), rows)     # before any process group exists
     groups = layout.build_groups()
     model = build_eval_model(cfg, groups, ckpt=args.ckpt, hf=args.hf, device=device, cp_comm_type=args.cp_comm_type)
     return evaluate(model, rows, cfg, groups, device)

@@ -6,6 +6,7 @@ world size exceeds the GPUs present are skipped with that reason; TF32 off throu
 ``NVIDIA_TF32_OVERRIDE=0``, since the suite holds fp32 to 1e-5 of the fp32 reference and mtds's fp32 runs
 use TF32 on CUDA by default -- an H100 showed a 1.2e-4 grad-norm difference with it on).
 ``MTDS_TEST_POOL=0``: start fresh processes for every multi-rank body instead of the live pools.
+``MTDS_TEST_CPU_REPORT=FILE``: each test's wall and machine-wide CPU seconds as JSON lines (lab/testing/cpu_report.py).
 """
 import os
 import subprocess
@@ -30,6 +31,10 @@ def pytest_configure(config):
     else:
         os.environ["NVIDIA_TF32_OVERRIDE"] = "0"     # read by cuBLAS/cuDNN in every rank: exact fp32 products
     os.environ["MTDS_TEST_DEVICE"] = device
+    if os.environ.get("MTDS_TEST_CPU_REPORT"):       # where the time goes (lab/testing/cpu_report.py)
+        from lab.testing.cpu_report import CpuReport
+        config.pluginmanager.register(CpuReport(os.environ["MTDS_TEST_CPU_REPORT"], lambda: _launches["subprocess"]),
+                                      "mtds-cpu-report")
     if os.environ.get("MTDS_TEST_POOL", "1") != "0":
         testing.use_pools(device)
     subprocess.Popen.__init__ = _counting_popen_init     # counted for the summary line only

@@ -12,13 +12,9 @@ table), the labels each rank keeps, the loss weighting with --eod-mask-loss and 
 gradients summed over d·c, ZeRO-1 partitions over d·c, TP + sequence parallelism, a 1F1B pipeline and
 selective recomputation of the ring; and the one-line refusals."""
 import dataclasses
-import itertools
 
 import pytest
 
-from mtds.cp import ContextParallelError
-from mtds.cp.checks import check_context_parallel
-from mtds.parallel.layout import ParallelLayout
 from lab.testing import spawn
 from tests.test_hf_families import family_training_config
 from tests.training_helpers import ds_config, hf_reference, max_rel_diff, run_layouts, train_config
@@ -239,44 +235,19 @@ LLAMA_SHAPE = dict(num_heads=4, kv_heads=2)
     (dict(cp=2), dict(reset_position_ids=True), "--reset-position-ids with --cp 2 is not supported yet"),
 ])
 def test_refusals_are_one_line(layout, options, message):
+    """The rulebook's context-parallel rules (mtds.rules.context; train.py, mtds-eval and the planner ask them) on
+    the real Llama's facts."""
+    from mtds import rules
     model = llama()
     if options.pop("dropout", None):
         model = dataclasses.replace(model, hidden_dropout=0.1, attention_dropout=0.1)
     if options.get("hidden_dropout"):
         model = dataclasses.replace(model, hidden_dropout=options.pop("hidden_dropout"))
-    kw = dict(seq_length=1024, comm_type="p2p", sequence_parallel=False, reset_position_ids=False)
-    kw.update(options)
-    shape = ParallelLayout(**layout)
-    with pytest.raises(ContextParallelError) as err:
-        check_context_parallel(shape, model, **kw)
-    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
-
-
-def test_planner_refuses_the_shapes_the_trainer_refuses():
-    """mtds-plan's reasons (mtds.plan.predict) and train.py's refusals (mtds.cp.checks) come from the same rules
-    (mtds.parallel.cp_rules): over a grid of s, t, c, SP and comm type, the planner reports a CP problem exactly
-    where the trainer refuses, about the same rule."""
-    from mtds.plan import Candidate, ModelSpec
-    from mtds.plan.predict import context_parallel_problems
-    model = llama()            # 8 query, 4 KV heads
-    # the planner's words for a rule -> the trainer's
-    rules = {"context parallelism c=": "--context-parallel-size", "sequence parallelism with c=": "--sequence-parallel",
-             "a2a needs": "--cp-comm-type a2a"}
-    refused = dict.fromkeys(rules, 0)
-    for seq, t, c, sp, comm in itertools.product((1020, 1024, 36), (1, 2, 4), (2, 4, 8), (False, True),
-                                                ("p2p", "a2a")):
-        spec = ModelSpec(layers=2, hidden=model.hidden_size, heads=model.num_heads, vocab=model.vocab_size,
-                         seq=seq, kv_heads=model.kv_heads)
-        reasons = context_parallel_problems(spec, Candidate(t, 1, 1, 1, cp=c, cp_comm_type=comm, sequence_parallel=sp))
-        try:
-            check_context_parallel(ParallelLayout(tp=t, cp=c), model, seq_length=seq, comm_type=comm,
-                                   sequence_parallel=sp, reset_position_ids=False)
-            assert reasons == [], (seq, t, c, sp, comm, reasons)
-        except ContextParallelError as err:
-            rule = next((r for r in rules if reasons and reasons[0].startswith(r)), None)
-            assert rule is not None and str(err).startswith(rules[rule]), (seq, t, c, sp, comm, reasons, str(err))
-            refused[rule] += 1
-    assert all(refused.values()), refused       # the grid reaches every rule
+    kw = {"seq_length": 1024, "cp_comm_type": options.pop("comm_type", "p2p"), **options}
+    world = layout.get("tp", 1) * layout["cp"]
+    found = rules.problems(rules.Job(model.facts(), world, **layout, **kw))
+    assert found and found[0].rule.startswith("cp-"), found
+    assert message in found[0].message and "\n" not in found[0].message, found[0].message
 
 
 MEM_SEQ, MEM_H = 8192, 32

@@ -117,12 +117,15 @@ def test_logits_and_loss_match_hf(tmp_path, world):
 
 
 def test_eval_cp_flags_and_refusals():
-    """--cp/--context-parallel-size and --cp-comm-type as train.py spells them; what check_context_parallel
-    refuses, one line, for the longest row once padded; dropout (off in evaluation) is not refused."""
+    """--cp/--context-parallel-size and --cp-comm-type as train.py spells them; what the rulebook refuses of the
+    layout, one line, for the longest row once padded (dropout, off in evaluation, is not refused); rows padded
+    past the learned positions."""
+    import argparse
+
     from mtds.cp import ContextParallelError
-    from mtds.eval import build_parser, check_eval_context_parallel, padded_length
+    from mtds.eval import admit_eval, build_parser, padded_length
     from mtds.model.config import ModelConfig
-    from mtds.parallel.layout import ParallelLayout
+    from mtds.rules import JobRefused
     base = ["--hf", "d", "--data", "x"]
     args = build_parser().parse_args(base)
     assert (args.context_parallel_size, args.cp_comm_type) == (1, "p2p")
@@ -133,15 +136,21 @@ def test_eval_cp_flags_and_refusals():
                         position_embedding="rotary", max_position_embeddings=32, hidden_dropout=0.1)
     gpt2 = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=30)
     rows_ = [[1] * 30, [2] * 5]
-    check_eval_context_parallel(ParallelLayout(cp=2), llama, rows_, "a2a")      # dropout: no refusal
-    check_eval_context_parallel(ParallelLayout(cp=3), gpt2, rows_, "p2p")       # 30 needs no padding at 2c = 6
-    for layout, cfg, comm, message in [
-            (ParallelLayout(cp=4), llama, "a2a", "--cp-comm-type a2a needs the 4 query heads per TP rank and 2 "
-                                                 "key/value heads per TP rank divisible by C=4"),
-            (ParallelLayout(cp=2), gpt2, "p2p", "--cp 2 pads rows to a multiple of 2*C = 4: a row of 32 tokens "
-                                                "exceeds the model's 30 learned positions: use --seq-length 28")]:
-        with pytest.raises(ContextParallelError) as err:
-            check_eval_context_parallel(layout, cfg, rows_, comm)
+
+    def flags(cp, comm, tp=1, pp=1):
+        return argparse.Namespace(tp=tp, pp=pp, context_parallel_size=cp, cp_comm_type=comm)
+    assert admit_eval(flags(2, "a2a"), llama, 2, rows_).cp == 2          # dropout: no refusal
+    assert admit_eval(flags(3, "p2p"), gpt2, 3, rows_).cp == 3           # 30 needs no padding at 2c = 6
+    for args_, cfg, world, error, message in [
+            (flags(4, "a2a"), llama, 4, JobRefused, "--cp-comm-type a2a needs the 4 query heads per TP rank and 2 "
+                                                    "key/value heads per TP rank divisible by C=4"),
+            (flags(2, "p2p"), gpt2, 2, ContextParallelError, "--cp 2 pads rows to a multiple of 2*C = 4: a row of 32 "
+                                                             "tokens exceeds the model's 30 learned positions: use "
+                                                             "--seq-length 28"),
+            (flags(1, "p2p", tp=3), gpt2, 3, JobRefused, "tensor parallel size 3 does not divide the 4 attention "
+                                                         "heads")]:
+        with pytest.raises(error) as err:
+            admit_eval(args_, cfg, world, rows_)
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 

@@ -423,11 +423,12 @@ def test_megatrons_flags_are_aliases_or_named_with_their_equivalent(capsys):
 
 
 def test_schedule_errors_speak_flags():
-    from mtds.pipe.select import check_schedule
-    with pytest.raises(ValueError, match=r"use --global-batch-size 16, which makes the micro-batches per step 4$"):
-        check_schedule("dualpipev", pp=2, virtual_stages=1, micro_batches=3, samples_per_micro_batch=4)
-    with pytest.raises(ValueError, match=r"use --global-batch-size 8, which makes the micro-batches per step 4$"):
-        check_schedule("interleaved", pp=4, virtual_stages=2, micro_batches=2, samples_per_micro_batch=2)
+    """The micro-batch rule's fix names --global-batch-size (mtds.rules.schedule)."""
+    from mtds.rules.schedule import micro_batches_problem
+    assert micro_batches_problem("dualpipev", 2, 3, 4).endswith(
+        "use --global-batch-size 16, which makes the micro-batches per step 4")
+    assert micro_batches_problem("interleaved", 4, 2, 2).endswith(
+        "use --global-batch-size 8, which makes the micro-batches per step 4")
 
 
 def test_weight_decay_needs_an_optimizer_section():

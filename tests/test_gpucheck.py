@@ -252,15 +252,15 @@ def test_micro_batch_sweep_runs_mtds_per_size(tmp_path):
 
 
 def test_gpu_shapes_are_runnable(monkeypatch):
-    """What the GPU mode will run passes mtds's own up-front checks (schedule, micro-batches, layout vs
-    model, DeepSpeed batch arithmetic) for 1-8 GPUs, so a GPU run cannot stop on a shape we chose."""
+    """What the GPU mode will run passes train.py's start-up judgement (the rulebook and the DeepSpeed config:
+    mtds.training.admit, up to where it would build the model) for 1-8 GPUs, so a GPU run cannot stop on a shape
+    we chose."""
+    import torch
     from deepspeed.accelerator import get_accelerator
 
     from mtds.gpucheck import ds_configs, parity, speed
     from mtds.gpucheck.machine import Machine
-    from mtds.parallel.layout import ParallelLayout
-    from mtds.pipe.select import check_schedule, check_schedule_config
-    from mtds.training.ds_config import prepare_ds_config
+    from mtds.training.admit import admit
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)     # as a GPU says
     for quick in (False, True):
         w = workloads("cuda", quick)
@@ -279,16 +279,8 @@ def test_gpu_shapes_are_runnable(monkeypatch):
                 cfg = ds_configs.train_config(workload, precision, "cuda", tp=tp, pp=pp, dp=dp,
                                               pipeline_schedule=schedule, virtual_stages=v, sequence_parallel=sp)
                 assert cfg.deepspeed_config["optimizer"]["params"]["fused"] is True
-                layout = ParallelLayout.for_world(tp * pp * dp, tp=tp, pp=pp, vp=2 if schedule == "dualpipev" else v)
-                m = workload.model
-                layout.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, num_layers=m.num_layers)
-                if cfg.sequence_parallel:
-                    layout.check_sequence_parallel(workload.seq)
-                _, batch = prepare_ds_config(cfg.deepspeed_config, layout, device_type="cuda")
-                if pp > 1:
-                    check_schedule(schedule, pp=pp, virtual_stages=v, micro_batches=batch.accumulation)
-                    check_schedule_config(schedule, cfg.deepspeed_config)
-                assert workload.seq <= m.max_position_embeddings
+                admit(cfg, tp * pp * dp, workload.model, torch.device("cpu"))     # the partition priced on the host
+                assert workload.seq <= workload.model.max_position_embeddings
 
 
 def test_speed_models_are_the_shapes_that_ran_on_an_h100():

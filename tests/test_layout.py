@@ -24,17 +24,17 @@ def test_bad_world_layouts_give_one_line_errors(kwargs, message):
 
 @pytest.mark.parametrize("model, message", [
     (dict(num_heads=12, hidden_size=768, num_layers=4), "does not divide the 12 attention heads: choose --tp from 1, 2, 3, 4, 6, 12"),
-    (dict(num_heads=16, num_kv_heads=2, hidden_size=1024, num_layers=4), "does not divide the 2 key/value heads"),
-    (dict(num_heads=8, hidden_size=1024, num_layers=4, ffn_hidden_size=2732), "does not divide FFN size 2732"),
+    (dict(num_heads=16, kv_heads=2, hidden_size=1024, num_layers=4), "does not divide the 2 key/value heads"),
+    (dict(num_heads=8, hidden_size=1024, num_layers=4, ffn_size=2732), "does not divide FFN size 2732"),
     (dict(num_heads=8, hidden_size=1024, num_layers=1), "1 layers cannot fill pp*vp = 2 pipeline stages"),
 ])
 def test_model_checks(model, message):
-    layout = ParallelLayout(tp=8 if "num_kv_heads" not in model else 4, pp=2 if model["num_layers"] == 1 else 1)
-    if model["num_layers"] == 1:
-        layout = ParallelLayout(tp=1, pp=2)
-    with pytest.raises(LayoutError) as err:
-        layout.check_model(**model)
-    assert message in str(err.value)
+    """The rulebook's shard rule (mtds.rules.layout) on the sizes a layout must divide."""
+    from mtds import rules
+    facts = rules.ModelFacts(**{"kv_heads": model["num_heads"], "ffn_size": 4 * model["hidden_size"], **model})
+    tp, pp = (1, 2) if model["num_layers"] == 1 else (8 if "kv_heads" not in model else 4, 1)
+    found = rules.problems(rules.Job(facts, tp * pp, tp=tp, pp=pp))
+    assert [p.rule for p in found] == ["model-shards"] and message in found[0].message, found
 
 
 def test_derives_data_parallel_size():

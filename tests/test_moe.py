@@ -614,32 +614,30 @@ def test_expert_groups_are_deepspeeds():
 
 
 def test_expert_parallel_refusals():
-    """One line each: e not dividing d or the experts, e on a dense model, what e > 1 does not build yet."""
+    """One line each, from the rulebook (mtds.rules, whose own cases are tests/test_rules.py), of the real models'
+    facts: e not dividing d or the experts, e on a dense model, what e > 1 does not build yet."""
+    from mtds import rules
     from mtds.parallel.layout import LayoutError, ParallelLayout
-    from mtds.pipe.moe_layout import check_expert_parallel, refuse_unbuilt_expert_parallel
     from tests.training_helpers import TINY
-    mixtral = _training_model("mixtral")       # 4 experts
+    mixtral = _training_model("mixtral").facts()       # 4 experts
     with pytest.raises(LayoutError) as e:
         ParallelLayout.for_world(6, ep=4)
     assert "does not divide the data-parallel size 6" in _one_line(e)
-    cases = [(mixtral, ParallelLayout(dp=6, ep=3), "does not divide the model's 4 experts"),
-             (TINY, ParallelLayout(dp=2, ep=2), "needs a mixture-of-experts model")]
-    for cfg, layout, needle in cases:
-        with pytest.raises(LayoutError) as e:
-            check_expert_parallel(cfg, layout)
-        assert needle in _one_line(e)
-    check_expert_parallel(mixtral, ParallelLayout(dp=4, ep=4))
-    layout = ParallelLayout(dp=2, ep=2)
-    for args, needle in ((("bf16", 0), "bf16 needs ZeRO-1 or 2"), (("fp16", 0), "fp16 needs ZeRO-1"),
-                         (("fp32", 3), "with ZeRO-3 is not built")):
-        with pytest.raises(LayoutError) as e:
-            refuse_unbuilt_expert_parallel(layout, *args)
-        assert needle in _one_line(e)
+
+    def line(job):
+        found = rules.problems(job)
+        return found[0].message if found else None
+    assert "does not divide the model's 4 experts" in line(rules.Job(mixtral, 6, ep=3))
+    assert "needs a mixture-of-experts model" in line(rules.Job(TINY.facts(), 2, ep=2))
+    assert line(rules.Job(mixtral, 4, ep=4)) is None
+    for precision, zero, needle in (("bf16", 0, "bf16 needs ZeRO-1 or 2"), ("fp16", 0, "fp16 needs ZeRO-1"),
+                                    ("fp32", 3, "with ZeRO-3 is not built")):
+        assert needle in line(rules.Job(mixtral, 2, ep=2, precision=precision, zero_stage=zero))
     # checkpoints are built at p = 1 (tests/test_moe_checkpoint.py) and on pipelines (the four-rank test)
-    for args in (("fp32", 0), ("fp32", 1), ("bf16", 1), ("fp16", 2)):
-        refuse_unbuilt_expert_parallel(layout, *args)
-        refuse_unbuilt_expert_parallel(ParallelLayout(pp=2, dp=2, ep=2), *args)
-    refuse_unbuilt_expert_parallel(ParallelLayout(dp=2), "bf16", 3)
+    for precision, zero in (("fp32", 0), ("fp32", 1), ("bf16", 1), ("fp16", 2)):
+        assert line(rules.Job(mixtral, 2, ep=2, precision=precision, zero_stage=zero)) is None
+        assert line(rules.Job(mixtral, 4, pp=2, ep=2, precision=precision, zero_stage=min(zero, 1))) is None
+    assert line(rules.Job(mixtral, 2, precision="bf16", zero_stage=3)) is None
 
 
 def _one_line(excinfo) -> str:
@@ -660,23 +658,20 @@ def test_unsupported_moe_is_refused(config, needles):
     assert all(n in line for n in needles), line
 
 
-@pytest.mark.parametrize("layout, expert_ffn, kw, needle", [
-    ((1, 2), None, {}, "built at --pp 1 only here"),
-    ((1, 2), None, dict(carry_router_stats=True, one_tensor_boundaries=True), "need --pipeline-schedule 1f1b"),
-    ((1, 2), None, dict(carry_router_stats=True, documents=True), "packed-document resets"),
-    ((4, 1), 98, {}, "expert FFN size 98"),
+@pytest.mark.parametrize("job, expert_ffn, needle", [
+    (dict(world_size=2, pp=2, purpose="eval"), None, "built at --pp 1 only here"),
+    (dict(world_size=2, pp=2, pipeline_schedule="zb-h1"), None, "need --pipeline-schedule 1f1b"),
+    (dict(world_size=2, pp=2, reset_position_ids=True), None, "packed-document resets"),
+    (dict(world_size=2, tp=2), 97, "expert FFN size 97"),
 ])
-def test_unbuilt_layouts_are_refused(layout, expert_ffn, kw, needle):
-    """Before any model is built: a pipeline without the router statistics carried (mtds-eval), or whose
-    engine sends one tensor between stages, or with packed-document resets beside the statistics; an expert
-    width t does not divide."""
-    from mtds.parallel.layout import LayoutError, ParallelLayout
-    from mtds.pipe.moe_layout import refuse_unbuilt_moe
+def test_unbuilt_layouts_are_refused(job, expert_ffn, needle):
+    """The rulebook, of the real Mixtral's facts: a pipeline without the router statistics carried (mtds-eval), or
+    whose engine sends one tensor between stages, or with packed-document resets beside the statistics; an
+    expert width t does not divide."""
+    from mtds import rules
     cfg = dataclasses.replace(_training_model("mixtral"), moe_ffn_hidden_size=expert_ffn)
-    tp, pp = layout
-    with pytest.raises(LayoutError) as e:
-        refuse_unbuilt_moe(cfg, ParallelLayout(tp=tp, pp=pp, dp=1), **kw)
-    assert needle in _one_line(e)
+    found = rules.problems(rules.Job(cfg.facts(), **job))
+    assert found and needle in found[0].message and "\n" not in found[0].message, found
 
 
 @pytest.mark.parametrize("flag, value, words", [

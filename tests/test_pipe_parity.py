@@ -367,30 +367,34 @@ def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
 
 
 def test_schedule_choice_is_checked_before_any_process_starts():
-    from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
-    with pytest.raises(ValueError, match="needs a pipeline"):
-        train_config(pp=1, pipeline_schedule="interleaved", virtual_stages=2)
-    with pytest.raises(ValueError, match="--virtual-stages 2 needs --pipeline-schedule interleaved"):
-        train_config(pp=2, virtual_stages=2)
-    with pytest.raises(ValueError, match="zb-h1 runs one chunk per rank"):
-        train_config(pp=2, pipeline_schedule="zb-h1", virtual_stages=2)
-    for precision in ("bf16", "fp16"):      # zb-h1 runs in every precision, but not with these hooks
-        check_schedule_config("zb-h1", {precision: {"enabled": True}, "zero_optimization": {"stage": 1}})
-    with pytest.raises(ValueError, match="immediate_grad_update"):
-        check_schedule_config("zb-h1", {"bf16": {"enabled": True, "immediate_grad_update": True}})
-    with pytest.raises(ValueError, match="overlap_comm"):
-        check_schedule_config("zb-h1", {"zero_optimization": {"stage": 1, "overlap_comm": True}})
-    check_schedule_config("1f1b", {"zero_optimization": {"stage": 1, "overlap_comm": True}})
-    with pytest.raises(ValueError, match="unknown --pipeline-schedule"):
-        train_config(pp=2, pipeline_schedule="gpipe")
-    with pytest.raises(ValueError, match="micro-batches"):
-        check_schedule("interleaved", pp=4, virtual_stages=2, micro_batches=2)
-    with pytest.raises(ValueError, match="at least 2 x pp = 4 micro-batches"):
-        check_schedule("dualpipev", pp=2, virtual_stages=1, micro_batches=3)
-    check_schedule("interleaved", pp=2, virtual_stages=2, micro_batches=4)
-    assert deepspeed_version_problem("0.19.8") is None
-    assert "outside the range" in deepspeed_version_problem("0.20.1")
-    assert "outside the range" in deepspeed_version_problem("0.18.0+abc")
+    """train.py's start-up judges the schedule (the rulebook, mtds.training.admit) before any process group, data
+    or model: the one-line refusals, and the engine's own check of the ZB-H1 hooks."""
+    import torch
+
+    from mtds import rules
+    from mtds.pipe.select import check_weight_pass_support
+    from mtds.training.admit import admit
+    from mtds.training.world import run_model_config
+
+    OVERLAP = dict(zero=1, zero_optimization={"stage": 1, "overlap_comm": True})
+    IMMEDIATE = {"enabled": True, "immediate_grad_update": True}
+
+    def admitted(world=2, ds=None, **kw):
+        cfg = train_config(**kw, **({"deepspeed_config": ds_config(**ds)} if ds else {}))
+        return admit(cfg, world, run_model_config(cfg), torch.device("cpu"))
+    for kw, line in ((dict(pp=1, pipeline_schedule="interleaved", virtual_stages=2), "needs a pipeline"),
+                     (dict(pp=2, virtual_stages=2), "--virtual-stages 2 needs --pipeline-schedule interleaved"),
+                     (dict(pp=2, pipeline_schedule="zb-h1", virtual_stages=2), "zb-h1 runs one chunk per rank"),
+                     (dict(pp=2, pipeline_schedule="gpipe"), "unknown --pipeline-schedule"),
+                     (dict(pp=2, pipeline_schedule="zb-h1", ds=OVERLAP), "overlap_comm"),
+                     (dict(pp=2, pipeline_schedule="zb-h1", ds=dict(precision="bf16", bf16=IMMEDIATE)),
+                      "immediate_grad_update")):
+        with pytest.raises(rules.JobRefused, match=line):
+            admitted(**kw)
+    assert admitted(pp=2, pipeline_schedule="zb-h1", ds=dict(precision="bf16")).precision == "bf16"  # without them
+    assert admitted(pp=2, ds=OVERLAP).zero_stage == 1       # 1f1b: DeepSpeed's hooks see every gradient
+    with pytest.raises(ValueError, match="immediate_grad_update"):      # the engine, of its own state
+        check_weight_pass_support(bf16_immediate=True, overlap_comm=False)
 
 
 def test_checkpoints_load_across_schedules():

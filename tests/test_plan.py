@@ -108,8 +108,9 @@ def test_infeasible_reasons():
     assert any("t*p*d" in r for r in pr.reasons) and any("layers=96" in r for r in pr.reasons)
     pr = predict(GPT3, Candidate(1, 1, 1536, 1, zero_stage=0, recompute="none"), work, cluster)
     assert not pr.fits and any("GiB" in r for r in pr.reasons)
-    pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)
-    assert any("ZeRO-2/3" in r for r in pr.reasons)
+    pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)     # not built: runnable, not reasons
+    assert pr.feasible and pr.as_dict()["runnable"] is False
+    assert any("ZeRO stage 3 cannot be combined with pipeline parallelism" in r for r in pr.not_runnable)
 
 
 def test_search_ranks_and_respects_fixed_knobs():
@@ -246,7 +247,7 @@ def test_grouped_query_attention_and_swiglu_in_planner_flops_and_time():
     step = {m: predict(m, layout, work, cluster).time_breakdown_s["compute"] for m in (mha, gqa, glu)}
     assert step[gqa] < step[mha] < step[glu]
     # kv heads must split over t like the query heads
-    assert any("kv_heads" in r for r in predict(ModelSpec(**{**mha.__dict__, "kv_heads": 4}), layout, work,
+    assert any("key/value heads" in r for r in predict(ModelSpec(**{**mha.__dict__, "kv_heads": 4}), layout, work,
                                                cluster).reasons)
 
 

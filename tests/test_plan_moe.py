@@ -12,7 +12,7 @@ from mtds.observe import metrics
 from mtds.plan import Candidate, Cluster, ModelSpec, Workload, comm, ep_comm, get_gpu, predict
 from mtds.plan.memory import predict_memory, stage_expert_params
 from mtds.plan.predict import structural_problems
-from mtds.plan.runnable import not_runnable
+from mtds.plan.runnable import rule_problems
 
 # Mixtral-8x7B's shape: 8 experts of width 14336, top-2, every block MoE
 MIXTRAL = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, ffn_hidden=14336, kv_heads=8,
@@ -93,7 +93,7 @@ def test_structural_refusals_one_line_each():
         return structural_problems(model, lay, WORK32, H100_16)
     dense = replace(MIXTRAL, num_experts=0)
     cases = [(dense, _lay(2), "needs a mixture-of-experts model"),
-             (replace(MIXTRAL, num_experts=6), _lay(4), "does not divide the 6 experts"),
+             (replace(MIXTRAL, num_experts=6), _lay(4), "does not divide the model's 6 experts"),
              (replace(MIXTRAL, num_experts=6), _lay(3), "does not divide the data-parallel size 8"),
              (replace(MIXTRAL, moe_ffn_hidden=1001), _lay(1), "does not divide the expert FFN size 1001")]
     for model, lay, text in cases:
@@ -102,16 +102,20 @@ def test_structural_refusals_one_line_each():
     assert problems(MIXTRAL, _lay(8)) == []
 
 
+def not_runnable(lay, precision):
+    return [p.message for p in rule_problems(MIXTRAL, lay, Workload(64, precision=precision), 80 * 2 ** 30)]
+
+
 def test_train_py_runs_ep_as_moe_layout_allows_and_moe_pipelines_with_1f1b():
-    """The gate follows mtds.pipe.moe_layout.refuse_unbuilt_expert_parallel: not ZeRO-3, not 16-bit ZeRO-0."""
-    assert not_runnable(_lay(2), "fp32", moe=True) == []
-    assert len(not_runnable(_lay(2), "bf16", moe=True)) == 1
-    assert not_runnable(_lay(2, zero_stage=1), "fp32", moe=True) == []
-    assert not_runnable(_lay(2, zero_stage=2), "bf16", moe=True) == []
-    assert len(not_runnable(_lay(2, zero_stage=3), "fp32", moe=True)) == 1
-    assert not_runnable(_lay(1, zero_stage=1), "bf16", moe=True) == []
-    assert not_runnable(Candidate(1, 2, 8, 1), "fp32", moe=True) == []      # 1f1b carries the router statistics
-    assert len(not_runnable(Candidate(1, 2, 8, 1, virtual_stages=2), "fp32", moe=True)) == 1    # interleaved
+    """The rulebook's verdict (mtds.rules.experts): not ZeRO-3, not 16-bit ZeRO-0; pipelines on 1f1b."""
+    assert not_runnable(_lay(2), "fp32") == []
+    assert len(not_runnable(_lay(2), "bf16")) == 1
+    assert not_runnable(_lay(2, zero_stage=1), "fp32") == []
+    assert not_runnable(_lay(2, zero_stage=2), "bf16") == []
+    assert len(not_runnable(_lay(2, zero_stage=3), "fp32")) == 1
+    assert not_runnable(_lay(1, zero_stage=1), "bf16") == []
+    assert not_runnable(Candidate(1, 2, 8, 1), "fp32") == []      # 1f1b carries the router statistics
+    assert len(not_runnable(Candidate(1, 2, 8, 1, virtual_stages=2), "fp32")) == 1    # interleaved
     assert predict(MIXTRAL, _lay(2), Workload(64), H100_16).not_runnable      # bf16: reported, not hidden
 
 

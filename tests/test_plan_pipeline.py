@@ -6,7 +6,6 @@ import pytest
 
 from lab.pipe_sim.dualpipev_sim import deepspeed_dualpipev_actions, simulate_deepspeed_dualpipev
 from lab.pipe_sim.simulate import peak_in_flight, simulate_schedule, validate
-from mtds.plan import runnable
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster, get_gpu
 from mtds.plan.memory import in_flight_layers
@@ -91,48 +90,41 @@ def test_schedule_constraints_are_reported():
     def reasons(b, v, schedule=""):   # t=2, p=4, d=2: m = 16 / (2 b)
         return predict(model, Candidate(2, 4, 2, b, v, pipeline_schedule=schedule), work, cluster).reasons
 
-    assert any("divisible by p=4" in r for r in reasons(4, 2))                   # interleaved, m = 2
-    assert any("at least 2p=8" in r for r in reasons(2, 2, "dualpipev"))         # m = 4
+    assert any("cannot split 2 micro-batches into equal groups of at least the pipeline size (4)" in r
+               for r in reasons(4, 2))                                           # interleaved, m = 2
+    assert any("at least 2 x pp = 8 micro-batches per step, got 4" in r for r in reasons(2, 2, "dualpipev"))
     assert reasons(1, 2, "dualpipev") == ()                                      # m = 8
     assert any("v=2" in r for r in reasons(1, 3, "dualpipev"))
-    assert any("v=1" in r for r in reasons(1, 2, "zb-h1"))
+    assert any("zb-h1 runs one chunk per rank" in r for r in reasons(1, 2, "zb-h1"))
+
+
+def _refuse(monkeypatch, schedule):
+    """The rulebook with one rule more: train.py would refuse ``schedule`` as not built (as a new schedule
+    stands until train.py runs it), so the planner must stop recommending it."""
+    from mtds.rules import NOT_BUILT, Rule, book
+    line = f"train.py cannot run --pipeline-schedule {schedule} yet"
+    rule = Rule(f"no-{schedule}", lambda job: line if job.pp > 1 and job.pipeline_schedule == schedule else None,
+                "--pipeline-schedule", "a test's", kind=NOT_BUILT)
+    monkeypatch.setattr(book, "ALL_RULES", book.ALL_RULES + (rule,))
 
 
 def test_planner_recommends_only_what_train_py_runs(monkeypatch):
     work, cluster = Workload(1536), Cluster(A100, 1536)
     res = plan(GPT3, work, cluster)
     assert res.feasible and all(not pr.not_runnable for pr in res.feasible)
-    assert all(runnable.TRAIN_PY_RUNS["pipeline_schedule"][pr.layout.pipeline_schedule] for pr in res.feasible)
     assert res.best.layout.pipeline_schedule == "interleaved"
     assert any(pr.layout.pipeline_schedule == "zb-h1" for pr in res.feasible)    # bf16 zb-h1 runs now
-    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "zb-h1", False)
+    _refuse(monkeypatch, "zb-h1")
     res = plan(GPT3, work, cluster)
     everything = plan(GPT3, work, cluster, runnable_only=False)
     flagged = [pr for pr in everything.feasible if pr.not_runnable]
     assert flagged and len(everything.feasible) > len(res.feasible)
     assert {pr.layout.pipeline_schedule for pr in flagged} == {"zb-h1"}
-    # clearing one flag in mtds/plan/runnable.py takes the schedule out of the recommendations
-    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "interleaved", False)
+    # one rule more in the rulebook takes the schedule out of the recommendations
+    _refuse(monkeypatch, "interleaved")
     now = plan(GPT3, work, cluster)
     assert now.best.layout.pipeline_schedule != "interleaved" and not now.best.not_runnable
     assert now.best.step_time_s > res.best.step_time_s
-
-
-def test_runnable_schedules_are_the_ones_train_py_accepts():
-    from mtds.pipe.select import PIPELINE_SCHEDULES, check_schedule_config
-    flags = runnable.TRAIN_PY_RUNS["pipeline_schedule"]
-    assert {name for name, runs in flags.items() if runs} == set(PIPELINE_SCHEDULES)
-    # precision: the planner flags a schedule for a precision exactly when train.py's check refuses it
-    configs = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
-    for name in PIPELINE_SCHEDULES:
-        for precision, ds in configs.items():
-            try:
-                check_schedule_config(name, {**ds, "zero_optimization": {"stage": 1}})
-                refused = False
-            except ValueError:
-                refused = True
-            planner = bool(runnable.not_runnable(Candidate(1, 2, 1, 1, pipeline_schedule=name), precision))
-            assert planner == refused, (name, precision)
 
 
 def test_evaluating_an_unrunnable_layout_flags_it(monkeypatch):
@@ -141,7 +133,7 @@ def test_evaluating_an_unrunnable_layout_flags_it(monkeypatch):
                         microbatch=1, recompute="full", pipeline_schedule="zb-h1")
     for precision in ("bf16", "fp32"):        # zb-h1 runs in every precision
         assert zb_h1(precision).not_runnable == () and zb_h1(precision).as_dict()["runnable"] is True
-    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "zb-h1", False)
+    _refuse(monkeypatch, "zb-h1")
     pr = zb_h1("bf16")
     assert pr.layout.pipeline_schedule == "zb-h1" and pr.feasible
     assert pr.not_runnable == ("train.py cannot run --pipeline-schedule zb-h1 yet",)
@@ -169,7 +161,7 @@ def _cli(capsys, *argv):
 
 
 def test_cli_pipeline_schedule_and_runnable_flags(capsys, monkeypatch):
-    monkeypatch.setitem(runnable.TRAIN_PY_RUNS["pipeline_schedule"], "zb-h1", False)
+    _refuse(monkeypatch, "zb-h1")
     gpt3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--gpus", "1536", "--global-batch", "1536"]
     rc, out = _cli(capsys, *gpt3, "--tp", "8", "--pp", "12", "--microbatch", "1", "--recompute", "full",
                    "--pipeline-schedule", "interleaved", "--json")

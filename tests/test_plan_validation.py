@@ -116,13 +116,19 @@ def _maybe_xfail(row):
     return row
 
 
+def _megatron_runs(layout, work) -> bool:
+    """The paper's option space: Megatron-LM's interleaved schedule takes micro-batch counts divisible by p
+    only (mtds's order also runs m % (m // p) == 0, which train.py and so the planner accept)."""
+    return layout.pipeline_schedule != "interleaved" or layout.microbatches(work.global_batch) % layout.pp == 0
+
+
 @pytest.mark.parametrize("row", [_maybe_xfail(r) for r in TABLE1], ids=lambda r: f"{r['params_billion']}B")
 def test_recommended_layout_is_papers_or_within_3pct(row):
     """Searching the paper's option space (full recompute, no SP, no ZeRO) on its cluster and
     batch must recommend its layout, or one predicted at most 3% faster."""
     model = gpt(row["layers"], row["hidden"], row["heads"])
     work, cluster = Workload(row["global_batch"]), Cluster(A100, row["gpus"])
-    best = plan(model, work, cluster, **PAPER).best
+    best = next(pr for pr in plan(model, work, cluster, **PAPER).feasible if _megatron_runs(pr.layout, work))
     paper = evaluate(model, work, cluster, tp=row["tp"], pp=row["pp"], dp=row["dp"],
                      microbatch=row["microbatch"], **PAPER)
     same = (best.layout.tp, best.layout.pp, best.layout.microbatch) == (row["tp"], row["pp"], row["microbatch"])

@@ -73,16 +73,14 @@ def run_hf_to_mtds(args) -> str:
     from mtds.hf.init import hf_model_config
     from mtds.hf.load import open_hf_checkpoint
     from mtds.hf.registry import hf_state_to_layers
-    from mtds.parallel.layout import ParallelLayout
+    from mtds import rules
     from mtds.hf.stream_source import StreamingHFCheckpoint
     from mtds.checkpoint.writer import write_weights_checkpoint
 
     if not os.path.isdir(args.hf):
         raise FileNotFoundError(f"HF directory {args.hf!r} does not exist")
     cfg = hf_model_config(args.hf)
-    ParallelLayout(tp=args.tp, pp=args.pp, dp=1).check_model(
-        num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
+    rules.check_shards(cfg.facts(), tp=args.tp, pp=args.pp)
     source = StreamingHFCheckpoint(args.hf)             # reads only index/headers now
     get_tensor = open_hf_checkpoint(cfg, source)        # refuses tensors our model has no place for
     if os.path.isdir(args.out) and os.listdir(args.out):

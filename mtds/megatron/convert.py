@@ -59,10 +59,8 @@ def write_converted(cfg, layers, out: str, *, tp: int, pp: int, dtype: torch.dty
     """A converted model's layers as an mtds checkpoint at (tp, pp): the layout checked against the model
     first, an existing non-empty ``out`` refused (both importers, Megatron-LM's and Megatron-DeepSpeed's)."""
     from mtds.checkpoint.writer import write_weights_checkpoint
-    from mtds.parallel.layout import ParallelLayout
-    ParallelLayout(tp=tp, pp=pp, dp=1).check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads,
-                                                   hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
-                                                   num_layers=cfg.num_layers)
+    from mtds import rules
+    rules.check_shards(cfg.facts(), tp=tp, pp=pp)
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"output directory {out!r} is not empty")
     return write_weights_checkpoint(out, cfg, layers, tp=tp, pp=pp, dtype=dtype)

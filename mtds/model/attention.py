@@ -98,7 +98,7 @@ class SelfAttention(nn.Module):
             else:
                 cos, sin = self._rotary(s * (self.context.size if self.context else 1), qkv.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.context is not None:   # dropout, windows and per-document positions refused (mtds.cp.checks)
+        if self.context is not None:   # dropout, windows and per-document positions refused (mtds.rules.context)
             ctx = self.context
             segments = segments if docs is not None and docs.reset_attention_mask else None
             out = cp_attention(ctx.comm_type, q, k, v, group=ctx.group, segments=segments)

@@ -4,7 +4,7 @@ the HF adapters, and the presets.
 A ModelConfig describes the *logical* model only (no parallel layout): every quantity here is the
 same whatever t, p or d is, which is what makes weights and checkpoints layout independent.
 
-It imports only ``mtds.parallel.vocab`` and no torch, so every layer (the planner too) may import it.
+It imports only ``mtds.parallel.vocab``, the rulebook's ``ModelFacts`` and no torch, so every layer (the planner too) may import it.
 Which config a name or a HF file means is :func:`mtds.hf.resolve.resolve_model_config`.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtds.parallel.vocab import padded_vocab_size
+from mtds.rules.job import ModelFacts
 
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -156,6 +157,15 @@ class ModelConfig:
     @property
     def moe_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
+
+    def facts(self) -> ModelFacts:
+        """What the rulebook (mtds.rules) weighs of this model."""
+        return ModelFacts(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+                          kv_heads=self.kv_heads, ffn_size=self.ffn_size, num_experts=self.num_experts,
+                          moe_ffn_size=self.moe_ffn_size if self.num_experts else 0,
+                          moe_blocks=tuple(i for i in range(self.num_layers) if self.is_moe_layer(i + 1)),
+                          attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
+                          sliding_window=self.sliding_window)
 
     @property
     def rotary_dim(self) -> int:

@@ -1,13 +1,12 @@
-"""Context parallelism's shape rules, once: train.py's refusals (:mod:`mtds.cp.checks` and the kernels' own
-checks), mtds-eval's padding and the planner's reasons and search (:mod:`mtds.plan`) all ask here. Torch-free,
+"""Context parallelism's shape rules, once: the rulebook's (:mod:`mtds.rules.context`, which train.py, mtds-eval
+and the planner ask), the kernels' own checks, mtds-eval's padding and the planner's search all ask here. Torch-free,
 as the planner is.
 
 - chunks: the sequence is cut into 2c equal chunks (causal load balancing, :mod:`mtds.cp.chunks`);
 - sp_split: with --sequence-parallel each rank's s/c tokens are split again over the t TP ranks;
 - a2a_heads: Ulysses' all-to-all splits the query and the KV heads of each TP rank over the c ranks.
 
-A broken rule is a :class:`CPProblem`; it words itself for either reader: ``train_message`` names the flags
-to change, ``plan_message`` the candidate's sizes.
+A broken rule is a :class:`CPProblem`; ``train_message`` words it with the flags to change.
 """
 from __future__ import annotations
 
@@ -37,19 +36,11 @@ class CPProblem:
         return (f"--cp-comm-type a2a needs the {self.q_heads} query heads per TP rank and {self.kv_heads} key/value "
                 f"heads per TP rank divisible by C={c}: use --cp-comm-type p2p or a C dividing both")
 
-    def plan_message(self) -> str:
-        c, t, s = self.cp, self.tp, self.seq_length
-        if self.rule == CHUNKS:
-            return f"context parallelism c={c} needs the sequence length {s} divisible by 2c={2 * c}"
-        if self.rule == SP_SPLIT:
-            return f"sequence parallelism with c={c} needs the {s // c} tokens per rank divisible by t={t}"
-        return f"a2a needs the {self.q_heads} query and {self.kv_heads} KV heads per TP rank divisible by c={c}"
-
 
 def sequence_multiple(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
     """What a sequence's length must be a multiple of at context-parallel size ``cp`` (all of the rules on
     it at once): 2c, and with sequence parallelism c·t too. 1 at c = 1 (sequence parallelism alone is
-    ParallelLayout.check_sequence_parallel's)."""
+    the rulebook's sequence-parallel rule)."""
     if cp == 1:
         return 1
     return math.lcm(2 * cp, cp * tp) if sequence_parallel else 2 * cp

@@ -18,7 +18,9 @@ shard this rank holds) and expert-data-parallel groups of the d/e ranks with the
 experts and sum their gradients). This is DeepSpeed's own arrangement (``deepspeed.utils.groups.
 _get_expert_parallel_ranks``, data before expert off), so its tools read mtds's expert groups alike.
 
-Everything else in mtds asks this module for groups and coordinates instead of doing arithmetic.
+Everything else in mtds asks this module for groups and coordinates instead of doing arithmetic. What a layout
+may combine with a model and the rest of a job is the rulebook's (mtds.rules), which asks this module for the
+grid's own invariants.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class ParallelLayout:
         if self.dp % self.ep:
             raise LayoutError(f"--expert-model-parallel-size {self.ep} does not divide the data-parallel size "
                               f"{self.dp}: the experts are split over data-parallel ranks; choose it from "
-                              f"{_divisors(self.dp)}")
+                              f"{divisors(self.dp)}")
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vp: int = 1,
@@ -104,36 +106,6 @@ class ParallelLayout:
         extra += f", cp={self.cp}" if self.cp > 1 else ""
         extra += f", ep={self.ep}" if self.ep > 1 else ""
         return f"(tp={self.tp}, pp={self.pp}, dp={self.dp}{extra})"
-
-    # ---- validation against a model ------------------------------------------------------------
-    def check_model(self, *, num_heads: int, hidden_size: int, num_layers: int,
-                    num_kv_heads: int | None = None, ffn_hidden_size: int | None = None) -> None:
-        """Refuse model shapes this layout cannot shard evenly."""
-        t = self.tp
-        kv = num_kv_heads or num_heads
-        if num_heads % t:
-            raise LayoutError(f"tensor parallel size {t} does not divide the {num_heads} attention heads: "
-                              f"choose --tp from {_divisors(num_heads)}")
-        if kv % t:
-            raise LayoutError(f"tensor parallel size {t} does not divide the {kv} key/value heads: "
-                              f"choose --tp from {_divisors(kv)}")
-        if hidden_size % t:
-            raise LayoutError(f"tensor parallel size {t} does not divide hidden size {hidden_size}")
-        if ffn_hidden_size is not None and ffn_hidden_size % t:
-            raise LayoutError(f"tensor parallel size {t} does not divide FFN size {ffn_hidden_size}")
-        stages = self.pp * self.vp
-        if num_layers < stages:
-            raise LayoutError(f"{num_layers} layers cannot fill pp*vp = {stages} pipeline stages: "
-                              f"use --pp <= {num_layers}")
-
-    def check_sequence_parallel(self, seq_length: int) -> None:
-        """Sequence parallelism splits every sequence into t equal slices."""
-        if self.tp == 1:
-            raise LayoutError("--sequence-parallel needs tensor parallelism (--tp > 1): it splits the "
-                              "sequence over the tensor-parallel group")
-        if seq_length % self.tp:
-            raise LayoutError(f"--sequence-parallel needs --seq-length divisible by --tp {self.tp}, got "
-                              f"{seq_length}: use a multiple of {self.tp}")
 
     # ---- rank arithmetic ---------------------------------------------------------------------------
     def coords(self, rank: int) -> RankCoords:
@@ -327,5 +299,5 @@ class ParallelGroups:
     get_pipeline_model_parallel_group = get_pipe_parallel_group
 
 
-def _divisors(n: int) -> str:
+def divisors(n: int) -> str:
     return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)

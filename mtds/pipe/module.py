@@ -11,10 +11,9 @@ from torch import nn
 from mtds.cp.context import ContextParallel, context_of
 from mtds.model.config import ModelConfig
 from mtds.parallel.layout import ParallelGroups
-from mtds.pipe.moe_layout import refuse_unbuilt_moe
 from mtds.model import LMLoss, TransformerLayer
 from mtds.model.aux_loss import collect_aux_loss
-from mtds.model.documents import DocumentMasking, enabled
+from mtds.model.documents import DocumentMasking
 from mtds.model.gpt import moe_blocks
 from mtds.parallel.pipeline_layout import StageLayout
 from mtds.tp import RNGTracker, checkpoint
@@ -140,17 +139,13 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, seed: int, rng_trac
     crosses the context-parallel ranks when ``groups.layout.cp`` > 1 (:mod:`mtds.cp`). ``carry_router_stats``
     (training an MoE model at p > 1): the router statistics travel with the activations to the loss, which
     adds the load-balancing term (:mod:`mtds.model.router_carry`); without it an MoE model builds at p = 1 only.
-    ``cross_entropy_impl``: the loss's (:class:`mtds.model.head.LMLoss`): None, or "native" for the fused one."""
+    ``cross_entropy_impl``: the loss's (:class:`mtds.model.head.LMLoss`): None, or "native" for the fused one.
+    What the layout, the model and these options may combine is the rulebook's (mtds.rules), which train.py and
+    mtds-eval ask before they build."""
     if recompute_interval and recompute_attention:
         raise ValueError("full recomputation (recompute_interval) and selective (recompute_attention) exclude "
                          "each other: choose one")
-    groups.layout.check_model(num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, hidden_size=cfg.hidden_size,
-                              ffn_hidden_size=cfg.ffn_size, num_layers=cfg.num_layers)
     carry = bool(cfg.num_experts) and carry_router_stats and groups.layout.pp > 1
-    if cfg.num_experts:
-        refuse_unbuilt_moe(cfg, groups.layout, carry_router_stats=carry,
-                           one_tensor_boundaries=virtual_stages is not None or dualpipev,
-                           documents=enabled(documents) is not None)
     common = dict(seed=seed, rng_tracker=rng_tracker, recompute_interval=recompute_interval,
                   recompute_attention=recompute_attention, sequence_parallel=sequence_parallel,
                   documents=documents, context=context_of(groups, cp_comm_type),

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtds.rules.schedule import chunks_problem, interleaved_supports, micro_batches_problem
+
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 
 
@@ -72,39 +74,17 @@ def has_weight_pass(name: str) -> bool:
 
 
 def check_microbatches(name: str, p: int, v: int, m: int, samples_per_micro_batch: int | None = None) -> None:
-    """Raise ``ValueError`` (one line, with the fix) if ``name`` cannot run ``m`` micro-batches at (p, v).
-
-    ``samples_per_micro_batch`` (micro batch x data-parallel size): when given, the fix names the
-    ``--global-batch-size`` that gives a runnable count."""
+    """Raise ``ValueError`` (one line, with the fix) if ``name`` cannot run ``m`` micro-batches at (p, v): the
+    rulebook's rules (mtds.rules.schedule), asked of an order about to be built."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if p < 1 or v < 1 or m < 1:
         raise ValueError(f"pipeline size, virtual stages and micro-batches must be >= 1 (got p={p}, v={v}, m={m})")
-    if name in ("1f1b", "zb-h1") and v != 1:
-        raise ValueError(f"--pipeline-schedule {name} runs one chunk per rank; use --virtual-stages 1 "
-                         f"(or --pipeline-schedule interleaved for v={v})")
-    if name == "interleaved":
-        if v < 2:
-            raise ValueError("--pipeline-schedule interleaved needs --virtual-stages >= 2 "
-                             "(v=1 is --pipeline-schedule 1f1b)")
-        if p < 2:
-            raise ValueError("--pipeline-schedule interleaved needs a pipeline (--pp >= 2)")
-        if not interleaved_supports(p, m):
-            nxt = next(k for k in range(max(m, p), 2 * max(m, p) + 1) if interleaved_supports(p, k))
-            raise ValueError(f"interleaved schedule cannot split {m} micro-batches into equal groups of at least "
-                             f"the pipeline size ({p}); {micro_batches_fix(nxt, samples_per_micro_batch)}")
-
-
-def micro_batches_fix(m: int, samples_per_micro_batch: int | None) -> str:
-    """How a user gets ``m`` micro-batches per step, in flags: m = --global-batch-size / (--micro-batch-size x d)."""
-    if samples_per_micro_batch:
-        return f"use --global-batch-size {m * samples_per_micro_batch}, which makes the micro-batches per step {m}"
-    return f"set the micro-batches per step (--global-batch-size / (--micro-batch-size x data parallel)) to {m}"
-
-
-def interleaved_supports(p: int, m: int) -> bool:
-    """m >= p micro-batches in m // p equal groups (each of at least p)."""
-    return m >= p and m % (m // p) == 0
+    problem = chunks_problem(name, p, v)
+    if problem is None and name == "interleaved":
+        problem = micro_batches_problem(name, p, m, samples_per_micro_batch)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def interleaved_group_size(p: int, m: int) -> int:

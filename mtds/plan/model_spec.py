@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from mtds.observe import metrics
 from mtds.parallel.vocab import padded_vocab_size
+from mtds.rules.job import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ class ModelSpec:
     moe_top_k: int = 2
     moe_ffn_hidden: int | None = None    # None: ffn
     moe_layers: int | None = None        # None: every block (when num_experts > 0)
+    # what train.py's rules weigh besides the sizes (mtds.rules; a model read from a config carries them)
+    moe_positions: tuple[int, ...] | None = None   # which blocks (0-based) hold experts; None: spread evenly
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    sliding_window: int | None = None
 
     @classmethod
     def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
@@ -61,7 +67,8 @@ class ModelSpec:
                    gated_mlp=cfg.activation == "swiglu", untied_head=not cfg.tie_word_embeddings,
                    rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
                    rmsnorm=cfg.normalization == "rmsnorm", head_dim=cfg.kv_channels,
-                   out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm, **_moe_fields(cfg))
+                   out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm, attention_dropout=cfg.attention_dropout,
+                   hidden_dropout=cfg.hidden_dropout, sliding_window=cfg.sliding_window, **_moe_fields(cfg))
 
     @property
     def ffn(self) -> int:
@@ -78,6 +85,18 @@ class ModelSpec:
         if not self.num_experts:
             return 0
         return self.layers if self.moe_layers is None else self.moe_layers
+
+    def facts(self) -> ModelFacts:
+        """What the rulebook (mtds.rules) weighs of this model: which blocks hold experts as the config says, else
+        (a model given by its sizes) spread evenly over the l blocks, as the planner's per-stage costs take them."""
+        n = self.moe_blocks
+        moe = self.moe_positions if self.moe_positions is not None else \
+            tuple(sorted({(i * self.layers) // n for i in range(n)})) if n else ()
+        return ModelFacts(num_layers=self.layers, hidden_size=self.hidden, num_heads=self.heads,
+                          kv_heads=self.kv_heads or self.heads, ffn_size=self.ffn, num_experts=self.num_experts,
+                          moe_ffn_size=self.moe_ffn if self.num_experts else 0, moe_blocks=moe,
+                          attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
+                          sliding_window=self.sliding_window)
 
     @property
     def moe_fraction(self) -> float:
@@ -192,9 +211,9 @@ def _moe_fields(cfg) -> dict:
     experts = getattr(cfg, "num_experts", 0)
     if not experts:
         return {}
-    moe = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
+    positions = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i + 1))
     return {"num_experts": experts, "moe_top_k": cfg.moe_top_k, "moe_ffn_hidden": cfg.moe_ffn_size,
-            "moe_layers": moe}
+            "moe_layers": len(positions), "moe_positions": positions}
 
 
 def resolve_model(name_or_path, *, seq: int | None = None, **overrides) -> ModelSpec:

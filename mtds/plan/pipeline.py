@@ -64,24 +64,3 @@ def p2p_messages(schedule: str, p: int, v: int, m: int) -> int:
     chunks = 2 if schedule == "dualpipev" else v
     return 2 * (chunks * m + p - 1)
 
-
-def schedule_problems(schedule: str, p: int, v: int, m: int) -> list[str]:
-    """What a schedule needs of (p, v, m); each message says what is wrong."""
-    out = []
-    if p == 1:
-        return [] if v == 1 else ["virtual stages need p > 1"]
-    if schedule in ("1f1b", "zb-h1") and v != 1:
-        out.append(f"{schedule} runs one chunk per rank (v=1)")
-    if schedule == "interleaved":
-        if v < 2:
-            out.append("interleaved needs v >= 2")
-        # Megatron's classic rule, what the papers the planner is calibrated on ran; mtds's interleaved
-        # order also runs m % (m // p) == 0 (mtds.pipe.schedules.interleaved_supports), a superset
-        if m % p:
-            out.append(f"interleaved schedule needs microbatches m={m} divisible by p={p}")
-    if schedule == "dualpipev":
-        if v != 2:
-            out.append("dualpipev runs two chunks per rank (v=2)")
-        if m < 2 * p:
-            out.append(f"dualpipev needs at least 2p={2 * p} microbatches (m={m})")
-    return out

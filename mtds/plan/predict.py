@@ -33,13 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mtds.plan import comm, compute, cp_comm, ep_comm, host_costs, pipeline, tp_comm
-from mtds.parallel.choices import CP_COMM_TYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES
-from mtds.parallel.cp_rules import cp_shape_problems
+from mtds.parallel.choices import RECOMPUTE_MODES
 from mtds.plan.candidate import Candidate, Workload
 from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, MemoryBreakdown, grad_buffer_bytes, predict_memory, stage_expert_params, stage_params
 from mtds.plan.model_spec import ModelSpec
-from mtds.plan.runnable import not_runnable
+from mtds.plan.runnable import cannot, rule_problems
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class Prediction:
     days_to_train: float
     fits: bool
     reasons: tuple = field(default=())   # why infeasible (empty if feasible)
-    not_runnable: tuple = field(default=())  # why train.py cannot run it (mtds.plan.runnable)
+    not_runnable: tuple = field(default=())  # why train.py refuses it: the rulebook's lines (mtds.plan.runnable)
     stages: dict = field(default_factory=dict)  # the partition modelled (mtds.plan.balance.StageReport.as_dict)
 
     @property
@@ -88,75 +87,36 @@ class Prediction:
         }
 
 
-def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster,
-                        explicit_stages: bool = False) -> list[str]:
-    """Divisibility and support constraints; each message says what is wrong. ``explicit_stages``: the
-    blocks per stage are given (a pipeline layout), so l need not divide evenly."""
+def planner_problems(model: ModelSpec, layout: Candidate, cluster: Cluster, explicit_stages: bool = False) -> list[str]:
+    """What the planner itself cannot place or model (train.py's rules are the rulebook's): sizes, the cluster's GPU
+    count, a recompute mode, and -- without an explicit partition (``explicit_stages``) -- l/(p v) blocks per
+    stage, which its uniform formulas assume."""
     t, p, d, b, v = layout.tp, layout.pp, layout.dp, layout.microbatch, layout.virtual_stages
+    if min(t, p, d, b, v, layout.cp, layout.ep) < 1:
+        return ["all sizes must be >= 1"]
     out = []
-    if min(t, p, d, b, v) < 1:
-        out.append("all sizes must be >= 1")
-        return out
     if layout.gpus != cluster.gpus:
         sizes = "t*c*p*d" if layout.cp > 1 else "t*p*d"
         out.append(f"{sizes} = {layout.gpus} != {cluster.gpus} GPUs")
-    if model.heads % t or model.hidden % t or model.ffn % t:
-        out.append(f"t={t} does not divide heads={model.heads} / hidden={model.hidden} / ffn={model.ffn}")
-    if model.kv_heads and model.kv_heads % t:
-        out.append(f"t={t} does not divide kv_heads={model.kv_heads}")
     if model.layers % (p * v) and not explicit_stages:
         out.append(f"layers={model.layers} not divisible by p*v={p * v}")
-    if work.global_batch % (b * d):
-        out.append(f"global batch {work.global_batch} not divisible by b*d={b * d}")
-    m = layout.microbatches(work.global_batch)
-    if layout.pipeline_schedule not in PIPELINE_SCHEDULES:
-        out.append(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}")
-    else:
-        out += pipeline.schedule_problems(layout.pipeline_schedule, p, v, m)
-    try:
-        layout.grid            # the trainer's own validation of the (t, p, d, v) grid
-    except ValueError as err:
-        out.append(str(err))
-    if layout.zero_stage not in (0, 1, 2, 3):
-        out.append("zero stage must be 0-3")
-    if layout.zero_stage >= 2 and p > 1:
-        out.append("DeepSpeed supports ZeRO-2/3 only without pipeline parallelism (p=1)")
     if layout.recompute not in RECOMPUTE_MODES:
         out.append(f"recompute must be one of {RECOMPUTE_MODES}")
-    if layout.sequence_parallel and (t == 1 or model.seq % t):
-        out.append("sequence parallelism needs t > 1 dividing the sequence length")
-    return out + context_parallel_problems(model, layout) + expert_parallel_problems(model, layout)
-
-
-def expert_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
-    """What mtds.pipe.moe_layout refuses of the model and e (one line each): e > 1 on a dense model, e not dividing
-    the experts, t not dividing the expert width. (e not dividing d: the grid's own check, above.)"""
-    e, t = layout.ep, layout.tp
-    if e < 1:
-        return ["expert parallel size must be >= 1"]
-    if not model.moe_blocks:
-        return [f"expert parallelism e={e} needs a mixture-of-experts model"] if e > 1 else []
-    out = []
-    if model.num_experts % e:
-        out.append(f"expert parallel size e={e} does not divide the {model.num_experts} experts")
-    if model.moe_ffn % t:
-        out.append(f"t={t} does not divide the expert FFN size {model.moe_ffn}")
+    if layout.pipeline_schedule == "dualpipev" and v != 2:      # a candidate's v counts DualPipeV's two chunks
+        out.append("dualpipev runs two chunks per rank (v=2)")
     return out
 
 
-def context_parallel_problems(model: ModelSpec, layout: Candidate) -> list[str]:
-    """What mtds.cp.checks refuses of the planner's knobs, by the same rules (mtds.parallel.cp_rules): s divisible
-    by 2c (load-balanced chunks), with SP the rank's s/c tokens divisible by t, a2a heads and KV heads per TP rank
-    divisible by c."""
-    c = layout.cp
-    if c < 1:
-        return ["context parallel size must be >= 1"]
-    if layout.cp_comm_type not in CP_COMM_TYPES:
-        return [f"cp comm type must be one of {CP_COMM_TYPES}"]
-    problems = cp_shape_problems(cp=c, tp=layout.tp, seq_length=model.seq, comm_type=layout.cp_comm_type,
-                                 sequence_parallel=layout.sequence_parallel, num_heads=model.heads,
-                                 kv_heads=model.kv_heads or model.heads)
-    return [problem.plan_message() for problem in problems]
+def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster,
+                        explicit_stages: bool = False, found: list | None = None) -> list[str]:
+    """Why ``layout`` cannot work: :func:`planner_problems` and the rulebook's rules no build of train.py could
+    keep (``found``: the candidate's rule problems, :func:`mtds.plan.runnable.rule_problems`, if known)."""
+    out = planner_problems(model, layout, cluster, explicit_stages)
+    if out == ["all sizes must be >= 1"]:
+        return out
+    if found is None:
+        found = rule_problems(model, layout, work, cluster.gpu.hbm_gib * GIB)
+    return out + cannot(found)
 
 
 def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages=None,
@@ -168,7 +128,8 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     ``stages``: the partition the run uses (an ``mtds.parallel.pipeline_layout.StageLayout``, p > 1): its critical
     rank sets the compute and the bubble (:func:`partition_times`); None: l/p blocks per rank, the LM
     head's rank critical (the uniform partition of a model whose l divides by p·v)."""
-    reasons = structural_problems(model, layout, work, cluster, explicit_stages=stages is not None)
+    found = rule_problems(model, layout, work, cluster.gpu.hbm_gib * GIB, stages)
+    reasons = structural_problems(model, layout, work, cluster, explicit_stages=stages is not None, found=found)
     t, p, v = layout.tp, layout.pp, layout.virtual_stages
     d = layout.dp_cp         # the ranks that sum gradients and share ZeRO partitions (d·c, stride t)
     w = work.bytes_per_value
@@ -266,7 +227,7 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
                         **({"ep_comm": ep_s} if layout.ep > 1 else {})},
         memory=mem, memory_capacity_gib=capacity, tflops_per_gpu=hw, model_tflops_per_gpu=mf,
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
-        not_runnable=tuple(not_runnable(layout, work.precision, moe=bool(model.moe_blocks))), stages=stage_info,
+        not_runnable=tuple(problem.message for problem in found), stages=stage_info,
     )
 
 

@@ -1,45 +1,58 @@
-"""What train.py can run today: the one list the planner checks before it recommends a layout.
+"""What train.py can run: the rulebook's verdict (mtds.rules) on a candidate, the same rules train.py's start-up
+asks (mtds.training.admit). A layout the planner calls runnable is one train.py starts.
 
-When the trainer gains a feature, flip its flag here (one line) and the planner starts recommending
-it. Layouts using a feature marked False are left out of `mtds-plan`'s ranking (``plan(...,
-runnable_only=True)``, the default) or, when asked for (``--include-unrunnable``, or evaluating such a
-layout), shown with the reason.
+The planner describes a candidate as train.py would run it: ``mtds-plan``'s knobs as train.py's flags, the
+workload's precision and batch, the DeepSpeed installed here, and the stage partition train.py would build
+without ``--pipeline-layout`` (its default balancing, priced as train.py prices it, within this cluster's
+memory) where a rule weighs it. Rules of kind "cannot" (shapes that do not divide, schedules that cannot take
+the micro-batches) also make a layout infeasible; rules of kind "not built" only unrunnable, so
+``--include-unrunnable`` still ranks what the planner can model but train.py does not run yet.
 """
 from __future__ import annotations
 
-from mtds.parallel.choices import PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from importlib import metadata
 
-# The trainer runs every word of the shared vocabulary (mtds.parallel.choices); a feature that exists in the
-# vocabulary before train.py can run it is set False here.
-TRAIN_PY_RUNS = {
-    "pipeline_schedule": {name: True for name in PIPELINE_SCHEDULES},
-    "recompute": {mode: True for mode in RECOMPUTE_MODES},
-}
+from mtds import rules
+from mtds.rules.job import Job
 
 
-# Schedules train.py would run in fp32 only. None today: zb-h1's W hands its gradients to DeepSpeed's
-# bf16/fp16 accumulation as a backward does (mtds.pipe.engine), bit-identical to 1f1b in tests.
-FP32_ONLY_SCHEDULES: tuple[str, ...] = ()
+def installed_deepspeed() -> str | None:
+    """The installed DeepSpeed's version, read without importing it (the planner stays torch-free)."""
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
 
 
-def not_runnable(layout, precision: str | None = None, moe: bool = False) -> list[str]:
-    """Why train.py cannot run ``layout`` (empty list: it can) at ``precision`` (None: not checked); ``moe``: the
-    model has experts (mtds.pipe.moe_layout's refusals, docs/moe.md)."""
-    out = []
-    if moe and layout.pp > 1 and layout.pipeline_schedule != "1f1b":
-        # the router statistics travel beside the activation (mtds.model.router_carry): DeepSpeed's 1F1B only
-        out.append(f"train.py trains MoE models on a pipeline with the 1f1b schedule only, not "
-                   f"{layout.pipeline_schedule}")
-    if getattr(layout, "ep", 1) > 1 and layout.zero_stage == 3:
-        out.append(f"train.py runs expert parallelism (--ep {layout.ep}) with ZeRO-0, 1 or 2, not ZeRO-3")
-    elif getattr(layout, "ep", 1) > 1 and layout.zero_stage == 0 and precision not in (None, "fp32"):
-        # DeepSpeed's unfused 16-bit optimizer leaves expert gradients out of its norm (mtds.pipe.moe_layout)
-        out.append(f"train.py runs expert parallelism (--ep {layout.ep}) in {precision} with ZeRO-1 or 2, not ZeRO-0")
-    schedule = layout.pipeline_schedule if layout.pp > 1 else "1f1b"
-    if not TRAIN_PY_RUNS["pipeline_schedule"].get(schedule, False):
-        out.append(f"train.py cannot run --pipeline-schedule {schedule} yet")
-    elif schedule in FP32_ONLY_SCHEDULES and precision not in (None, "fp32"):
-        out.append(f"train.py runs --pipeline-schedule {schedule} in fp32 only, not {precision}")
-    if not TRAIN_PY_RUNS["recompute"].get(layout.recompute, False):
-        out.append(f"train.py cannot run {layout.recompute} recomputation yet")
-    return out
+def job_of(model, layout, work, stages=None) -> Job:
+    """The job train.py would run for ``layout`` (a :class:`~mtds.plan.candidate.Candidate`) of ``model`` (a
+    ModelSpec) on ``work`` (a Workload); ``stages``: its blocks per virtual stage, where known."""
+    dualpipev = layout.pipeline_schedule == "dualpipev"
+    return Job(model=model.facts(), world_size=layout.gpus, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+               virtual_stages=1 if dualpipev else layout.virtual_stages, pipeline_schedule=layout.pipeline_schedule,
+               sequence_parallel=layout.sequence_parallel, cp_comm_type=layout.cp_comm_type, seq_length=model.seq,
+               zero_stage=layout.zero_stage, precision=work.precision, global_batch=work.global_batch,
+               micro_batch=layout.microbatch, stage_blocks=None if stages is None else tuple(stages.blocks),
+               deepspeed_version=installed_deepspeed())
+
+
+def default_partition(model, layout, work, capacity_bytes: float):
+    """The partition train.py builds without --pipeline-layout (mtds.plan.balance.run_partition)."""
+    from mtds.plan.balance import run_partition
+    return run_partition(model, layout, work, layout.gpus, None, capacity_bytes)
+
+
+def rule_problems(model, layout, work, capacity_bytes: float, stages=None) -> list:
+    """Every rule train.py would refuse ``layout`` by (:class:`mtds.rules.Problem`), judged at ``stages`` or, where
+    a rule weighs the partition, at train.py's default one within ``capacity_bytes`` per GPU."""
+    job = job_of(model, layout, work, stages)
+    found = rules.problems(job)
+    if not found and stages is None and any(rule.applies(job) for rule in rules.PARTITION_RULES):
+        job = job_of(model, layout, work, default_partition(model, layout, work, capacity_bytes))
+        found = rules.problems(job, rules.PARTITION_RULES)
+    return found
+
+
+def cannot(found: list) -> list[str]:
+    """The problems no build of train.py could run (shapes, schedules): the planner's infeasible reasons."""
+    return [p.message for p in found if p.kind == rules.CANNOT]

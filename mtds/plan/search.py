@@ -16,8 +16,8 @@ sequence_parallel) is held; the others range over every value that can work:
      feasible (then c > 1 alone is searched): at shorter sequences a layout without CP exists and is
      what the papers ran (the validated tables stay as they were), CP's gain there is small (its
      per-token compute equals the c = 1 layout's), and the search stays the size it was.
-Layouts train.py cannot run yet (mtds.plan.runnable) are left out unless runnable_only=False, in
-which case they are ranked too and carry `not_runnable` reasons.
+Layouts train.py refuses (the rulebook, mtds.plan.runnable) are left out; with runnable_only=False those it
+refuses only for what is not built yet are ranked too and carry `not_runnable` reasons.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from mtds.plan.hardware import Cluster
 from mtds.plan.memory import GIB, predict_memory
 from mtds.plan.model_spec import ModelSpec
 from mtds.plan.predict import Prediction, predict, structural_problems
-from mtds.plan.runnable import not_runnable
+from mtds.plan.runnable import rule_problems
 
 KNOBS = ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
          "pipeline_schedule", "cp", "cp_comm_type", "ep")
@@ -164,10 +164,12 @@ def _rank(model, work, cluster, fixed: dict, max_microbatch: int, keep_infeasibl
     result = PlanResult()
     if not cps:
         return result
+    capacity = cluster.gpu.hbm_gib * GIB
     for layout in candidate_layouts(model, work, cluster, fixed, max_microbatch, cps):
-        problems = structural_problems(model, layout, work, cluster)
-        if runnable_only:
-            problems += not_runnable(layout, work.precision, moe=bool(model.moe_blocks))
+        found = rule_problems(model, layout, work, capacity)
+        problems = structural_problems(model, layout, work, cluster, found=found)
+        if runnable_only:     # every rule train.py asks, the "not built" ones too
+            problems += [p.message for p in found if p.message not in problems]
         if problems:
             if keep_infeasible:
                 result.infeasible.append((layout, problems))

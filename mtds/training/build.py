@@ -1,7 +1,7 @@
-"""Phase 2 of a run, "build the run": DeepSpeed config, schedule checks, logger, data, model, engine.
+"""Phase 2 of a run, "build the run": logger, data, model, engine, for the job phase 1 admitted.
 
-Everything later phases need is in the returned :class:`BuiltRun`; the run's precision and ZeRO stage
-are decided here, once, from the DeepSpeed config, and read from it afterwards.
+Everything later phases need is in the returned :class:`BuiltRun`; the run's DeepSpeed dict, batch, precision,
+ZeRO stage and stage partition were settled once, by the admission (mtds.training.admit), and are read from it.
 """
 from __future__ import annotations
 
@@ -13,18 +13,16 @@ import torch.distributed as dist
 from mtds.deepspeed_compat import check_engine
 from mtds.model.documents import DocumentMasking
 from mtds.pipe import build_model
-from mtds.pipe.moe_layout import refuse_unbuilt_expert_parallel
 from mtds.pipe.select import OWN_ENGINE
 from mtds.safety.numerics import LocalNonFinite
 from mtds.safety.startup import BuildLockWatchdog
 
 from mtds.training.config import TrainConfig
 from mtds.training.distributed import configure_matmul_precision
-from mtds.training.ds_config import (BatchPlan, load_ds_config, override_batch, override_from_flags, precision,
-                                     prepare_ds_config, zero_stage)
+from mtds.training.ds_config import BatchPlan
 from mtds.training.engine_setup import create_engine, install_engine_patches
 from mtds.observe.logger import StepLogger
-from mtds.training.stage_plan import describe, resolve_stage_layout
+from mtds.training.stage_plan import describe
 from mtds.training.world import World
 
 
@@ -47,40 +45,25 @@ class BuiltRun:
     nonfinite: LocalNonFinite | None   # this rank's own non-finite gradients (None under fp16: the scaler)
 
 
-def run_ds_config(cfg: TrainConfig, world: World) -> tuple[dict, BatchPlan, list[str]]:
-    """The DeepSpeed dict for this layout (batch sizes derived), the pipeline edits the model's
-    activations need, and the schedule's checks against it; the flags that overrode the user's JSON."""
-    layout = world.layout
-    dualpipev = cfg.pipeline_schedule == "dualpipev"
-    user = override_batch(load_ds_config(cfg.deepspeed_config), cfg.global_batch_size, cfg.micro_batch_size)
-    user, overrides = override_from_flags(user, bf16=cfg.bf16, fp16=cfg.fp16, clip_grad=cfg.clip_grad,
-                                          weight_decay=cfg.weight_decay)
-    ds_config, batch = prepare_ds_config(user, layout,
-                                         device_type=world.device.type, lr=cfg.lr)
-    router_carry = world.model_cfg.num_experts > 0
-    if (cfg.sequence_parallel or router_carry) and layout.pp > 1:
-        # DeepSpeed's pipeline splits a stage's output over the TP ranks and the next stage
-        # all-gathers it (scatter/gather, PTD-P Section 4.1): correct only for activations that are
-        # replicated across TP ranks. Sequence-parallel activations are already one slice per rank. An MoE
-        # model's stage output also carries the router statistics (mtds.model.router_carry), whose `probs`
-        # needs a gradient: DeepSpeed's scatter asserts that only the first tensor does (an MoE model at
-        # t > 1, p > 1 without --sequence-parallel stopped there); its outputs go whole (t x the p2p bytes).
-        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
-                                 "grad_partitioned": False}
-    if dualpipev and layout.tp > 1:
-        if dist.get_rank() == 0:
-            print("dualpipev: DeepSpeed's DualPipeVEngine refuses scatter/gather; stage outputs go whole", flush=True)
-        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
-                                 "grad_partitioned": False}
-    if cfg.pipeline_schedule in OWN_ENGINE or dualpipev:
-        from mtds.pipe.select import check_schedule, check_schedule_config, deepspeed_version_problem
-        check_schedule(cfg.pipeline_schedule, pp=layout.pp, virtual_stages=cfg.virtual_stages,
-                       micro_batches=batch.accumulation, samples_per_micro_batch=batch.micro_batch * layout.dp)
-        check_schedule_config(cfg.pipeline_schedule, ds_config)
-        import deepspeed
-        if problem := deepspeed_version_problem(deepspeed.__version__):
-            raise ValueError(problem)
-    return ds_config, batch, overrides
+def pipeline_transport(cfg: TrainConfig, world: World) -> dict:
+    """The admitted DeepSpeed dict with the pipeline edits the model's stage outputs need."""
+    layout, ds_config = world.layout, world.admitted.ds_config
+    if layout.pp == 1:
+        return ds_config
+    dualpipev_tp = cfg.pipeline_schedule == "dualpipev" and layout.tp > 1
+    whole = cfg.sequence_parallel or world.model_cfg.num_experts > 0 or dualpipev_tp
+    # DeepSpeed's pipeline splits a stage's output over the TP ranks and the next stage all-gathers it
+    # (scatter/gather, PTD-P Section 4.1): correct only for activations that are replicated across TP ranks.
+    # Sequence-parallel activations are already one slice per rank. An MoE model's stage output also carries
+    # the router statistics (mtds.model.router_carry), whose `probs` needs a gradient: DeepSpeed's scatter
+    # asserts that only the first tensor does (an MoE model at t > 1, p > 1 without --sequence-parallel stopped
+    # there); DeepSpeed's DualPipeVEngine refuses scatter/gather. Those outputs go whole (t x the p2p bytes).
+    if not whole:
+        return ds_config
+    if dualpipev_tp and dist.get_rank() == 0:
+        print("dualpipev: DeepSpeed's DualPipeVEngine refuses scatter/gather; stage outputs go whole", flush=True)
+    return {**ds_config, "pipeline": {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                      "grad_partitioned": False}}
 
 
 def build_data(cfg: TrainConfig, world: World, batch: BatchPlan, logger: StepLogger):
@@ -129,11 +112,11 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None, log=print
 def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
               on_engine_ready: Sequence[Callable] = ()) -> BuiltRun:
     """Config, logger, data, model, engine and its patches, then the probes; in this order on every rank."""
-    ds_config, batch, overrides = run_ds_config(cfg, world)
-    prec, zero = precision(ds_config), zero_stage(ds_config)
+    admitted = world.admitted
+    ds_config, batch, overrides = pipeline_transport(cfg, world), admitted.batch, admitted.overrides
+    prec, zero = admitted.precision, admitted.zero_stage
     tf32 = configure_matmul_precision(world.device, prec)
     layout, groups = world.layout, world.groups
-    refuse_unbuilt_expert_parallel(layout, prec, zero)
 
     # One rank reports: the last stage's first TP/DP rank sees the loss first-hand.
     reporting = groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
@@ -153,7 +136,7 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
         logger.info(f"cpu: {world.allocator}")
 
     stream, eval_stream = build_data(cfg, world, batch, logger)
-    stage_layout = resolve_stage_layout(cfg, world.model_cfg, layout, batch, prec, zero, world.device)
+    stage_layout = admitted.stage_layout
     if stage_layout is not None:
         logger.info(describe(cfg, world.model_cfg, layout, batch, prec, zero, stage_layout))
     model = build_run_model(cfg, world, stage_layout, log=logger.info)

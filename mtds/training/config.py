@@ -3,7 +3,9 @@
 Run settings only: what a caller wants to observe or inject (test probes) goes to ``run(cfg, ...)``.
 Each field is its option's one definition (mtds.training.options): train.py's flags and their help come
 from it, and so does each numeric setting's range, checked here with one line naming the flag. Fields
-stand in --help's sections and order.
+stand in --help's sections and order. Checked here: each flag's own value, and flags that only qualify another
+flag; what the job combines (layout, model, schedule, DeepSpeed config, features) is the rulebook's (mtds.rules),
+asked at the start of ``run`` (mtds.training.admit).
 """
 from __future__ import annotations
 
@@ -283,13 +285,6 @@ class TrainConfig:
         if self.cross_entropy_fusion_impl not in CE_FUSION_IMPLS:
             raise ValueError(f"--cross-entropy-fusion-impl must be native (te is not built), got "
                              f"{self.cross_entropy_fusion_impl!r}")
-        if (self.reset_position_ids or self.reset_attention_mask) and self.pp > 1 and self.pipeline_schedule != "1f1b":
-            # the document ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples,
-            # the other schedules' engines one tensor per stage boundary
-            flag = "--reset-position-ids" if self.reset_position_ids else "--reset-attention-mask"
-            raise ValueError(f"{flag} with --pp {self.pp} needs --pipeline-schedule 1f1b: the "
-                             f"{self.pipeline_schedule} schedule sends one tensor between stages, not the "
-                             f"document ids beside it")
         if self.profile_step is not None and not 1 <= self.profile_step <= self.steps:
             raise ValueError(f"--profile-step {self.profile_step} is not a step of this run: give 1..{self.steps} "
                              f"(--steps {self.steps})")
@@ -300,23 +295,11 @@ class TrainConfig:
         if self.recompute != "full" and self.recompute_interval != 1:
             raise ValueError(f"--recompute-interval {self.recompute_interval} applies to --recompute full only "
                              f"(got --recompute {self.recompute}): add --recompute full or drop the interval")
-        from mtds.pipe.select import check_schedule
-        check_schedule(self.pipeline_schedule, pp=self.pp, virtual_stages=self.virtual_stages)
-        if self.compile and self.pipeline_schedule == "zb-h1" and self.pp > 1:
-            # AOTAutograd traces the layer's backward when it compiles the forward; ZB-H1's backward queues
-            # its weight GEMMs for the W pass, which Dynamo cannot trace: every layer fell back to eager
-            raise ValueError("--compile cannot compile the layers of --pipeline-schedule zb-h1 (its backward "
-                             "defers the weight gradients to the W pass): drop --compile or use 1f1b, "
-                             "interleaved or dualpipev")
         self._check_stage_layout()
 
     def _check_stage_layout(self) -> None:
         if self.pipeline_balance not in (None, *PIPELINE_BALANCES):
             raise ValueError(f"--pipeline-balance must be uniform or cost, got {self.pipeline_balance!r}")
-        if self.pipeline_layout is None:
-            return
-        if self.pp == 1:
-            raise ValueError("--pipeline-layout needs a pipeline: set --pp >= 2 (or drop the layout)")
-        if self.pipeline_balance is not None:
+        if self.pipeline_layout is not None and self.pipeline_balance is not None:
             raise ValueError(f"--pipeline-layout fixes the partition; --pipeline-balance {self.pipeline_balance} "
                              f"would choose another: give one of the two")

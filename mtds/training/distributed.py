@@ -149,8 +149,8 @@ def _bad_input(err: Exception, debug: bool) -> int:
         import traceback
         traceback.print_exc()
     text = str(err).strip()
-    report_error(text.splitlines()[0] if text else type(err).__name__,
-                 same_on_every_rank=isinstance(err, CommandLineError))
+    report_error(text.splitlines()[0] if text else type(err).__name__,     # the rulebook's refusals are too
+                 same_on_every_rank=isinstance(err, CommandLineError) or getattr(err, "same_on_every_rank", False))
     return 2
 
 

@@ -1,8 +1,9 @@
-"""Read a user's DeepSpeed JSON, check it against the layout, and settle the batch arithmetic.
+"""Read a user's DeepSpeed JSON, check its keys and values, and settle the batch arithmetic.
 
-DeepSpeed owns the semantics (ZeRO, precision, loss scaling, optimizer); this module only refuses
-combinations that cannot work, with one line saying what to change, before DeepSpeed fails deep
-inside its engine, and derives: global batch B = micro batch b x gradient accumulation m x d.
+DeepSpeed owns the semantics (ZeRO, precision, loss scaling, optimizer); this module reads what the rulebook
+weighs (stage, precision, batch: mtds.training.admit) and refuses what is wrong in the config itself (a key
+DeepSpeed does not read, a value of the wrong kind, an unknown optimizer, fp16 on a machine without it), one
+line each, before DeepSpeed fails deep inside its engine; it derives B = micro batch b x accumulation m x d.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtds.parallel.layout import ParallelLayout
+from mtds.rules.deepspeed import batch_problem
 
 
 class ConfigError(ValueError):
@@ -139,8 +141,9 @@ def zero_stage(config: dict) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
-def plan_batch(config: dict, dp: int) -> BatchPlan:
-    """Fill in whichever of B, b, m the config leaves out; refuse inconsistent ones."""
+def batch_values(config: dict, dp: int) -> tuple[int | None, int, int | None]:
+    """(B, b, m) as the config states them: B and m None where it leaves them out, b derived from B / (m d)
+    where only those two are given. Each a positive whole number, or one line."""
     B = config.get("train_batch_size")
     b = config.get("train_micro_batch_size_per_gpu")
     m = config.get("gradient_accumulation_steps")
@@ -155,16 +158,18 @@ def plan_batch(config: dict, dp: int) -> BatchPlan:
     if b is None:
         raise ConfigError("the DeepSpeed config needs train_micro_batch_size_per_gpu (or train_batch_size "
                           "with gradient_accumulation_steps)")
+    return B, b, m
+
+
+def plan_batch(config: dict, dp: int) -> BatchPlan:
+    """Fill in whichever of B, b, m the config leaves out (the rulebook's batch rule holds them together)."""
+    B, b, m = batch_values(config, dp)
+    problem = batch_problem(B, b, m, dp)
+    if problem is not None:
+        raise ConfigError(problem)
     if B is None:
         B = b * (m or 1) * dp
-    if B % (b * dp):
-        raise ConfigError(f"train_batch_size {B} is not divisible by micro batch {b} x data parallel size {dp}: "
-                          f"use a multiple of {b * dp}")
-    derived = B // (b * dp)
-    if m is not None and m != derived:
-        raise ConfigError(f"train_batch_size {B} != micro batch {b} x gradient_accumulation_steps {m} x data "
-                          f"parallel size {dp}: drop gradient_accumulation_steps and it is derived ({derived})")
-    return BatchPlan(global_batch=B, micro_batch=b, accumulation=derived)
+    return BatchPlan(global_batch=B, micro_batch=b, accumulation=B // (b * dp))
 
 
 def check_optimizer(config: dict, lr: float | None) -> None:
@@ -185,17 +190,9 @@ def check_optimizer(config: dict, lr: float | None) -> None:
 
 
 def prepare_ds_config(config: dict, layout: ParallelLayout, *, device_type: str, lr: float | None = None) -> tuple[dict, BatchPlan]:
-    """Validate ``config`` for ``layout`` and return a copy with consistent batch keys."""
+    """``config`` for ``layout``, a copy with consistent batch keys, for a job the rulebook admitted
+    (mtds.training.admit): what is left to refuse here is the machine's (fp16) and the optimizer's."""
     config = copy.deepcopy(config)
-    stage = zero_stage(config)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}: set 0, 1, 2 or 3 in the DeepSpeed "
-                          f"config")
-    if layout.pp > 1 and stage > 1:
-        raise ConfigError(f"ZeRO stage {stage} cannot be combined with pipeline parallelism (DeepSpeed's pipeline "
-                          f"engine supports ZeRO 0-1): use --pp 1 for ZeRO-{stage}, or ZeRO-1 with --pp {layout.pp}")
-    if config.get("fp16", {}).get("enabled") and config.get("bf16", {}).get("enabled"):
-        raise ConfigError("the DeepSpeed config enables both fp16 and bf16: keep one")
     if precision(config) == "fp16":
         from deepspeed.accelerator import get_accelerator
         if not get_accelerator().is_fp16_supported():

@@ -23,7 +23,6 @@ from mtds.pipe.select import OWN_ENGINE
 
 from mtds.training.config import TrainConfig
 from mtds.training.ds_config import BatchPlan
-from mtds.training.ds_config import zero_stage as zero_stage_of
 from mtds.training.grad_norm import install_fp32_clipping, mark_sharded_gradients
 from mtds.training.schedule import build_scheduler
 from mtds.training.sequence_grad_hook import defer_sequence_parallel_grads
@@ -48,8 +47,6 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     if world.layout.ep > 1:        # DeepSpeed's own expert handling (mtds.deepspeed_compat.expert_groups)
         create_expert_groups(world.layout, world.groups)
         experts = expert_parallel_parameters(model)
-        if world.layout.pp > 1 and zero_stage_of(ds_config) >= 1:
-            _every_stage_holds_experts(bool(experts), world)
         mark_expert_parameters(experts, world.layout.ep)
         if experts:         # this pipeline stage holds MoE blocks
             named = {n: p for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
@@ -68,22 +65,6 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                            mpu=None if layout.pp > 1 else groups, lr_scheduler=scheduler)
     return engine
-
-
-def _every_stage_holds_experts(mine: bool, world: World) -> None:
-    """DeepSpeed's ZeRO runs its norm per optimizer param group, each with a collective over the pipeline's
-    model-parallel group: a stage without MoE blocks has no expert group and would leave the others waiting
-    there. Every rank learns whether any stage lacks experts (one all-reduce), so all refuse together."""
-    import torch
-    import torch.distributed as dist
-    missing = torch.tensor([0 if mine else 1], dtype=torch.int64, device=world.device)
-    dist.all_reduce(missing)
-    if int(missing):
-        from mtds.parallel.layout import LayoutError
-        raise LayoutError(f"--expert-model-parallel-size {world.layout.ep} with --pp {world.layout.pp} and ZeRO-1/2 "
-                          f"needs MoE blocks on every pipeline stage (DeepSpeed's ZeRO runs one norm collective per "
-                          f"expert param group): use --pipeline-balance uniform or a --pipeline-layout that gives "
-                          f"each stage one, or ZeRO-0")
 
 
 def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:

@@ -1,8 +1,8 @@
 """Phase 1 of a run, "set up the world": the processes, their layout and groups, before any run-specific work.
 
 Order matters: the collective tracer wraps ``torch.distributed`` before DeepSpeed caches the collectives
-it uses; the heartbeat starts once there is a process group to beat over; the layout is checked against
-the world size and the model before any group exists; the dropout streams need the groups.
+it uses; the job is judged by the rulebook (mtds.training.admit) once the world size and the model are known,
+before the heartbeat and any group; the dropout streams need the groups.
 """
 from __future__ import annotations
 
@@ -15,13 +15,11 @@ import torch.distributed as dist
 
 from mtds.observe.comm_trace import CommTracer
 from mtds.checkpoint.complete import LoadPlan, plan_load
-from mtds.cp.checks import check_context_parallel
-from mtds.pipe.moe_layout import check_expert_parallel
 from mtds.model.config import ModelConfig, differing_weight_fields
 from mtds.hf.resolve import resolve_model_config
 from mtds.training.cpu_allocator import tune_cpu_allocator
 from mtds.parallel.layout import ParallelGroups, ParallelLayout
-from mtds.parallel.pipeline_layout import parse_layout
+from mtds.training.admit import Admitted, admit
 from mtds.safety.heartbeat import Heartbeat
 from mtds.safety.startup import rendezvous_error
 from mtds.tp import RNGTracker, seed_parallel_streams
@@ -34,7 +32,7 @@ DEFAULT_MODEL = "gpt2-tiny"     # no --model, no --load checkpoint, no --init-fr
 
 @dataclass
 class World:
-    """Who this rank is and whom it talks to; the same for every run these processes could do."""
+    """Who this rank is, whom it talks to, and the job it was admitted to run."""
 
     device: torch.device
     backend: str
@@ -44,39 +42,32 @@ class World:
     groups: ParallelGroups
     rng: RNGTracker                # dropout streams, masks keyed by (step, micro-batch, layer)
     tracer: CommTracer | None      # bytes per collective (None: --trace-comm off)
+    admitted: Admitted             # the job the rulebook admitted: DeepSpeed dict, batch, stage partition
     allocator: str | None = None   # what mtds.training.cpu_allocator set (CPU runs), for the start-up log
     load: LoadPlan | None = None   # what --load means (None without it): read once, by rank 0
 
 
 def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
-    """Distributed init (with the tracer first), heartbeat, layout (validated), process groups, RNG streams."""
+    """Distributed init (with the tracer first), the job admitted by the rulebook, heartbeat, process groups, RNG
+    streams."""
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
     tracer = CommTracer().install() if cfg.trace_comm else None
     try:
         device, backend = init_distributed(cfg.dist_timeout_s)
     except RuntimeError as err:     # torch's DistStoreError and timeouts while the ranks gather
         raise rendezvous_error(err, cfg.dist_timeout_s) from None
-    heartbeat.start()
     size = dist.get_world_size()
+    load = _plan_load(cfg.load) if cfg.load else None
+    model_cfg = run_model_config(cfg, load)
+    # The rulebook, before the heartbeat and the groups: a refused job is one line from the first rank while
+    # the others wait for its word (mtds.training.distributed.report_error), with no watchdog to take rank 0's
+    # exit for a fault.
+    admitted = admit(cfg, size, model_cfg, device)
+    heartbeat.start()
     # Before the model and the first step allocate: large temporaries then come back from the heap.
     allocator = tune_cpu_allocator() if device.type == "cpu" else None
 
-    dualpipev = cfg.pipeline_schedule == "dualpipev"   # DeepSpeed's DualPipeVEngine: two chunks per rank
-    layout = ParallelLayout.for_world(size, tp=cfg.tp, pp=cfg.pp, vp=2 if dualpipev else cfg.virtual_stages,
-                                      cp=cfg.context_parallel_size, ep=cfg.expert_model_parallel_size)
-    load = _plan_load(cfg.load) if cfg.load else None
-    model_cfg = run_model_config(cfg, load)
-    layout.check_model(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.kv_heads,
-                       hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_size,
-                       num_layers=model_cfg.num_layers)
-    check_expert_parallel(model_cfg, layout)
-    if cfg.sequence_parallel:
-        layout.check_sequence_parallel(cfg.seq_length)
-    check_context_parallel(layout, model_cfg, seq_length=cfg.seq_length, comm_type=cfg.cp_comm_type,
-                           sequence_parallel=cfg.sequence_parallel, reset_position_ids=cfg.reset_position_ids)
-    if cfg.pipeline_layout and layout.pp > 1:   # checked before any process group exists
-        parse_layout(cfg.pipeline_layout, stages=layout.pp * layout.vp, num_layers=model_cfg.num_layers)
-
+    layout = admitted.layout
     groups = layout.build_groups(timeout_s=cfg.dist_timeout_s)
     if tracer is not None:
         for name in ("tp", "dp", "pp", "mp") + (("cp", "dp_cp") if layout.cp > 1 else ()) + \
@@ -84,7 +75,7 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
             tracer.name_group(getattr(groups, f"{name}_group"), name)
     rng = seed_parallel_streams(cfg.seed, groups, device)   # dropout streams, keyed per layer forward
     return World(device=device, backend=backend, size=size, layout=layout, model_cfg=model_cfg, groups=groups,
-                 rng=rng, tracer=tracer, allocator=allocator, load=load)
+                 rng=rng, tracer=tracer, admitted=admitted, allocator=allocator, load=load)
 
 
 def run_model_config(cfg: TrainConfig, load: LoadPlan | None = None) -> ModelConfig:
@@ -117,11 +108,8 @@ def _router_options(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     if cfg.moe_expert_capacity_factor is not None:
         given.update(moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
                      moe_token_drop_policy=cfg.moe_token_drop_policy)
-    if not given:
+    if not given or not model_cfg.num_experts:     # a dense model: the rulebook's router-flags rule refuses
         return model_cfg
-    if not model_cfg.num_experts:
-        flag = "--moe-z-loss-coeff" if cfg.moe_z_loss_coeff else "--moe-expert-capacity-factor"
-        raise ValueError(f"{flag} needs a mixture-of-experts model (Mixtral, Qwen3-MoE); this one has no experts")
     return dataclasses.replace(model_cfg, **given)
 
 

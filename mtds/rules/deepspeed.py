@@ -1,0 +1,48 @@
+"""What the DeepSpeed config may combine with the layout: the ZeRO stage, the precision and the batch
+arithmetic B = b x m x d (global batch, micro batch, accumulation, data-parallel size)."""
+from __future__ import annotations
+
+from mtds.rules.job import Job
+
+
+def zero_stage_known(job: Job) -> str | None:
+    if job.zero_stage not in (0, 1, 2, 3):
+        return f"zero_optimization.stage must be 0-3, got {job.zero_stage}: set 0, 1, 2 or 3 in the DeepSpeed config"
+    return None
+
+
+def zero_with_pipeline(job: Job) -> str | None:
+    """DeepSpeed's pipeline engine asserts ZeRO 0-1."""
+    stage = job.zero_stage
+    if job.pp > 1 and stage > 1:
+        return f"ZeRO stage {stage} cannot be combined with pipeline parallelism (DeepSpeed's pipeline engine " \
+               f"supports ZeRO 0-1): use --pp 1 for ZeRO-{stage}, or ZeRO-1 with --pp {job.pp}"
+    return None
+
+
+def one_precision(job: Job) -> str | None:
+    if job.both_precisions:
+        return "the DeepSpeed config enables both fp16 and bf16: keep one"
+    return None
+
+
+def batch_problem(global_batch: int | None, micro_batch: int, accumulation: int | None, dp: int) -> str | None:
+    """B divisible by b·d, and m (where the config states it) the B / (b·d) it must be. ``global_batch`` None: the
+    config gives b (and m) only, B follows."""
+    B, b, m = global_batch, micro_batch, accumulation
+    if B is None:
+        return None
+    if B % (b * dp):
+        return f"train_batch_size {B} is not divisible by micro batch {b} x data parallel size {dp}: use a " \
+               f"multiple of {b * dp}"
+    derived = B // (b * dp)
+    if m is not None and m != derived:
+        return f"train_batch_size {B} != micro batch {b} x gradient_accumulation_steps {m} x data parallel size " \
+               f"{dp}: drop gradient_accumulation_steps and it is derived ({derived})"
+    return None
+
+
+def batch_splits(job: Job) -> str | None:
+    if job.micro_batch is None or job.dp is None:
+        return None
+    return batch_problem(job.global_batch, job.micro_batch, job.accumulation, job.dp)

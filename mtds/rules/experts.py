@@ -1,0 +1,96 @@
+"""Mixture-of-experts models: what expert parallelism, ZeRO, pipelines and the router flags may combine
+(docs/moe.md). Each refusal is something not built yet, or not correct on DeepSpeed's side: never a silently
+different model or a wrong gradient."""
+from __future__ import annotations
+
+from mtds.rules.job import EVAL, Job
+
+
+def router_flags(job: Job) -> str | None:
+    """Megatron-core's router options apply to models with experts."""
+    if job.model.num_experts or not (job.moe_z_loss or job.moe_capacity):
+        return None
+    flag = "--moe-z-loss-coeff" if job.moe_z_loss else "--moe-expert-capacity-factor"
+    return f"{flag} needs a mixture-of-experts model (Mixtral, Qwen3-MoE); this one has no experts"
+
+
+def experts_split(job: Job) -> str | None:
+    """e splits the experts of an MoE model."""
+    e, experts = job.ep, job.model.num_experts
+    if e == 1:
+        return None
+    if not experts:
+        return f"--expert-model-parallel-size {e} needs a mixture-of-experts model (Mixtral, Qwen3-MoE); this one " \
+               f"has no experts: leave it at 1"
+    if experts % e:
+        return f"--expert-model-parallel-size {e} does not divide the model's {experts} experts: choose it from " \
+               f"the common divisors of {experts} and the data-parallel size {job.dp}"
+    return None
+
+
+def expert_parallel_zero(job: Job) -> str | None:
+    """What expert parallelism does not do with ZeRO yet, or not correctly on DeepSpeed's side."""
+    if job.ep == 1:
+        return None
+    e = f"--expert-model-parallel-size {job.ep}"
+    if job.zero_stage == 3:
+        return f"{e} with ZeRO-3 is not built: ZeRO-3 would partition each rank's own experts as if every data " \
+               f"rank held them; use ZeRO-0, 1 or 2"
+    if job.precision != "fp32" and job.zero_stage == 0:
+        # deepspeed/runtime/fp16/unfused_optimizer.py step(): the expert half of
+        # split_params_grads_into_shared_and_expert_params is dropped from the norm that clipping uses
+        return f"{e} with {job.precision} needs ZeRO-1 or 2: at ZeRO-0 DeepSpeed's unfused {job.precision} " \
+               f"optimizer leaves the expert gradients out of the global norm it clips by"
+    return None
+
+
+def moe_pipeline(job: Job) -> str | None:
+    """transformers' aux loss pools the expert counts of every MoE block of the forward (mtds.model.aux_loss):
+    on a pipeline they travel with the activations, as a tuple, which only DeepSpeed's 1F1B engine sends."""
+    if not job.model.num_experts or job.pp == 1:
+        return None
+    p = job.pp
+    if job.purpose == EVAL:
+        return f"this MoE model is built at --pp 1 only here (asked --pp {p}): evaluate it at --pp 1"
+    if job.pipeline_schedule != "1f1b":
+        return f"MoE models with --pp {p} need --pipeline-schedule 1f1b: the router statistics travel beside " \
+               f"the activation, and this schedule sends one tensor between stages"
+    if job.documents:
+        return f"MoE models with --pp {p} and packed-document resets (--reset-position-ids, " \
+               f"--reset-attention-mask) are not built: both travel beside the activation; use --pp 1 or leave " \
+               f"the resets off"
+    return None
+
+
+def expert_width(job: Job) -> str | None:
+    if job.model.num_experts and job.model.moe_ffn_size % job.tp:
+        return f"tensor parallel size {job.tp} does not divide the expert FFN size {job.model.moe_ffn_size}"
+    return None
+
+
+def partition_matters(job: Job) -> bool:
+    """Whether :func:`experts_on_every_stage` weighs the stage partition of ``job``."""
+    return job.ep > 1 and job.pp > 1 and job.zero_stage >= 1
+
+
+def experts_on_every_stage(job: Job) -> str | None:
+    """DeepSpeed's ZeRO runs its norm per optimizer param group, each with a collective over the pipeline's
+    model-parallel group: a stage without MoE blocks has no expert group and would leave the others waiting."""
+    if not partition_matters(job) or job.stage_blocks is None:
+        return None
+    moe, start, held = set(job.model.moe_blocks), 0, [False] * job.pp
+    for k, n in enumerate(job.stage_blocks):
+        held[rank_of_virtual_stage(k, job.pp, job.pipeline_schedule)] |= any(b in moe for b in range(start, start + n))
+        start += n
+    if all(held):
+        return None
+    return f"--expert-model-parallel-size {job.ep} with --pp {job.pp} and ZeRO-1/2 needs MoE blocks on every " \
+           f"pipeline stage (DeepSpeed's ZeRO runs one norm collective per expert param group): use " \
+           f"--pipeline-balance uniform or a --pipeline-layout that gives each stage one, or ZeRO-0"
+
+
+def rank_of_virtual_stage(k: int, p: int, schedule: str) -> int:
+    """Interleaved placement (stage k on rank k mod p); DualPipeV's V (k and 2p - 1 - k on one rank)."""
+    if schedule == "dualpipev":
+        return k if k < p else 2 * p - 1 - k
+    return k % p
