@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 SETUP_STAMP := $(VENV)/.setup-$(subst /,_,$(subst $() ,_,$(TORCH_SPEC)))
 TEST_STAMP := $(SETUP_STAMP)-test
 
-.PHONY: setup setup-test train test gpu-check gpu-bench clean
+.PHONY: setup setup-test train test test-slow gpu-check gpu-bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,18 @@ train: setup
 		--steps 200 --warmup-steps 20 --log-jsonl runs/main/log.jsonl --tensorboard runs/main/tb \
 		--plot runs/main/curves.png
 
+# Two pytest workers (pytest-xdist) share the two cores: while one waits (a launcher starting, a fault's timeout),
+# the other computes; each file runs whole on one worker (docs/testing.md). TEST_WORKERS=0: one process. The GPU
+# mode (MTDS_TEST_DEVICE=cuda) runs in one process: its ranks take GPUs 0..N-1, which two workers would share.
+TEST_WORKERS ?= $(if $(filter cuda,$(MTDS_TEST_DEVICE)),0,2)
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test: setup-test
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 $(XDIST) tests
+
+# The suite as on the slowest machine of our kind (AVX2-only kernels, one core's worth of CPU): run it before a
+# submission that adds numeric bounds or multi-rank tests (docs/testing.md).
+test-slow: setup-test
+	scripts/slow-machine --isa avx2 --cpus 1.0 -- $(MAKE) --no-print-directory test
 
 # On a GPU machine (with TORCH_SPEC=torch): parity, p2p stress, eval/resume and speed on CUDA + NCCL,
 # report in gpucheck.md. GPUCHECK_ARGS="--quick --gpus 2" for less; --device cpu runs the CPU mode.

@@ -38,18 +38,72 @@ def pytest_configure(config):
     if os.environ.get("MTDS_TEST_POOL", "1") != "0":
         testing.use_pools(device)
     subprocess.Popen.__init__ = _counting_popen_init     # counted for the summary line only
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WorkerCounts(), "mtds-worker-counts")
+
+
+# Two workers (pytest-xdist, ``make test``): one file's tests run on one worker, in order, so its module
+# fixtures run once; these files share a group, so never run at the same time as each other.
+GROUPS = {
+    # the emulated cluster: namespaces, bridges and shaped links of the root network namespace
+    "tests/test_cluster.py": "netns", "tests/test_compare.py": "netns",
+}
+
+
+# The longest files first (measured 2026-11-29, native and AVX2), so that the two workers, which take files in
+# collection order as they come free, end together; the order of tests inside a file is kept.
+LONGEST_FIRST = ("test_pipe_parity", "test_reliability_faults", "test_training_features", "test_parity",
+                 "test_cluster", "test_compare", "test_context_parallel", "test_pipe_matrix", "test_reshard",
+                 "test_cli", "test_moe", "test_megatron_checkpoints", "test_hf_families", "test_gpucheck",
+                 "test_first_hour", "test_gpu_bench", "test_harness", "test_pool", "test_eval")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    import pytest
+    rank = {f"tests/{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(GROUPS.get(path, path)))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))      # stable: file order kept
+
+
+def _this_process() -> dict:
+    from lab.testing import ranks
+    return {"pools": {str(w): list(v) for w, v in testing.pool_stats().items()},
+            "fresh": ranks.fresh_ranks_started(), "subprocesses": _launches["subprocess"]}
+
+
+_workers: list[dict] = []       # what each xdist worker started (the controller's summary adds them up)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workeroutput"):       # an xdist worker: tell the controller
+        session.config.workeroutput["mtds"] = _this_process()
+
+
+class _WorkerCounts:
+    def pytest_testnodedown(self, node, error):
+        if getattr(node, "workeroutput", None) and "mtds" in node.workeroutput:
+            _workers.append(node.workeroutput["mtds"])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from lab.testing import ranks
-    stats = testing.pool_stats()
-    if stats:
-        text = ", ".join(f"world {w}: {bodies} bodies / {starts} starts" for w, (bodies, starts) in stats.items())
-        terminalreporter.write_line(f"rank pools: {text}")
-    pooled = sum(w * starts for w, (_, starts) in stats.items())
+    counts = _workers or [_this_process()]
+    pools: dict[int, list[int]] = {}
+    for c in counts:
+        for w, (bodies, starts) in c["pools"].items():
+            acc = pools.setdefault(int(w), [0, 0])
+            acc[0], acc[1] = acc[0] + bodies, acc[1] + starts
+    if pools:
+        text = ", ".join(f"world {w}: {b} bodies / {s} starts" for w, (b, s) in sorted(pools.items()))
+        terminalreporter.write_line(f"rank pools{f' ({len(counts)} workers)' if _workers else ''}: {text}")
+    pooled = sum(w * starts for w, (_, starts) in pools.items())
     terminalreporter.write_line(
-        f"processes started by the suite: {pooled} pooled ranks, {ranks.fresh_ranks_started()} fresh ranks, "
-        f"{_launches['subprocess']} subprocesses (launchers and CLIs; the ranks they start are not counted)")
+        f"processes started by the suite: {pooled} pooled ranks, {sum(c['fresh'] for c in counts)} fresh ranks, "
+        f"{sum(c['subprocesses'] for c in counts)} subprocesses (launchers and CLIs; the ranks they start are not "
+        f"counted)")
 
 
 def pytest_unconfigure(config):
