@@ -89,6 +89,16 @@ def test_eval_refuses_moe_pipelines_and_converters_the_shards():
     rules.check_shards(DENSE, tp=2, pp=2)
 
 
+def test_micro_batches_come_from_the_batch_as_the_config_states_it():
+    """m = B / (b d); a config without train_batch_size states m itself (gradient_accumulation_steps, else 1)."""
+    dualpipev = dict(pp=2, pipeline_schedule="dualpipev", micro_batch=2)
+    for given, m in ((dict(global_batch=6), 3), (dict(accumulation=3), 3), ({}, 1), (dict(global_batch=16), None)):
+        found = rules.problems(Job(DENSE, 2, **dualpipev, **given))
+        assert [p.message for p in found] == ([] if m is None else [
+            f"dualpipev needs at least 2 x pp = 4 micro-batches per step, got {m}: use --global-batch-size 8, which "
+            f"makes the micro-batches per step 4"]), (given, found)
+
+
 def test_the_rulebook_is_torch_free():
     import subprocess
     import sys

@@ -23,8 +23,9 @@ def experts_split(job: Job) -> str | None:
         return f"--expert-model-parallel-size {e} needs a mixture-of-experts model (Mixtral, Qwen3-MoE); this one " \
                f"has no experts: leave it at 1"
     if experts % e:
+        of_d = f" and the data-parallel size {job.dp}" if job.dp else ""
         return f"--expert-model-parallel-size {e} does not divide the model's {experts} experts: choose it from " \
-               f"the common divisors of {experts} and the data-parallel size {job.dp}"
+               f"the common divisors of {experts}{of_d}"
     return None
 
 

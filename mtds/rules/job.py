@@ -73,11 +73,14 @@ class Job:
 
     @property
     def micro_batches(self) -> int | None:
-        """m = B / (b d) where the batch arithmetic holds, else None."""
+        """m = B / (b d) where the batch arithmetic holds (the config's m, else 1, where it states no B), else
+        None."""
         d, B, b = self.dp, self.global_batch, self.micro_batch
-        if d is None or B is None or b is None or B % (b * d):
+        if d is None or b is None:
             return None
-        return B // (b * d)
+        if B is None:
+            return self.accumulation or 1
+        return None if B % (b * d) else B // (b * d)
 
     @property
     def documents(self) -> bool:
