@@ -14,6 +14,7 @@ CI runs, the same as ``pyproject.toml``'s (a test holds them equal).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -224,6 +225,7 @@ def _numbers(text: str) -> tuple[int, ...]:
     return tuple(numbers)
 
 
+@functools.lru_cache(maxsize=16)      # the planner asks it of every candidate it weighs
 def in_tested_range(text: str) -> bool:
     low, high = TESTED
     return low <= _numbers(text) < high

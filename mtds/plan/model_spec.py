@@ -1,6 +1,7 @@
 """The model as the planner sees it: a GPT-style decoder described by a handful of sizes."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from mtds.observe import metrics
@@ -86,6 +87,7 @@ class ModelSpec:
             return 0
         return self.layers if self.moe_layers is None else self.moe_layers
 
+    @functools.lru_cache(maxsize=32)     # frozen, so hashable: the planner asks it of every candidate
     def facts(self) -> ModelFacts:
         """What the rulebook (mtds.rules) weighs of this model: which blocks hold experts as the config says, else
         (a model given by its sizes) spread evenly over the l blocks, as the planner's per-stage costs take them."""

@@ -120,15 +120,18 @@ def structural_problems(model: ModelSpec, layout: Candidate, work: Workload, clu
 
 
 def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages=None,
-            zero1_grad_reduce: str = "reduce-scatter") -> Prediction:
+            zero1_grad_reduce: str = "reduce-scatter", found: list | None = None) -> Prediction:
     """Evaluate one layout (structural problems are reported, numbers still computed if possible).
     ``zero1_grad_reduce``: how ZeRO-1/2 reduce gradients -- "reduce-scatter" (mtds's, Megatron's
     distributed optimizer: RS + parameter AG, 2 Psi (d-1)/d) or "all-reduce" (DeepSpeed's own ZeRO-1:
     AR + AG, 3 Psi (d-1)/d).
     ``stages``: the partition the run uses (an ``mtds.parallel.pipeline_layout.StageLayout``, p > 1): its critical
     rank sets the compute and the bubble (:func:`partition_times`); None: l/p blocks per rank, the LM
-    head's rank critical (the uniform partition of a model whose l divides by p·v)."""
-    found = rule_problems(model, layout, work, cluster.gpu.hbm_gib * GIB, stages)
+    head's rank critical (the uniform partition of a model whose l divides by p·v).
+    ``found``: the candidate's problems by the rulebook (mtds.plan.runnable.rule_problems), where the caller
+    has them already."""
+    if found is None:       # the rulebook's problems of this candidate (mtds.plan.runnable), unless known
+        found = rule_problems(model, layout, work, cluster.gpu.hbm_gib * GIB, stages)
     reasons = structural_problems(model, layout, work, cluster, explicit_stages=stages is not None, found=found)
     t, p, v = layout.tp, layout.pp, layout.virtual_stages
     d = layout.dp_cp         # the ranks that sum gradients and share ZeRO partitions (d·c, stride t)

@@ -10,14 +10,16 @@ the micro-batches) also make a layout infeasible; rules of kind "not built" only
 """
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 from mtds import rules
 from mtds.rules.job import Job
 
 
+@functools.cache
 def installed_deepspeed() -> str | None:
-    """The installed DeepSpeed's version, read without importing it (the planner stays torch-free)."""
+    """The installed DeepSpeed's version, read once without importing it (the planner stays torch-free)."""
     try:
         return metadata.version("deepspeed")
     except metadata.PackageNotFoundError:

@@ -181,7 +181,7 @@ def _rank(model, work, cluster, fixed: dict, max_microbatch: int, keep_infeasibl
                 result.infeasible.append((layout, [f"needs {mem.total / GIB:.1f} GiB per GPU > "
                                                    f"{cluster.gpu.hbm_gib:.0f} GiB"]))
             continue
-        result.feasible.append(predict(model, layout, work, cluster))
+        result.feasible.append(predict(model, layout, work, cluster, found=found))
     result.feasible.sort(key=lambda pr: (pr.step_time_s, pr.memory.total))
     return result
 

@@ -92,8 +92,12 @@ ALL_RULES = RULES + PARTITION_RULES
 
 def problems(job: Job, rules: tuple[Rule, ...] | None = None) -> list[Problem]:
     """Every rule ``job`` breaks, in the rulebook's order (``rules``: these only; default all)."""
-    found = (rule.problem(job) for rule in (ALL_RULES if rules is None else rules))
-    return [problem for problem in found if problem is not None]
+    out = []
+    for rule in ALL_RULES if rules is None else rules:
+        message = rule.check(job)
+        if message is not None:
+            out.append(Problem(rule.name, message, rule.kind))
+    return out
 
 
 def check(job: Job, rules: tuple[Rule, ...] | None = None) -> None:
