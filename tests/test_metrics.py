@@ -139,3 +139,25 @@ def test_peak_tflops():
     import torch   # a project dependency: a missing torch must fail here, not skip
     assert peak_tflops("A100", torch.bfloat16) == 312.0
     assert math.isclose(peak_tflops("A100", torch.float32), 19.5)
+
+
+@pytest.mark.parametrize("call_s, calls", [(0.001, 11), (0.06, 3), (0.2, 2)])
+def test_cpu_gemm_peak_stays_within_its_budget_on_a_slow_kernel(monkeypatch, call_s, calls):
+    """The CPU's GEMM peak (MFU's denominator) is the best of 10 timed calls after a first one, but a kernel the
+    CPU has no instructions for (fp16, bf16 on AVX2: ~0.2 s a 512³ call) stops once 0.1 s is spent: at least one
+    timed call, never the ten that cost every rank of every such run 2-3 s. A fake clock times the calls."""
+    import torch
+
+    from mtds.observe import gemm_peak
+    clock, made = [0.0], []
+
+    def matmul(a, b):
+        made.append(1)
+        clock[0] += call_s
+        return a
+
+    monkeypatch.setattr(gemm_peak.torch, "matmul", matmul)
+    monkeypatch.setattr(gemm_peak.time, "perf_counter", lambda: clock[0])
+    peak = gemm_peak.cpu_gemm_peak(torch.float32, n=8)
+    assert len(made) == calls, made
+    assert peak == pytest.approx(2 * 8 ** 3 / call_s)
