@@ -34,6 +34,8 @@ def run(isa: str, files, out: str, extra: list[str]) -> str:
     if os.path.exists(log):
         os.remove(log)
     env = {**os.environ, **KERNELS[isa], "MTDS_BOUNDS_LOG": os.path.abspath(log), "OMP_NUM_THREADS": "1"}
+    if KERNELS[isa]:    # Inductor's FX graph cache key leaves the ISA out: a cache per ISA (scripts/slow-machine)
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "torchinductor-audit", isa)
     code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *files], env=env)
     print(f"{isa}: pytest exit {code}", flush=True)
     return log
