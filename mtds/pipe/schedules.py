@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtds.rules.schedule import chunks_problem, interleaved_supports, micro_batches_problem
+from mtds.rules.schedule import chunks_problem, micro_batches_problem
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 
