@@ -30,8 +30,17 @@ GRAD_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7}    # of the largest e
 
 
 @pytest.fixture(autouse=True)
-def _graphs_for_every_case():
+def _graphs_for_every_case(monkeypatch):
     import torch._dynamo
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # Inductor writes C++ for the vector ISA ATEN_CPU_CAPABILITY picks (pick_vec_isa), but its FX graph cache key
+    # leaves that ISA out: run under another ATEN_CPU_CAPABILITY on one cache, it loads the C++ written for the
+    # other width and compiles it with this one's flags (AVX-512 loops over AVX2 vectors skip half the vocabulary:
+    # loss -inf vs 9.96; AVX2 code without a vector ISA does not compile). One cache per ISA.
+    isa = str(pick_vec_isa()).replace(" ", "+") if pick_vec_isa() else "none"
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"vec-isa-{isa}"))
     # a graph per piece, dtype, vocabulary and reduction: more than Dynamo's 8 per function in one process
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
