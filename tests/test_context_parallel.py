@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 
 from lab.testing import spawn
+from tests.bounds import within
 from tests.test_hf_families import family_training_config
 from tests.training_helpers import ds_config, hf_reference, max_rel_diff, run_layouts, train_config
 
@@ -80,7 +81,8 @@ def _documents_configs(prefix: str):
 
 
 # bf16 at c = 2 against bf16 at d = 2: the same bf16 roundings in another order (blocks merged in fp32 by the
-# ring, the reduction over other ranks); measured 2026-11-26: loss 3.9e-6, grad norm 2.8e-4 relative
+# ring, the reduction over other ranks); measured 2026-11-29 under native, avx2 and default kernels: loss 3.9e-6,
+# 9.0e-6, 1.7e-5, grad norm 2.8e-4, 3.6e-4, 4.8e-4 relative (6x / 4x room)
 BF16_TOL = {"loss": 1e-4, "norm": 2e-3}
 
 
@@ -185,7 +187,8 @@ def test_two_ranks_match_transformers_and_packed_documents(tmp_path):
     for comm, result in zip(("p2p", "a2a"), split):
         assert "cp=2" in result.layout and plain.layout.startswith("(tp=1, pp=1, dp=2)"), (result.layout, plain.layout)
         loss, norm = max_rel_diff(result.losses, plain.losses), max_rel_diff(result.grad_norms, plain.grad_norms)
-        assert loss < BF16_TOL["loss"] and norm < BF16_TOL["norm"], (f"bf16 c = 2 {comm}", loss, norm)
+        assert all([within("context_parallel.bf16.loss", loss, BF16_TOL["loss"]),
+                    within("context_parallel.bf16.norm", norm, BF16_TOL["norm"])]), (f"bf16 c = 2 {comm}", loss, norm)
 
 
 def _schedule_configs():

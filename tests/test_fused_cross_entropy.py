@@ -19,14 +19,26 @@ import mtds.tp.cross_entropy as ce
 import mtds.tp.fused_cross_entropy as fused
 from lab.testing import spawn
 from lab.testing.op_counts import CompiledGraphs, OpCounts
+from tests.bounds import within
 from tests.test_cross_entropy_16bit import _case, _LargestFloat32
 
 # Inductor's C++ loops sum in another order (vectorised lanes) than ATen's. Measured against the float32 path on
-# these cases (rows = 256, vocab 250 of 256; reductions none, sum, mean): the loss within 1.4e-7 relative; the
-# gradient of fp32 logits within 2.4e-7 of its largest entry, of bf16 logits within one bf16 ulp (a sum that
-# rounds the other way). Held at:
-LOSS_RTOL = 1e-6
-GRAD_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7}    # of the largest entry; of each entry (one ulp)
+# the Inductor case (rows = 256, vocab 250 of 256), largest under native (AVX-512), avx2 and default kernels
+# (docs/testing.md, "16-bit bounds"): the loss within 3.8e-7 relative (default; native 9.6e-8); the gradient of
+# fp32 logits within 5.3e-7 of its largest entry (default; native 2.4e-7), of bf16 logits within one bf16 ulp
+# under all three (a sum that rounds the other way). Held at 3.9x and 3.8x those; bf16 at one ulp (two fail). A
+# sum of exponentials one bf16 ulp high (S_i x (1 + 2^-8)) moves the loss 3.9e-4 and the fp32 gradient 3.8e-3
+# (bf16's stays within one ulp: the loss check catches it).
+LOSS_RTOL = 1.5e-6
+GRAD_RTOL = {torch.float32: 2e-6, torch.bfloat16: 1.5}    # of the largest entry; bf16: in ulps of each entry (one)
+
+
+def _bf16_ulps(got, want):
+    """|got - want| in units of the last place of each bf16 ``want`` (2^(e-8) for |want| in [2^(e-1), 2^e)); where
+    ``want`` is 0 any difference counts as huge."""
+    _, exponent = torch.frexp(want.float())
+    ulp = torch.where(want == 0, 2.0 ** -133, torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 8))
+    return (got.float() - want.float()).abs() / ulp
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +157,8 @@ def _inductor_failures(dtype, group=None) -> str:
     after, after_f32, graphs, got, grad = _count(inductor, logits, target, seed)
     kernels = 2 if world == 1 else 4
     error = (grad.float() - want_grad.float()).abs()
-    bound = GRAD_RTOL[dtype] * (want_grad.abs().max() if dtype == torch.float32 else want_grad.float().abs())
+    grad_error = (_bf16_ulps(grad, want_grad) if dtype == torch.bfloat16 else error / want_grad.abs().max()).max()
+    name = f"fused_cross_entropy.inductor.{str(dtype).split('.')[-1]}.t{world}"
     checks = {
         # t = 1: one C++ kernel forward, one backward, nothing eager; t = 2: three forward (max, sums, loss) and
         # the two all-reduces. The float32 path: 43-48 operators.
@@ -155,8 +168,8 @@ def _inductor_failures(dtype, group=None) -> str:
         "the gradient buffer seen": ((flat // width, width), dtype) in graphs.buffers,
         # ... and none is a float32 one of the logits' size (the float32 path's is)
         "no float32 [N, V]": dtype != torch.bfloat16 or after_f32 < flat <= before_f32,
-        "loss": bool((got - want).abs() <= LOSS_RTOL * want.abs()),
-        "gradient": grad.dtype == dtype and bool((error <= bound).all()),
+        "loss": within(f"{name}.loss", ((got - want).abs() / want.abs()).item(), LOSS_RTOL),
+        "gradient": grad.dtype == dtype and within(f"{name}.gradient", grad_error.item(), GRAD_RTOL[dtype]),
     }
     failed = [name for name, ok in checks.items() if not ok]
     return failed and (f"{failed}: {after} operators + kernels in {graphs.runs} graphs (the float32 path: "

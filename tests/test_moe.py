@@ -438,21 +438,29 @@ def test_tensor_parallel(tmp_path):
                                            "(tp=1, pp=1, dp=2, ep=2)", "(tp=1, pp=1, dp=2)",
                                            "(tp=1, pp=1, dp=2, ep=2)", "(tp=1, pp=1, dp=2, ep=2)"], [r.layout for r in results]
     _parity(results[:4], models + models[:1] * 2, "(2,1,1) (2,1,1)+sp (1,1,2) (1,1,2)e2")
-    # bf16: the e = 1 and e = 2 runs reduce in other orders and dtypes, measured 8.6e-6 / 3.3e-4; an expert reduced over the wrong ranks moves the loss ~3e-4
-    # and a norm without the experts ~4e-3 (docs/moe.md)
+    # bf16: the e = 1 and e = 2 runs reduce in other orders and dtypes, measured (loss / norm) 8.6e-6 / 3.3e-4 under
+    # native (AVX-512) kernels, 1.2e-5 / 3.9e-4 avx2, 6.1e-6 / 1.8e-4 default (docs/testing.md, "16-bit bounds"),
+    # held to 5e-5 / 2e-3; an expert reduced over the wrong ranks moves the loss ~3e-4 and a norm without the
+    # experts ~4e-3 (docs/moe.md)
+    from tests.bounds import same, within
     from tests.training_helpers import max_rel_diff
     e1, e2, ds = results[4:]
     loss, norm = max_rel_diff(e2.losses, e1.losses), max_rel_diff(e2.grad_norms, e1.grad_norms)
-    assert loss < 5e-5 and norm < 2e-3, (loss, norm, e1.losses, e2.losses, e1.grad_norms, e2.grad_norms)
+    assert all([within("moe.bf16_e2_vs_e1.loss", loss, 5e-5), within("moe.bf16_e2_vs_e1.norm", norm, 2e-3)]), \
+        (loss, norm, e1.losses, e2.losses, e1.grad_norms, e2.grad_norms)
     # e = 2 through mtds's bf16 reduce-scatter and flat bookkeeping against DeepSpeed's own BF16_Optimizer MoE
     # path (both switched off):
     # the gradients are summed in the same order (d = 2; the experts' expert-data-parallel group is one rank:
     # the same cast, division by d and copy), so the losses are bit-identical; the norm sums its fp32 squares
-    # per partition slice instead of per whole tensor: measured 3.8e-7 relative (fp32 rounding), held at 2e-6
+    # per partition slice instead of per whole tensor, and the norm kernels' fp32 sums round per CPU: measured
+    # 3.8e-7 relative under native kernels, 8.8e-6 avx2, 6.4e-8 default, held to 3e-5 (the losses bit-equal under
+    # all three); the experts' norms summed over d instead of their group moves it to 4.0e-3 (and the losses)
     norm = max_rel_diff(e2.grad_norms, ds.grad_norms)
     print("bf16 e = 2 vs e = 1:", max_rel_diff(e2.losses, e1.losses), max_rel_diff(e2.grad_norms, e1.grad_norms),
           "mtds reduce-scatter vs DeepSpeed: grad norm", norm)
-    assert e2.losses == ds.losses and norm < 2e-6, (norm, e2.losses, ds.losses, e2.grad_norms, ds.grad_norms)
+    assert all([same("moe.bf16_reduce_scatter_vs_deepspeed.losses", e2.losses, ds.losses),
+                within("moe.bf16_reduce_scatter_vs_deepspeed.norm", norm, 3e-5)]), \
+        (norm, e2.losses, ds.losses, e2.grad_norms, ds.grad_norms)
     # ... and BF16_Optimizer's bookkeeping on flat buffers (bf16_flat.py) there: one gather per micro-batch
     assert flat_calls[4] == flat_calls[5] > 0 == flat_calls[6], flat_calls
     # ... with no gradient in an all-reduce (those left: the step's flags and norm), the dense group's ring

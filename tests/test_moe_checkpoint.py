@@ -194,15 +194,20 @@ def test_a_bf16_checkpoint_reshards(saved):
     rounded fp32 masters, and this forward rounds the same sums); steps 4-5 and the grad norms only within bf16's
     layout noise: a bf16 run at E = 1 rounds its expert sums in another order than at E = 2 (two uninterrupted runs
     from the same weights: 1.5e-6 apart in loss after one step, 3.8e-6 / 3.3e-4 over five), so they are held as
-    tests/test_moe.py holds bf16 E = 2 against E = 1, 5e-5 / 2e-3. Measured 5.7e-6 / 8.7e-5. What fails it: the Adam
+    tests/test_moe.py holds bf16 E = 2 against E = 1, 5e-5 / 2e-3. Measured 5.7e-6 / 8.8e-5 (the largest under native,
+    avx2 and default kernels; docs/testing.md). What fails it: the Adam
     moments written as zeros (steps 4-5 9.6e-4 off, norms 3.4e-3), the experts' EP shards stacked in reverse (step
     3's loss 9.037929 vs 9.035230)."""
+    from tests.bounds import same, within
     _, per_rank = saved
     for rank, (*_, ((losses, norms), (got, got_norms))) in enumerate(per_rank):
-        assert len(got) == STEPS - SAVED_AT and got[0] == losses[SAVED_AT], (rank, got, losses)
+        assert len(got) == STEPS - SAVED_AT and same("moe_checkpoint.bf16_reshard.first_loss", got[0],
+                                                     losses[SAVED_AT]), (rank, got, losses)
         loss = max_rel_diff(got, losses[SAVED_AT:])
         norm = max_rel_diff(got_norms, norms[SAVED_AT:])
-        assert loss < 5e-5 and norm < 2e-3, (rank, loss, norm, got, losses, got_norms, norms)
+        assert all([within("moe_checkpoint.bf16_reshard.loss", loss, 5e-5),
+                    within("moe_checkpoint.bf16_reshard.norm", norm, 2e-3)]), \
+            (rank, loss, norm, got, losses, got_norms, norms)
 
 
 def test_resharding_to_one_rank_continues_the_run(saved):

@@ -20,6 +20,7 @@ import os
 import tempfile
 from dataclasses import replace
 
+from tests.bounds import same, within
 from tests.training_helpers import (STEPS, TINY, assert_same_up_to_norm_order, ds_config, hf_reference, max_rel_diff,
                                     run_layouts, train_config)
 
@@ -135,16 +136,19 @@ def test_interleaved_fp16_against_1f1b_fp16():
     """fp16 on mtds's engine: DeepSpeed's loss scaler (2^8, no overflow here) around the interleaved
     order, against DeepSpeed's 1F1B fp16 at the same layout. Both run the same fp16 operations; they
     differ in where partial sums meet (the tied embedding's two gradient halves, the chunked stage
-    boundaries), so they are not bit-equal: measured max rel diff over 5 steps 2.1e-6 in the losses and
-    4.6e-5 in the pre-clip grad norms (fp16's unit roundoff is 4.9e-4); held to 10x that. A loss scale
+    boundaries), so they are not bit-equal: measured max rel diff over 5 steps 6.6e-7 in the losses and
+    5.4e-5 in the pre-clip grad norms under avx2 kernels (native 3.3e-7 / 1.7e-5, default 0 / 0; fp16's unit
+    roundoff is 4.9e-4); held to 2e-5 / 5e-4 (30x / 9x). A loss scale
     left in the gradients (or applied twice) moves the norms by 2^8."""
     results = two_rank_runs()[0][-1]
     ilv, base = results[2], results[3]
     assert not any(ilv.skipped) and not any(base.skipped), (ilv.skipped, base.skipped)
     diff = max_rel_diff(ilv.losses, base.losses)
-    assert diff < FP16_TOL, f"fp16 interleaved vs 1f1b: losses {diff:.2e}\n{ilv.losses}\n{base.losses}"
+    assert within("pipe_matrix.fp16_interleaved_vs_1f1b.loss", diff, FP16_TOL), \
+        f"fp16 interleaved vs 1f1b: losses {diff:.2e}\n{ilv.losses}\n{base.losses}"
     diff = max_rel_diff(ilv.grad_norms, base.grad_norms)
-    assert diff < 5e-4, f"fp16 interleaved vs 1f1b: grad norms {diff:.2e}\n{ilv.grad_norms}\n{base.grad_norms}"
+    assert within("pipe_matrix.fp16_interleaved_vs_1f1b.norm", diff, 5e-4), \
+        f"fp16 interleaved vs 1f1b: grad norms {diff:.2e}\n{ilv.grad_norms}\n{base.grad_norms}"
 
 
 def test_checkpoints_across_schedules_two_ranks():
@@ -223,7 +227,8 @@ def test_zb_h1_16_bit_checkpoints():
         assert len(resumed.losses) == ZB16_STEPS - ZB16_AT, (what, resumed.losses)
         diffs = (max_rel_diff(resumed.losses, straight.losses[ZB16_AT:]),
                  max_rel_diff(resumed.grad_norms, straight.grad_norms[ZB16_AT:]))
-        assert (resumed.losses, resumed.grad_norms) == (straight.losses[ZB16_AT:], straight.grad_norms[ZB16_AT:]), \
+        assert same(f"pipe_matrix.zb_h1_16_bit_resume.{what.split()[1]}", (resumed.losses, resumed.grad_norms),
+                    (straight.losses[ZB16_AT:], straight.grad_norms[ZB16_AT:])), \
             f"{what}: losses / grad norms max rel diff {diffs[0]:.2e} / {diffs[1]:.2e}"
     scales = loss_scales(os.path.join(out, "zb-fp16.jsonl"))
     assert scales[ZB16_AT - 1] > scales[0], scales       # the scale moved before the save

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from tests.bounds import beyond, same, within
 from tests.training_helpers import (TINY, assert_dp_bytes_at_ring_minimum, assert_same_up_to_norm_order, ds_config,
                                     hf_reference, max_rel_diff, run_layouts, train_config)
 
@@ -113,13 +114,17 @@ def test_two_stages_interleaved_and_dualpipev():
     # recompute vs not: the same layers on the same ranks in the same order -- bit-identical
     assert (recompute.losses, recompute.grad_norms) == (no_recompute.losses, no_recompute.grad_norms)
     assert max_rel_diff(recompute.losses, reference().losses[:SHORT]) > 1e-4    # dropout was on
-    assert ilv_bf16.losses == base_bf16.losses, (ilv_bf16.losses, base_bf16.losses)
-    assert max_rel_diff(ilv_bf16.grad_norms, base_bf16.grad_norms) < 1e-6    # only reported, not applied
+    assert same("pipe_parity.interleaved_bf16.losses", ilv_bf16.losses, base_bf16.losses), \
+        (ilv_bf16.losses, base_bf16.losses)
+    # the norm only reported, not applied: measured 8.7e-8 (native, avx2; default 0), held to 1e-6
+    assert within("pipe_parity.interleaved_bf16.norm", max_rel_diff(ilv_bf16.grad_norms, base_bf16.grad_norms),
+                  1e-6)
     # DualPipeV holds both ends of the tied embedding on rank 0: its two gradient contributions meet in
     # one bf16 buffer there (two buffers, then an all-reduce, under 1F1B), so the roundings differ
-    # (measured 1.5e-5; untied, it differs from 1F1B no more than interleaved does).
+    # (measured 1.5e-5 native, 1.1e-5 avx2 and default, held to 1e-4; untied, it differs from 1F1B no more than
+    # interleaved does).
     diff = max_rel_diff(dpv_bf16.losses, base_bf16.losses)
-    assert diff < 1e-4, (diff, dpv_bf16.losses, base_bf16.losses)
+    assert within("pipe_parity.dualpipev_bf16.loss", diff, 1e-4), (diff, dpv_bf16.losses, base_bf16.losses)
     # p2p: every message of the schedule, nothing else, counted by the tracer on the pipeline groups
     m = 4
     for rank, results in enumerate(per_rank):
@@ -249,12 +254,15 @@ def test_zb_h1_four_ranks():
     for k, (what, _) in enumerate(ZB_PRECISIONS):
         zb, one_f_one_b = mixed[2 * k], mixed[2 * k + 1]
         diffs = (max_rel_diff(zb.losses, one_f_one_b.losses), max_rel_diff(zb.grad_norms, one_f_one_b.grad_norms))
-        assert (zb.losses, zb.grad_norms) == (one_f_one_b.losses, one_f_one_b.grad_norms), \
+        key = ("bf16_fp32_acc", "bf16_bf16_acc", "fp16")[k]
+        assert same(f"pipe_parity.zb_h1_vs_1f1b.{key}", (zb.losses, zb.grad_norms),
+                    (one_f_one_b.losses, one_f_one_b.grad_norms)), \
             f"zb-h1 (2,2,1) {what} vs 1f1b: losses / grad norms max rel diff {diffs[0]:.2e} / {diffs[1]:.2e}"
         # it really ran in 16 bits: off the fp32 run of the same layout by more than fp32 parity allows
         sixteen_bits = max(max_rel_diff(zb.losses, tp1.losses[:ZB_STEPS]),
                            max_rel_diff(zb.grad_norms, tp1.grad_norms[:ZB_STEPS]))
-        assert sixteen_bits > 3 * REL_TOL, (what, sixteen_bits)     # measured >= 1e-4
+        assert beyond(f"pipe_parity.zb_h1_16_bits.{key}", sixteen_bits, 3 * REL_TOL), \
+            (what, sixteen_bits)     # measured >= 1.2e-3 (native, avx2, default)
 
 
 OVERLAP_SCHEDULES = ("1f1b", "zb-h1")     # DeepSpeed's engine (hooked at ReduceTiedGrads), mtds's own

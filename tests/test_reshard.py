@@ -11,6 +11,7 @@ import os
 
 from mtds.model.config import ModelConfig
 from lab.testing import spawn
+from tests.bounds import within
 from tests.training_helpers import ds_config, run_layouts, train_config
 
 TOL = 1e-5
@@ -88,7 +89,8 @@ def _scales(path):
 def test_bf16_and_fp16_checkpoints_reshard_into_zero1_and_zero2(tmp_path):
     """bf16 and fp16 ZeRO-1 checkpoints of (2,2,1) resume at (1,2,1) ZeRO-1 and (2,1,1) ZeRO-2 through DeepSpeed's
     universal checkpoint (fp32 master weights and Adam moments; fp16 also the dynamic loss scaler): measured
-    (bf16) 4e-6 and 6e-6 from the uninterrupted run; 1e-4 leaves room for 16-bit rounding at another layout, while
+    from the uninterrupted run bf16 1.1e-5 (default kernels; native 6.9e-6), fp16 1.3e-6 (docs/testing.md, "16-bit
+    bounds"); 1e-4 leaves room for 16-bit rounding at another layout, while
     a restart from scratch (9.01 vs 8.68 here) or a wrongly merged shard is off by percents. The fp16 scale
     doubles every 2 steps (256 -> 1024 by step 5), so a scaler that restarted would log other scales."""
     runs = {}
@@ -112,7 +114,7 @@ def test_bf16_and_fp16_checkpoints_reshard_into_zero1_and_zero2(tmp_path):
         expected = full[0 if name.startswith("bf16") else 1].losses[5:]
         assert len(got.losses) == 5, (name, got.losses)
         diff = max(abs(a - b) / b for a, b in zip(got.losses, expected))
-        assert diff < 1e-4, f"{name}: {diff:.2e}\n{got.losses}\n{expected}"
+        assert within(f"reshard.{name.split()[0]}.loss", diff, 1e-4), f"{name}: {diff:.2e}\n{got.losses}\n{expected}"
     fp16_scales = _scales(tmp_path / "fp16.jsonl")
     assert fp16_scales[4] > fp16_scales[0], fp16_scales     # the scale moved before the save
     for name, cfg in resumed[2:]:
