@@ -40,7 +40,7 @@ train: setup
 # the other computes; each file runs whole on one worker (docs/testing.md). TEST_WORKERS=0: one process. The GPU
 # mode (MTDS_TEST_DEVICE=cuda) runs in one process: its ranks take GPUs 0..N-1, which two workers would share.
 TEST_WORKERS ?= $(if $(filter cuda,$(MTDS_TEST_DEVICE)),0,2)
-XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: setup-test
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 $(XDIST) tests
 

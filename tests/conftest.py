@@ -11,6 +11,8 @@ use TF32 on CUDA by default -- an H100 showed a 1.2e-4 grad-norm difference with
 import os
 import subprocess
 
+import pytest
+
 from lab import testing
 
 _launches = {"subprocess": 0}
@@ -61,12 +63,23 @@ LONGEST_FIRST = ("test_pipe_parity", "test_reliability_faults", "test_training_f
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    import pytest
     rank = {f"tests/{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(GROUPS.get(path, path)))
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))      # stable: file order kept
+
+
+# A scheduler of our own rather than xdist_group marks: xdist 3.8 groups by rewriting an item's _nodeid, which
+# pytest 9.2 no longer reads (its nodeid is built from _id), so every test became a scope of its own, a file's
+# tests ran on both workers and each worker paid the runs the file shares between its tests.
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return GROUPS.get(path, path)
+
+    return FilesAndGroups(config, log)
 
 
 def _this_process() -> dict:
