@@ -94,9 +94,9 @@ def problems(job: Job, rules: tuple[Rule, ...] | None = None) -> list[Problem]:
     """Every rule ``job`` breaks, in the rulebook's order (``rules``: these only; default all)."""
     out = []
     for rule in ALL_RULES if rules is None else rules:
-        message = rule.check(job)
-        if message is not None:
-            out.append(Problem(rule.name, message, rule.kind))
+        problem = rule.problem(job)
+        if problem is not None:
+            out.append(problem)
     return out
 
 
