@@ -50,7 +50,8 @@ def _graphs_for_every_case(monkeypatch):
     # leaves that ISA out: run under another ATEN_CPU_CAPABILITY on one cache, it loads the C++ written for the
     # other width and compiles it with this one's flags (AVX-512 loops over AVX2 vectors skip half the vocabulary:
     # loss -inf vs 9.96; AVX2 code without a vector ISA does not compile). One cache per ISA.
-    isa = str(pick_vec_isa()).replace(" ", "+") if pick_vec_isa() else "none"
+    vec = pick_vec_isa()
+    isa = str(vec).replace(" ", "+") if vec else "none"
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"vec-isa-{isa}"))
     # a graph per piece, dtype, vocabulary and reduction: more than Dynamo's 8 per function in one process
