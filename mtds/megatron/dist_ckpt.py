@@ -78,6 +78,35 @@ def _tensor_metadata(tag_dir: str) -> dict:
     return {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
 
 
+def object_keys(tag_dir: str) -> set[str]:
+    """Keys of the non-tensor entries (ShardedObjects, stored as pickled bytes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    try:
+        metadata = FileSystemReader(tag_dir).read_metadata()
+    except Exception as err:   # noqa: BLE001
+        raise MegatronCheckpointError(f"cannot read the tensor index of {tag_dir}: {err}") from None
+    return {k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
+
+
+def read_bytes(tag_dir: str, key: str) -> bytes:
+    """The raw stored bytes of one non-tensor entry: DCP's default planner would unpickle them with
+    ``weights_only=False`` (running whatever code the pickle names); this one keeps them as bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    got: dict[str, bytes] = {}
+
+    class _RawBytes(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            got[read_item.dest_index.fqn] = value.read()
+    with _one_process():
+        dcp.load({key: b""}, storage_reader=dcp.FileSystemReader(tag_dir), no_dist=True,
+                 planner=_RawBytes(flatten_state_dict=False))
+    if key not in got:
+        raise MegatronCheckpointError(f"{tag_dir}: DCP returned no bytes for {key}")
+    return got[key]
+
+
 def tensor_shapes(tag_dir: str) -> dict[str, tuple[int, ...]]:
     """{key: global shape} of every tensor (ShardedObjects, stored as bytes, are left out)."""
     return {k: tuple(m.size) for k, m in _tensor_metadata(tag_dir).items()}
