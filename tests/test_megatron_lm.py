@@ -2,8 +2,8 @@
 (``megatron.training`` of the megatron-core 0.19.2 wheel, run by lab/megatron_lm.py on two CPU gloo ranks):
 
 - in: Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, tp 2) of a GPT-2-style model (no
-  training step) and a Llama-style one (RoPE, RMSNorm, SwiGLU, untied, 2 query groups; one training step
-  under ``--use-distributed-optimizer``): 0.19 keeps args, iteration and checkpoint version inside the DCP
+  training step, Megatron's default optimizer) and a Llama-style one (RoPE, RMSNorm eps 1e-6, SwiGLU, untied,
+  2 query groups; one training step under ``--use-distributed-optimizer``): 0.19 keeps args, iteration and checkpoint version inside the DCP
   files (no common.pt). ``mtds-convert megatron-to-mtds`` with no model flags, mtds.eval at two other
   layouts: loss and logits equal Megatron-LM's own within 1e-5 (fp32). The same tensors with no args and
   only the flags a user would type convert to the same model (Megatron-LM's defaults for the rest).
@@ -19,6 +19,7 @@ subprocess of this test puts on its path. Skipped where that folder holds no ``m
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -48,6 +49,8 @@ RUN = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "
        "--tensor-model-parallel-size", "2", "--lr", "1e-2",
        "--train-iters", "10", "--seed", "1234"]
 # family: (Megatron-LM flags, extra run flags, training step, mtds checkpoint's (t, p), mtds eval layouts)
+# (Megatron-LM's distributed optimizer cannot save before its first step: DistributedOptimizer.state_dict
+# asserts that Adam's step count exists.)
 INTO_MTDS = {"gpt2": (GPT2, [], False, (1, 1), ((1, 2), (2, 1))),
              "llama": (LLAMA, ["--use-distributed-optimizer"], True, (1, 2), ((2, 1), (1, 1)))}
 
@@ -103,7 +106,8 @@ def _convert(*args):
 def _exported_args(path: str) -> dict:
     from mtds.megatron import dist_ckpt
     from mtds.megatron.common import read_common
-    return read_common(dist_ckpt.resolve_dir(path))["args"]
+    tag = dist_ckpt.resolve_dir(path)
+    return read_common(tag, dist_ckpt.object_keys(tag))["args"]
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +188,33 @@ def test_mtds_export_loads_in_megatron_lm(megatron_lm):
     assert theirs.shape == mine.shape and float(mine.abs().max()) > 0.05
     assert _err(theirs, mine) < TOL, _err(theirs, mine)
     assert abs(float(ref["export/loss"].double().mean()) - got[("export", 2, 1)][0]) < TOL
+
+
+def test_transformer_engine_extra_state_is_not_read_and_a_hostile_common_state_is_refused(megatron_lm, tmp_path):
+    """Transformer Engine's ``_extra_state`` objects (pickles naming TE's classes; here one that would call
+    os.system) are never unpickled; the common state is read by torch's weights_only unpickler, which
+    refuses os.system by name before anything runs."""
+    from mtds.megatron import dist_ckpt, keys
+    from tests.test_megatron_checkpoints import _one_error_line
+    from tests.test_convert import _cli
+    root, _ = megatron_lm
+    tag = dist_ckpt.resolve_dir(str(root / "llama"))
+    shapes = dist_ckpt.tensor_shapes(tag)
+    tensors = dist_ckpt.load_tensors(tag, {k: v for k, v in shapes.items() if k.startswith(keys.MODEL_PREFIXES)})
+    marker = tmp_path / "ran"
+
+    class Hostile:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    extra = {f"{keys.LAYERS}{m}._extra_state/shard_{i}_2": Hostile() for i in range(2)
+             for m in ("self_attention.linear_qkv", "mlp.linear_fc1")}
+    args = argparse.Namespace(**{k: v for k, v in _exported_args(str(root / "llama")).items()
+                                 if isinstance(v, (bool, int, float, str, type(None)))})
+    dist_ckpt.write(str(tmp_path / "te"), 1, tensors, {"iteration": 1, "args": args}, extra, common_inside=True)
+    assert not os.path.exists(os.path.join(tmp_path, "te", "iter_0000001", "common.pt"))
+    _convert("megatron-to-mtds", "--load", str(tmp_path / "te"), "--out", str(tmp_path / "out"))
+    args.hostile = Hostile()
+    dist_ckpt.write(str(tmp_path / "bad"), 1, tensors, {"iteration": 1, "args": args}, common_inside=True)
+    _one_error_line(_cli("megatron-to-mtds", "--load", str(tmp_path / "bad"), "--out", str(tmp_path / "x")),
+                    "unsupported GLOBAL posix.system")
+    assert not marker.exists()

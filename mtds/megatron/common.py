@@ -79,5 +79,7 @@ def _unpickle(source, where: str):
         with torch.serialization.safe_globals([argparse.Namespace, *stubs]):
             return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:   # noqa: BLE001 -- any unreadable file is one error line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MegatronCheckpointError(f"cannot read {where}: {first}") from None
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        # torch blocks some modules (os, subprocess, ...) even as stubs: name what the pickle asked for
+        why = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(err).__name__)
+        raise MegatronCheckpointError(f"cannot read {where}: {why}") from None

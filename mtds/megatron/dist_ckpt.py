@@ -124,9 +124,10 @@ def load_tensors(tag_dir: str, keys: Mapping[str, tuple[int, ...]]) -> dict[str,
 
 
 def write(root: str, iteration: int, tensors: Mapping[str, torch.Tensor], common: Mapping[str, Any],
-          objects: Mapping[str, Any] = ()) -> str:
-    """ROOT/iter_XXXXXXX as Megatron-LM writes it; ``objects``: ShardedObjects by their stored key. Returns
-    the iteration folder."""
+          objects: Mapping[str, Any] = (), *, common_inside: bool = False) -> str:
+    """ROOT/iter_XXXXXXX as Megatron-LM writes it; ``objects``: ShardedObjects by their stored key. The
+    common state goes to ``common.pt``, which every Megatron-core version reads (0.17+ as its legacy
+    layout), or with ``common_inside`` into the DCP files as 0.17+ writes it. Returns the iteration folder."""
     import torch.distributed.checkpoint as dcp
     where = iteration_dir(root, iteration)
     os.makedirs(where, exist_ok=True)
@@ -134,11 +135,15 @@ def write(root: str, iteration: int, tensors: Mapping[str, torch.Tensor], common
     # DCP pickles a non-tensor value itself; Megatron-core stores under each ShardedObject key the list of
     # the rank's objects (_mcore_to_torch_sharded_object) and unpacks that list on load.
     state.update({key: [obj] for key, obj in dict(objects).items()})
+    if common_inside:
+        from mtds.megatron.common import COMMON_KEY
+        state[COMMON_KEY] = [dict(common)]
     with _one_process():
         # Unflattened, as Megatron-core writes: flattening would store each list's items under "<key>.0".
         dcp.save(state, storage_writer=dcp.FileSystemWriter(where), no_dist=True,
                  planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
-    torch.save(dict(common), os.path.join(where, "common.pt"))
+    if not common_inside:
+        torch.save(dict(common), os.path.join(where, "common.pt"))
     with open(os.path.join(where, CONFIG), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, f)
