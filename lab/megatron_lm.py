@@ -153,36 +153,42 @@ def _setup(argv: list[str], with_optimizer: bool):
     return args, model, optimizer, scheduler
 
 
-def _forward(model, ids, *, forward_only: bool):
+def _forward(model, ids, *, forward_only: bool, micro: int | None = None):
     """Logits [b, s, V] (full vocabulary) and per-token loss [b, s-1] on the last stage, through Megatron's
-    schedule; labels are ids shifted by one."""
+    schedule (``micro`` rows per micro-batch; interleaved with virtual pipeline chunks); labels are ids
+    shifted by one."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     b, s = ids.shape
-    tokens, labels = ids[:, :-1], ids[:, 1:]
+    micro = micro or b
+    batches = [(ids[i:i + micro, :-1], ids[i:i + micro, 1:]) for i in range(0, b, micro)]
     mask = torch.triu(torch.ones(1, 1, s - 1, s - 1, dtype=torch.bool), diagonal=1)
-    pos = torch.arange(s - 1).unsqueeze(0).expand(b, s - 1)
-    kept = {}
+    pos = torch.arange(s - 1).unsqueeze(0).expand(micro, s - 1)
+    kept = {"logits": [], "loss": []}
 
     def step(it, m):
-        batch = next(it)
-        out = m(batch, pos, mask)                        # [b, s, V/t] (parallel_output)
+        tokens, labels = next(it)
+        out = m(tokens, pos, mask)                        # [b, s, V/t] (parallel_output)
 
         def loss_func(o):
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-            per_token = vocab_parallel_cross_entropy(o.transpose(0, 1).contiguous().float(),
-                                                     labels.transpose(0, 1).contiguous()).transpose(0, 1)
-            kept["logits"] = gather_from_tensor_model_parallel_region(o.detach())
-            kept["loss"] = per_token.detach()
+            kept["logits"].append(gather_from_tensor_model_parallel_region(o.detach()))
+            # its cross entropy shifts the logits in place: give it a copy
+            copy = o.transpose(0, 1).float().clone(memory_format=torch.contiguous_format)
+            per_token = vocab_parallel_cross_entropy(copy, labels.transpose(0, 1).contiguous()).transpose(0, 1)
+            kept["loss"].append(per_token.detach())
             return per_token.mean(), {"lm loss": per_token.mean().detach()}
         return out, loss_func
 
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([tokens] * len(model)), model=model,
-                                num_microbatches=1, seq_length=s - 1, micro_batch_size=b,
+    iterator = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iterator, model=model,
+                                num_microbatches=len(batches), seq_length=s - 1, micro_batch_size=micro,
                                 forward_only=forward_only)
-    return kept if ps.is_pipeline_last_stage(ignore_virtual=True) else {}
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    return {k: torch.cat(v) for k, v in kept.items()}
 
 
 def _save(job, ids, results):
@@ -194,13 +200,13 @@ def _save(job, ids, results):
             m.train()
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        _forward(model, ids, forward_only=False)
+        _forward(model, ids, forward_only=False, micro=job.get("micro"))
         ok, _, _ = optimizer.step()
         assert ok, "the training step was skipped"
     for m in model:
         m.eval()
     with torch.no_grad():
-        kept = _forward(model, ids, forward_only=True)
+        kept = _forward(model, ids, forward_only=True, micro=job.get("micro"))
     results.update({f"{job['key']}/{k}": v for k, v in kept.items()})
     save_checkpoint(1, model, optimizer, scheduler, 0)
     _stop_writer()
