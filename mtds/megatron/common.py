@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mtds.megatron.dist_ckpt import COMMON_KEY, read_bytes
 from mtds.megatron.errors import MegatronCheckpointError
 
 COMMON_FILE = "common.pt"
@@ -40,9 +41,6 @@ class Opaque:
         return f"Opaque{self.args!r}"
 
 
-COMMON_KEY = "common_state/shard_0_1"      # ShardedObject("common_state", global shape (1,), offset (0,))
-
-
 def read_common(tag_dir: str, object_keys=()) -> dict[str, Any]:
     """The common state, with ``args`` (if any) as a plain dict; ``object_keys``: the DCP's non-tensor keys
     (dist_ckpt.object_keys), where 0.17+ keeps it. {} where neither holds it (Megatron-core alone)."""
@@ -50,7 +48,6 @@ def read_common(tag_dir: str, object_keys=()) -> dict[str, Any]:
     if os.path.isfile(path):
         state = _unpickle(path, path)
     elif COMMON_KEY in object_keys:
-        from mtds.megatron.dist_ckpt import read_bytes
         where = f"{tag_dir} ({COMMON_KEY})"
         state = _unpickle(io.BytesIO(read_bytes(tag_dir, COMMON_KEY)), where)
         if not (isinstance(state, list) and len(state) == 1):

@@ -3,7 +3,8 @@
 Layout (megatron/training/checkpointing.py, megatron/core/dist_checkpointing):
     ROOT/latest_checkpointed_iteration.txt     the iteration number, or "release"
     ROOT/iter_0000100/metadata.json            {"sharded_backend": "torch_dist", ...}
-    ROOT/iter_0000100/common.pt                args, iteration, ... (common.py)
+    ROOT/iter_0000100/common.pt                args, iteration, ... (common.py); from Megatron-core 0.17 on
+                                               inside the DCP files instead, under COMMON_KEY
     ROOT/iter_0000100/.metadata, __R_N.distcp  torch.distributed.checkpoint: every tensor at its global shape
 
 Tensors go through DCP's own FileSystemReader/FileSystemWriter in one process (``no_dist``): reading a
@@ -23,6 +24,9 @@ from mtds.megatron.errors import MegatronCheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG = "metadata.json"
+# Where Megatron-core 0.17+ keeps the common state: ShardedObject("common_state", global shape (1,),
+# offset (0,)), a pickled one-item list (common.py reads it).
+COMMON_KEY = "common_state/shard_0_1"
 
 
 @contextlib.contextmanager
@@ -136,7 +140,6 @@ def write(root: str, iteration: int, tensors: Mapping[str, torch.Tensor], common
     # the rank's objects (_mcore_to_torch_sharded_object) and unpacks that list on load.
     state.update({key: [obj] for key, obj in dict(objects).items()})
     if common_inside:
-        from mtds.megatron.common import COMMON_KEY
         state[COMMON_KEY] = [dict(common)]
     with _one_process():
         # Unflattened, as Megatron-core writes: flattening would store each list's items under "<key>.0".
