@@ -108,6 +108,9 @@ def _parse(argv: list[str]):
         args = parse_args()
     finally:
         sys.argv = saved
+    if args.use_checkpoint_args:        # as initialize_megatron does: the model's args from --load's checkpoint
+        from megatron.training.checkpointing import load_args_from_checkpoint
+        load_args_from_checkpoint(args)
     validate_args(args)
     if getattr(args, "padded_vocab_size", None) is None:      # pretrain sets it from the tokenizer
         from megatron.training.vocab_utils import calculate_padded_vocab_size
