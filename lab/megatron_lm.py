@@ -3,9 +3,10 @@ the writer and reader oracle of tests/test_megatron_lm.py. Test-only (lab/ is no
 
     python -m lab.megatron_lm JOB.json      (PYTHONPATH: the 0.19 install first, then the repository)
 
-JOB.json: {"world": 2, "ids": [[...]], "save": [{"family", "root", "argv", "train_step"}...],
-"load": [{"root", "argv", "key"}...], "defaults": {"argv", "out"}, "out": "results.pt"}. Each save builds the model as Megatron-LM's
-pretrain does (``parse_args`` + ``validate_args`` on the argv, ``get_model``, ``get_megatron_optimizer``),
+JOB.json: {"world": 2, "ids": [[...]], "save": [{"key", "root", "argv", "train_step", "micro"}...],
+"load": [{"root", "argv", "key"}...], "defaults": {"argv", "out"}, "out": "results.pt"}. Each save builds
+the model as Megatron-LM's pretrain does (``parse_args`` + ``validate_args`` on the argv, ``get_model``,
+``get_megatron_optimizer``),
 optionally takes one training step, records its logits and per-token loss on ``ids`` through its own
 pipeline schedule, and writes the checkpoint with ``save_checkpoint`` (``--ckpt-format torch_dist``). Each
 load builds the model from the argv, reads the checkpoint with ``load_checkpoint`` and records its logits.

@@ -3,14 +3,16 @@
 
 - in: Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, tp 2) of a GPT-2-style model (no
   training step, Megatron's default optimizer) and a Llama-style one (RoPE, RMSNorm eps 1e-6, SwiGLU, untied,
-  2 query groups; one training step under ``--use-distributed-optimizer``): 0.19 keeps args, iteration and checkpoint version inside the DCP
-  files (no common.pt). ``mtds-convert megatron-to-mtds`` with no model flags, mtds.eval at two other
+  2 query groups; one training step under ``--use-distributed-optimizer``): 0.19 keeps args, iteration and
+  checkpoint version inside the DCP files (no common.pt). ``mtds-convert megatron-to-mtds`` with no model
+  flags, mtds.eval at two other
   layouts: loss and logits equal Megatron-LM's own within 1e-5 (fp32). The same tensors with no args and
   only the flags a user would type convert to the same model (Megatron-LM's defaults for the rest).
 - defaults: mtds's table of Megatron-LM defaults (mtds/megatron/args.py) equals what Megatron-LM's
   ``parse_args`` + ``validate_args`` set for those flags.
-- out: HF Llama (GQA) -> mtds -> ``mtds-convert mtds-to-megatron``; Megatron-LM's ``load_checkpoint`` into a
-  model built from other random weights, forward: logits equal mtds's within 1e-5.
+- out: HF Llama (GQA) -> mtds -> ``mtds-convert mtds-to-megatron``; Megatron-LM (``--use-checkpoint-args``)
+  ``load_checkpoint`` into a model built from other random weights, forward: logits equal mtds's within 1e-5.
+- Transformer Engine's ``_extra_state`` pickles never read; a hostile common state refused by name.
 
 Megatron-LM 0.19 declares Python >= 3.12 and its ``megatron.core`` pulls in triton, so it cannot replace the
 0.16.1 oracle of the other Megatron tests in the suite's venv: ``make setup-test`` installs the wheel (no
