@@ -248,6 +248,8 @@ def _worker(rank: int, job: dict, port: int) -> None:
     _pre_import_shims()
     dist.init_process_group("gloo", rank=rank, world_size=job["world"])
     _cpu_shims()
+    from megatron.core.package_info import MAJOR, MINOR     # not the suite venv's 0.16 behind it on the path
+    assert (int(MAJOR), int(MINOR)) >= (0, 17), f"megatron-core {MAJOR}.{MINOR} found first on the path"
     ids = torch.tensor(job["ids"])
     results: dict = {}
     if "defaults" in job and rank == 0:          # what parse_args + validate_args make of these flags
