@@ -6,7 +6,8 @@ Megatron-DeepSpeed in.
   mtds-convert megatron-deepspeed-to-mtds --load DIR --tp T --pp P --out DIR
 
 The model flags are Megatron-LM's own, spelled as in its training command; they are needed only where the
-checkpoint carries no ``args`` (common.pt), and where it does, a flag that disagrees is an error.
+checkpoint carries no ``args`` (its common state: common.pt, or inside the DCP files from Megatron-core 0.17
+on), and where it does, a flag that disagrees is an error. Flags not given take Megatron-LM's defaults.
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def _import_args(parser, dtypes, load_help: str) -> None:
 def add_commands(sub, dtypes) -> None:
     a = sub.add_parser("megatron-to-mtds", help="Megatron-LM torch_dist checkpoint -> mtds checkpoint at (tp, pp)")
     _import_args(a, dtypes, "Megatron-LM --save folder (with latest_checkpointed_iteration.txt) or an iter_* folder")
-    model = a.add_argument_group("model (Megatron-LM's flags; needed only where common.pt has no args)")
+    model = a.add_argument_group(
+        "model (Megatron-LM's flags; needed only where the checkpoint carries no args: then every flag not "
+        "given takes Megatron-LM's default, e.g. the tanh GELU of its bias-GELU fusion)")
     for flag, kind, dest in MODEL_FLAGS:
         if kind in ("on", "off"):
             model.add_argument(flag, dest=dest, action="store_const", const=kind == "on", default=None)

@@ -33,7 +33,7 @@ class MegatronCheckpoint:
         self.tag_dir = dist_ckpt.resolve_dir(path)
         dist_ckpt.check_backend(self.tag_dir)
         self.shapes = dist_ckpt.tensor_shapes(self.tag_dir)
-        self.common = read_common(self.tag_dir)
+        self.common = read_common(self.tag_dir, dist_ckpt.object_keys(self.tag_dir))
         args = merge_args(self.common.get("args"), flags or {})
         embedding = self.shapes.get("embedding.word_embeddings.weight")
         if embedding is None:
