@@ -48,7 +48,10 @@ def _held(engine) -> dict:
 
 def _probe(engine, groups):
     """Measure :func:`_held` when the stage's last backward of step 2 has ended (its early reduction starts)."""
-    reducer = engine.__dict__["mtds_zero1_reduce"]
+    engine.mtds_test_where = (groups.coords.pp_rank, groups.tp_rank, groups.layout.dp)
+    reducer = engine.__dict__.get("mtds_zero1_reduce")
+    if reducer is None:
+        return
     early, calls = reducer.reduce_early, []
 
     def measured():
@@ -58,10 +61,11 @@ def _probe(engine, groups):
         return early()
 
     reducer.reduce_early = measured
-    engine.mtds_test_where = (groups.coords.pp_rank, groups.tp_rank, groups.layout.dp)
 
 
-def _runs(configs):
+def runs_with_probe(configs):
+    """Run each config on this rank; each RunResult with ``held`` (:func:`_held` at step 2, where mtds's reducer
+    runs), ``where`` (stage, TP rank, d) and ``micro_batches``."""
     from mtds.training import run
     engines, results = [], []
     for cfg in configs:
@@ -90,7 +94,7 @@ def four_rank_runs():
               for k, (schedule, mode) in enumerate((s, m) for s in SCHEDULES for m in MODES)]
     chain = [train_config(pp=2, steps=7, load=os.path.join(a, "global_step5"), save=b, save_interval=6),
              zero2("step", steps=7, load=os.path.join(b, "global_step6"))]
-    return spawn(_runs, 4, parity + chain, timeout=600)
+    return spawn(runs_with_probe, 4, parity + chain, timeout=600)
 
 
 def test_zero2_pipeline_matches_hf_memory_and_bytes_formulas():
@@ -103,25 +107,34 @@ def test_zero2_pipeline_matches_hf_memory_and_bytes_formulas():
         assert diff < REL_TOL, f"{what}: losses max rel diff {diff:.2e}\n{result.losses}\n{ref.losses}"
         diff = max_rel_diff(result.grad_norms, ref.grad_norms)
         assert diff < REL_TOL, f"{what}: grad norms max rel diff {diff:.2e}\n{result.grad_norms}\n{ref.grad_norms}"
-        sent = {}
         for rank, results in enumerate(per_rank):
             r = results[k]
-            stage, tp_rank, d = r.where
-            psi, late, m = r.params, r.held["late"], r.micro_batches
-            grads = 4 * (psi / d + late) if mode == "micro-batch" else 4 * psi
+            psi, d = r.params, r.where[2]
+            grads = 4 * (psi / d + r.held["late"]) if mode == "micro-batch" else 4 * psi
             want = dict(params=4 * psi, grads=grads, optimizer=12 * psi / d)
             for part, value in want.items():
                 got = r.held[part]
                 assert abs(got / value - 1) <= MEMORY_TOL, \
                     f"{what} rank {rank}: {part} {got} bytes held = {got / value:.3f} x the formula's {value:.0f}"
-            bus = sum(v["bus_bytes"] for key, v in r.comm.items() if key.endswith("/dp") and not key.startswith("recv/"))
-            total = sent.setdefault((stage, tp_rank), [0, psi, late, m, d])
-            total[0] += bus
-        for (stage, tp_rank), (bus, psi, late, m, d) in sent.items():
-            reduced = m * (psi - late) + late if mode == "micro-batch" else psi
-            want = 4 * (d - 1) * (reduced + psi)       # reduce-scatter(s) + the parameter all-gather
-            assert abs(bus / want - 1) <= BYTES_TOL, \
-                f"{what} stage {stage}: data-parallel bytes sent {bus} = {bus / want:.4f} x the formula's {want}"
+        assert_zero2_dp_bytes(per_rank, k, mode, what)
+
+
+def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str) -> None:
+    """The bytes the data-parallel collectives sent in the last step, summed over the d ranks of each (stage, TP
+    rank), against 4(d-1)(R + Ψ): R = Ψ reduce-scattered once (step mode, ZeRO-1's) or m(Ψ - Ψ_late) + Ψ_late
+    (micro-batch mode), then the parameter all-gather (Ψ). Results from :func:`runs_with_probe`."""
+    sent = {}
+    for results in per_rank:
+        r = results[index]
+        stage, tp_rank, d = r.where
+        bus = sum(v["bus_bytes"] for key, v in r.comm.items() if key.endswith("/dp") and not key.startswith("recv/"))
+        total = sent.setdefault((stage, tp_rank), [0, r.params, r.held["late"], r.micro_batches, d])
+        total[0] += bus
+    for (stage, tp_rank), (bus, psi, late, m, d) in sent.items():
+        reduced = m * (psi - late) + late if mode == "micro-batch" else psi
+        want = 4 * (d - 1) * (reduced + psi)
+        assert abs(bus / want - 1) <= BYTES_TOL, \
+            f"{what} stage {stage} TP rank {tp_rank}: data-parallel bytes sent {bus} = {bus / want:.4f} x {want}"
 
 
 def test_resume_between_zero1_and_zero2_is_exact():
