@@ -1,5 +1,6 @@
 """ZeRO-2 with a pipeline (mtds.deepspeed_compat.zero2_reduce), both modes of ``--zero2-pipeline-reduce``, at
-(t,p,d) = (1,2,2) on 1F1B (DeepSpeed's engine) and ZB-H1 (mtds's): losses and pre-clip gradient norms equal the
+(t,p,d) = (1,2,2) on 1F1B (DeepSpeed's engine) and ZB-H1 (mtds's), and the micro-batch mode on DualPipeV
+(DeepSpeed's, both ends of the tied embedding on rank 0): losses and pre-clip gradient norms equal the
 single-process HuggingFace reference within 1e-5 relative over 10 clipped fp32 steps (the suite's fp32 bound:
 the micro-batch mode sums each micro-batch's reduced gradient, another order than ZeRO-1's); the model state a
 rank holds at the end of its last backward of step 2 (parameters, gradients, master weights and Adam state,
@@ -22,8 +23,10 @@ BYTES_TOL = 0.01
 
 
 def zero2(mode: str, schedule: str = "1f1b", **kwargs):
+    # DualPipeV needs m >= 2p = 4: micro batch 1 (m = 4 at d = 2), the reference's samples and mean loss
+    ds = ds_config(zero=2, **({"train_micro_batch_size_per_gpu": 1} if schedule == "dualpipev" else {}))
     return train_config(pp=kwargs.pop("pp", 2), tp=kwargs.pop("tp", 1), pipeline_schedule=schedule,
-                        deepspeed_config=ds_config(zero=2), zero2_pipeline_reduce=mode, **kwargs)
+                        deepspeed_config=ds, zero2_pipeline_reduce=mode, **kwargs)
 
 
 def _held(engine) -> dict:
@@ -81,6 +84,7 @@ def runs_with_probe(configs):
 
 MODES = ("micro-batch", "step")
 SCHEDULES = ("1f1b", "zb-h1")
+CASES = tuple((s, m) for s in SCHEDULES for m in MODES) + (("dualpipev", "micro-batch"),)
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,7 +95,7 @@ def four_rank_runs():
     from lab.testing import spawn
     a, b = tempfile.mkdtemp(prefix="mtds-z2a-"), tempfile.mkdtemp(prefix="mtds-z2b-")
     parity = [zero2(mode, schedule, **(dict(save=a, save_interval=5) if k == 0 else {}))
-              for k, (schedule, mode) in enumerate((s, m) for s in SCHEDULES for m in MODES)]
+              for k, (schedule, mode) in enumerate(CASES)]
     chain = [train_config(pp=2, steps=7, load=os.path.join(a, "global_step5"), save=b, save_interval=6),
              zero2("step", steps=7, load=os.path.join(b, "global_step6"))]
     return spawn(runs_with_probe, 4, parity + chain, timeout=600)
@@ -100,7 +104,7 @@ def four_rank_runs():
 def test_zero2_pipeline_matches_hf_memory_and_bytes_formulas():
     per_rank = four_rank_runs()
     ref = hf_reference()
-    for k, (schedule, mode) in enumerate((s, m) for s in SCHEDULES for m in MODES):
+    for k, (schedule, mode) in enumerate(CASES):
         what = f"ZeRO-2 {mode} {schedule} (1,2,2)"
         result = per_rank[-1][k]       # the last stage reports
         diff = max_rel_diff(result.losses, ref.losses)

@@ -189,16 +189,16 @@ def before_tied_reduction(engine, hook: Callable[[], None]) -> None:
     wrap_instruction_handlers(engine, wrap)
 
 
-def after_backward(engine, hook: Callable[[], None]) -> None:
-    """On DeepSpeed's 1F1B engine: run ``hook`` after each BackwardPass instruction (a micro-batch's
-    backward on this stage)."""
+def after_backward(engine, hook: Callable[[dict], None]) -> None:
+    """On DeepSpeed's pipeline engines: run ``hook(kwargs)`` after each BackwardPass instruction (a
+    micro-batch's backward on this stage; DualPipeV's kwargs name the ``phase``, the chunk)."""
     def wrap(instruction, handler):
         if instruction.__name__ != "BackwardPass":
             return handler
 
         def run(self, **kwargs):
             out = handler(self, **kwargs)
-            hook()
+            hook(kwargs)
             return out
         return run
 

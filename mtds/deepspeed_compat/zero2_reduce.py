@@ -11,7 +11,8 @@ makes resuming between ZeRO-1 and ZeRO-2 at p > 1 a plain load -- and partitions
 of mtds's ZeRO-1 reduce-scatter (zero1_reduce.py), in one of two modes (``--zero2-pipeline-reduce``):
 
 * ``micro-batch``: after each micro-batch's last gradient-producing action on this rank (1F1B: its backward;
-  interleaved: the backward of chunk 0, the last of a micro-batch on a rank; ZB-H1: its W) every gradient
+  interleaved: the backward of chunk 0, the last of a micro-batch on a rank; ZB-H1: its W; DualPipeV: the
+  backward of its phase 0) every gradient
   but the late ones (tied weights, summed across stages at the end of the step; sequence-parallel norm
   weights, summed over TP then) is reduce-scattered and *added* into this rank's fp32 partition, and
   ``param.grad`` dropped: between micro-batches a rank holds Ψ/d of gradient plus the late weights' whole

@@ -13,7 +13,7 @@ def zero_stage_known(job: Job) -> str | None:
 
 def zero_with_pipeline(job: Job) -> str | None:
     """DeepSpeed's pipeline engine asserts ZeRO 0-1; mtds partitions ZeRO-2's gradients itself at p > 1
-    (mtds.deepspeed_compat.zero2_reduce) in fp32, on its own engines and DeepSpeed's 1F1B, dense models."""
+    (mtds.deepspeed_compat.zero2_reduce) in fp32, on every schedule, dense models."""
     stage, pp = job.zero_stage, job.pp
     if pp <= 1 or stage <= 1:
         return None
@@ -22,9 +22,6 @@ def zero_with_pipeline(job: Job) -> str | None:
                f"partitioned) or ZeRO-1 with --pp {pp}, or --pp 1 for ZeRO-3"
     if job.precision != "fp32":
         return f"ZeRO-2 with --pp {pp} is built for fp32 only: use ZeRO-1 with --pp {pp} for {job.precision}"
-    if job.pipeline_schedule == "dualpipev":
-        return f"ZeRO-2 with --pipeline-schedule dualpipev is not built: use --pipeline-schedule 1f1b, " \
-               f"interleaved or zb-h1, or ZeRO-1"
     if job.model.num_experts:
         return f"ZeRO-2 with --pp {pp} and a mixture-of-experts model is not built: use ZeRO-1 with --pp {pp}"
     if job.zero_overlap_comm:

@@ -91,11 +91,15 @@ def _late_params(engine):
 def install_zero2_pipeline(engine, cfg: TrainConfig) -> None:
     """ZeRO-2 at p > 1 (mtds.deepspeed_compat.zero2_reduce): its reducer on the stage-1 optimizer; each
     micro-batch's reduction after the rank's last action of it (mtds's engine calls ``micro_batch_done``
-    itself; DeepSpeed's 1F1B after each BackwardPass), the rest early as ZeRO-1's."""
+    itself; DeepSpeed's 1F1B after each BackwardPass, DualPipeV after each of its phase 0), the rest early as
+    ZeRO-1's."""
     install_zero2_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, _late_params(engine),
                                  cfg.zero2_pipeline_reduce)
     if cfg.pipeline_schedule not in OWN_ENGINE:
-        ds_pipeline.after_backward(engine, lambda: micro_batch_done(engine))
+        def after_backward(kwargs):
+            if kwargs.get("phase", 0) == 0:     # DualPipeV: phase 0's backward is a micro-batch's last here
+                micro_batch_done(engine)
+        ds_pipeline.after_backward(engine, after_backward)
         ds_pipeline.before_tied_reduction(engine, lambda: reduce_early(engine))
 
 
