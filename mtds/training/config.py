@@ -36,7 +36,7 @@ class TrainConfig:
         help="tensor parallel size t (must divide attention heads) [1]")
     pp: int = opt(
         1, "--pipeline-model-parallel-size", "--pp", section=LAYOUT, at_least=1,
-        help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
+        help="pipeline stages p (ZeRO-3 needs p = 1; ZeRO-2: see --zero2-pipeline-reduce) [1]")
     pipeline_schedule: str = opt(               # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
         "1f1b", "--pipeline-schedule", section=LAYOUT, metavar="NAME",
         help="pipeline schedule: 1f1b (DeepSpeed's engine), interleaved (PTD-P interleaved 1F1B on "
