@@ -110,7 +110,7 @@ def test_infeasible_reasons():
     assert not pr.fits and any("GiB" in r for r in pr.reasons)
     pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)     # not built: runnable, not reasons
     assert pr.feasible and pr.as_dict()["runnable"] is False
-    assert any("ZeRO stage 3 cannot be combined with pipeline parallelism" in r for r in pr.not_runnable)
+    assert any("ZeRO-3 with pipeline parallelism is not built" in r for r in pr.not_runnable)
 
 
 def test_search_ranks_and_respects_fixed_knobs():
@@ -275,3 +275,23 @@ def test_flash_attention_keeps_no_scores_so_selective_recompute_saves_nothing():
 
 
 GPT3_LIKE_13B = ModelSpec(layers=40, hidden=5120, heads=40, vocab=51200, seq=2048)
+
+
+def test_zero2_on_a_pipeline_weighed_against_zero1():
+    """ZeRO-2 at p > 1 (docs/training.md): step mode is ZeRO-1 in memory and time; micro-batch mode keeps 1/d of
+    the gradients (the tied embedding whole) and pays m - 1 more reduce-scatters of the rest."""
+    work, cluster = Workload(512, precision="fp32"), Cluster(get_gpu("A100-80GB", "fp32"), 64)
+    model = ModelSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)
+    one, step, micro = (Candidate(2, 4, 8, 1, zero_stage=z, zero2_pipeline_reduce=mode)
+                        for z, mode in ((1, "micro-batch"), (2, "step"), (2, "micro-batch")))
+    pr1, prs, prm = (predict(model, c, work, cluster) for c in (one, step, micro))
+    assert prs.step_time_s == pr1.step_time_s and prs.memory.total == pr1.memory.total
+    assert prm.memory.grads < pr1.memory.grads / 2
+    tied = 4 * model.padded_vocab(2) / 2 * model.hidden
+    assert prm.memory.grads == pytest.approx(pr1.memory.grads / 8 + tied * (1 - 1 / 8))
+    from mtds.plan.memory import stage_params
+    m = 512 // 8
+    extra = prm.time_breakdown_s["dp_comm"] - pr1.time_breakdown_s["dp_comm"]
+    assert pr1.as_dict()["runnable"] and prm.as_dict()["runnable"]
+    grad_bytes = 4 * max(stage_params(model, one, "first"), stage_params(model, one, "last")) - tied
+    assert extra > 0 and extra == pytest.approx((m - 1) * comm.reduce_scatter(grad_bytes, 8, 2, cluster), rel=1e-6)

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evaluate with this partition (train.py --pipeline-balance) [cost]; the report also "
                           "names the cost partition it recommends")
     lay.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    lay.add_argument("--zero2-pipeline-reduce", choices=("micro-batch", "step"),
+                     help="ZeRO-2 with --pp > 1 (train.py's flag): reduce-scatter every micro-batch (gradients 1/d "
+                          "between micro-batches, m x the reduce-scatter's bytes) or once per step (ZeRO-1's) "
+                          "[micro-batch]")
     lay.add_argument("--recompute", choices=RECOMPUTE_MODES)
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     o = ap.add_argument_group("output")
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
     work = Workload(args.global_batch, precision, args.tokens)
     knobs = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage",
                                            "recompute", "sequence_parallel", "pipeline_schedule", "cp",
-                                           "cp_comm_type", "ep")}
+                                           "cp_comm_type", "ep", "zero2_pipeline_reduce")}
     runnable_only = not args.include_unrunnable
 
     from mtds.plan import report

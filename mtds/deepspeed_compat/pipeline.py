@@ -189,6 +189,22 @@ def before_tied_reduction(engine, hook: Callable[[], None]) -> None:
     wrap_instruction_handlers(engine, wrap)
 
 
+def after_backward(engine, hook: Callable[[dict], None]) -> None:
+    """On DeepSpeed's pipeline engines: run ``hook(kwargs)`` after each BackwardPass instruction (a
+    micro-batch's backward on this stage; DualPipeV's kwargs name the ``phase``, the chunk)."""
+    def wrap(instruction, handler):
+        if instruction.__name__ != "BackwardPass":
+            return handler
+
+        def run(self, **kwargs):
+            out = handler(self, **kwargs)
+            hook(kwargs)
+            return out
+        return run
+
+    wrap_instruction_handlers(engine, wrap)
+
+
 def engine_groups(engine) -> list[tuple[object, str]]:
     """(process group, axis) for the groups DeepSpeed made itself: a pipeline engine's grid (data, pipe,
     tensor-slice, model), the p2p groups (only when send/recv go by broadcast), the pipeline module's

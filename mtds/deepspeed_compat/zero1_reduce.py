@@ -198,15 +198,16 @@ class Zero1ReduceScatter(EarlyReducer):
 
 
 
-def install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) -> Zero1ReduceScatter | None:
+def install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params,
+                           reducer_cls=Zero1ReduceScatter) -> Zero1ReduceScatter | None:
     """Replace the ZeRO-1 optimizer's ``reduce_gradients`` (see the module docstring); the reducer, also
     kept as ``engine.mtds_zero1_reduce`` for :func:`reduce_early`. ``reduce_scatter_sum`` and
     ``split_by_spans``: ``mtds.parallel.dp_reduce``'s; ``late_params()``: the parameters whose gradients change
     after a stage's last backward. None (nothing changed) where :func:`unsupported_reason` says
-    DeepSpeed's path stays."""
+    DeepSpeed's path stays. ``reducer_cls``: ZeRO-2's on a pipeline (zero2_reduce.py)."""
     if unsupported_reason(engine) is not None:
         return None
-    reducer = Zero1ReduceScatter(engine, reduce_scatter_sum, split_by_spans, late_params)
+    reducer = reducer_cls(engine, reduce_scatter_sum, split_by_spans, late_params)
     reducer.book.expect(NAME)
     drop_gradient_hooks(engine.optimizer)
     engine.optimizer.reduce_gradients = reducer.reduce_gradients

@@ -94,12 +94,13 @@ def flat_fill(flat: torch.Tensor, size: int) -> Fill:
 
 def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *, bucket_elements: int,
                        ranges: Ranges | None = None, dtype: torch.dtype | None = None,
-                       post_scale: float | None = None) -> None:
+                       post_scale: float | None = None, accumulate: bool = False) -> None:
     """``out`` (numel P) at ``ranges[r]`` = the sum over the group's d ranks of their values of partition
     r at those ranges, r this rank's index in ``group`` (all ranges when None). ``source``: this rank's
     flat buffer (d*P elements, read only; ``out`` may be its own partition r), or a :data:`Fill` writing
     any window of it on demand. ``dtype``: the buckets' (the communication's; ``out``'s when None);
-    ``post_scale``: the sum multiplied by it in that dtype before it reaches ``out``."""
+    ``post_scale``: the sum multiplied by it in that dtype before it reaches ``out``; ``accumulate``: added to
+    ``out`` there instead of written (ZeRO-2's per-micro-batch reduction into its partition)."""
     d, r = dist.get_world_size(group), dist.get_rank(group)
     size, dtype = out.numel(), out.dtype if dtype is None else dtype
     if isinstance(source, torch.Tensor):
@@ -107,7 +108,7 @@ def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *,
             raise ValueError(f"reduce_scatter_sum: {source.numel()} elements do not split into {d} partitions of {size}")
         source = flat_fill(source, size)
     ranges = whole(d, size) if ranges is None else ranges
-    if d == 1 and dtype == out.dtype and post_scale is None:      # nothing to sum: straight into the partition
+    if d == 1 and dtype == out.dtype and post_scale is None and not accumulate:      # nothing to sum: straight into the partition
         for offset, length in ranges[0]:
             source(0, offset, out.narrow(0, offset, length))
         return
@@ -143,7 +144,8 @@ def reduce_scatter_sum(source: torch.Tensor | Fill, out: torch.Tensor, group, *,
             mine.mul_(post_scale)
         at = 0
         for offset, length in windows[r]:
-            out.narrow(0, offset, length).copy_(mine.narrow(0, at, length))
+            target, value = out.narrow(0, offset, length), mine.narrow(0, at, length)
+            target.add_(value) if accumulate else target.copy_(value)
             at += length
 
 

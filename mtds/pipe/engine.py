@@ -27,6 +27,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from mtds.deepspeed_compat import pipeline as ds
 from mtds.deepspeed_compat.zero1_reduce import reduce_early
+from mtds.deepspeed_compat.zero2_reduce import micro_batch_done
 from mtds.pipe.exchange import ACT, Compute, engine_program, group_names
 from mtds.pipe.p2p import StageP2P
 from mtds.tp.weight_grad_store import WeightGradStore
@@ -212,6 +213,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         finally:
             if self.weight_grads is not None:
                 self.weight_grads.key = None
+        if self.weight_grads is None and item.action.chunk == 0:
+            micro_batch_done(self)      # chunk 0's backward: a micro-batch's last on this rank (ZB-H1: its W)
 
     def _input_backward(self, item: Compute) -> None:
         chunk, micro = item.action.chunk, item.action.micro
@@ -236,6 +239,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         chunk, micro = item.action.chunk, item.action.micro
         with self._span("W", chunk, micro):
             ds.fold_weight_gradients(self, lambda: self.weight_grads.run((chunk, micro)))
+        micro_batch_done(self)      # ZeRO-2 at p > 1, per micro-batch (no-op otherwise)
 
 
 def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,

@@ -52,6 +52,7 @@ class Candidate:
     cp: int = 1
     cp_comm_type: str = "p2p"
     ep: int = 1
+    zero2_pipeline_reduce: str = "micro-batch"     # ZeRO-2 at p > 1: "micro-batch" | "step" (docs/training.md)
 
     def __post_init__(self):
         if not self.pipeline_schedule:
@@ -92,10 +93,22 @@ class Candidate:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def zero2_per_micro_batch(self) -> bool:
+        """ZeRO-2 on a pipeline reducing every micro-batch into the partition (mtds.deepspeed_compat.zero2_reduce)."""
+        return self.zero_stage == 2 and self.pp > 1 and self.zero2_pipeline_reduce == "micro-batch"
+
+    @property
+    def whole_gradients(self) -> bool:
+        """Whether each rank keeps its stage's whole gradient through the step: ZeRO 0-1, and ZeRO-2 on a pipeline in
+        its step mode (ZeRO-1's reduction)."""
+        return self.zero_stage < 2 or (self.zero_stage == 2 and self.pp > 1 and not self.zero2_per_micro_batch)
+
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         sched = f" {self.pipeline_schedule}" if self.pp > 1 else ""
         cp = f" c{self.cp}/{self.cp_comm_type}" if self.cp > 1 else ""
         ep = f" e{self.ep}" if self.ep > 1 else ""
         return (f"t{self.tp}{cp} p{self.pp} d{self.dp}{ep} b{self.microbatch} v{self.virtual_stages} "
-                f"z{self.zero_stage} {self.recompute}{sp}{sched}")
+                f"z{self.zero_stage}{'/step' if self.zero_stage == 2 and self.whole_gradients else ''} "
+                f"{self.recompute}{sp}{sched}")

@@ -98,7 +98,7 @@ def model_state_bytes(n_params: float, layout: Candidate, work: Workload,
     k = 8.0 if work.precision == "fp32" else 12.0
     d, z = ranks or layout.dp_cp, layout.zero_stage
     params = w * n_params / (d if z >= 3 else 1)
-    grads = grad_buffer_bytes(layout, work, main_grad_bytes) * n_params / (d if z >= 2 else 1)
+    grads = grad_buffer_bytes(layout, work, main_grad_bytes) * n_params / (1 if layout.whole_gradients else d)
     opt = k * n_params / (d if z >= 1 else 1)
     return params, grads, opt
 
@@ -182,6 +182,9 @@ def predict_memory(model: ModelSpec, layout: Candidate, work: Workload, cluster:
             expert = model_state_bytes(ne, layout, work, cluster.calib.main_grad_bytes,
                                        ranks=max(1, layout.dp_cp // layout.ep))
             params, grads, opt = params + expert[0], grads + expert[1], opt + expert[2]
+        if layout.zero2_per_micro_batch and not model.untied_head:
+            # the tied word embedding / LM head is summed across stages at the end of the step: kept whole
+            grads += w * model.padded_vocab(t) / t * model.hidden * (1 - 1 / layout.dp_cp)
         act = 0.0
         if stage == "first":
             act += in_flight_layers(model, layout, work) * activation_bytes_per_layer(model, layout, work,

@@ -145,14 +145,16 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     t_out = compute.output_layer_time(model, layout, work, cluster)
     n_local = max(stage_params(model, layout, "first"), stage_params(model, layout, "last") if p > 1 else 0.0)
     n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
+    # DeepSpeed's optimizer stage: ZeRO-2 on a pipeline runs on its stage-1 optimizer (mtds.deepspeed_compat.zero2_reduce)
+    ds_stage = 1 if layout.zero_stage == 2 and p > 1 else layout.zero_stage
 
     # every microbatch adds its weight gradients into the (fp32) accumulation buffer; with
     # ZeRO-2/3 only the local 1/d partition is accumulated (d·c with context parallelism)
-    n_acc = n_local / (d if layout.zero_stage >= 2 else 1)
+    n_acc = n_local / (1 if layout.whole_gradients else d)
     t_acc = compute.grad_accumulation_time(n_acc, w, grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes),
                                            cluster)
     compute_s = (m * layers_per_stage * t_layer + m * t_out + m * t_acc
-                 + compute.optimizer_time(n_opt, cluster, host_costs.optimizer_tensors(model, layout.zero_stage, t, p)))
+                 + compute.optimizer_time(n_opt, cluster, host_costs.optimizer_tensors(model, ds_stage, t, p)))
     # the last stage's GPU (the LM head and loss; with p = 1 also the embedding): mtds.plan.tp_comm
     grad_bytes_tp = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
     tp_s = tp_comm.per_step_time(model, layout, work, cluster, "last" if p > 1 else "all", m, grad_bytes_tp)
@@ -201,15 +203,20 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
         dp_s = (1.0 - cluster.calib.dp_overlap) * (comm.all_reduce(grad_bytes, d, t, cluster)
                                                     + comm.all_reduce(expert_grad_bytes, d_expert, t * layout.ep,
                                                                       cluster))
-        if layout.zero_stage in (1, 2) and zero1_grad_reduce == "all-reduce":
+        if layout.zero_stage in (1, 2) and zero1_grad_reduce == "all-reduce" and not layout.zero2_per_micro_batch:
             dp_s += (1.0 - cluster.calib.dp_overlap) * comm.all_gather(grad_bytes, d, t, cluster)
+        if layout.zero2_per_micro_batch and m > 1:
+            # ZeRO-2 on a pipeline, per micro-batch: m - 1 more reduce-scatters of all but the tied embedding, each
+            # between two micro-batches' compute (mtds runs them blocking: no overlap)
+            tied = 0.0 if model.untied_head else model.padded_vocab(t) / t * h * w
+            dp_s += (m - 1) * comm.reduce_scatter(max(0.0, grad_bytes - tied), d, t, cluster)
 
     stage_info = {}
     if stages is not None and p > 1:
         compute_s, tp_s, bubble_s, stage_info = partition_times(model, layout, work, cluster, stages, m, t_acc,
                                                                 compute_s, t_tp_one)
         cp_s = ep_s = 0.0   # the critical rank's block costs carry them, as they carry the layers' TP collectives
-    engine_s = host_costs.engine_overhead(model, layout.zero_stage, m, cluster, p)
+    engine_s = host_costs.engine_overhead(model, ds_stage, m, cluster, p)
     step = compute_s + tp_s + cp_s + ep_s + bubble_s + pp_s + dp_s + engine_s
     mem = predict_memory(model, layout, work, cluster)
     capacity = cluster.gpu.hbm_gib

@@ -113,7 +113,7 @@ def shared_gradient_collectives(model: ModelSpec, layout: Candidate, grad_bytes:
     norm_tensors = 1 if model.rmsnorm else 2
     per_layer = 2 * norm_tensors + int(model.has_out_proj_bias) + int(model.linear_bias)
     tensors = per_layer * model.layers / layout.pp + norm_tensors
-    if layout.zero_stage <= 1:
+    if layout.zero_stage <= 1 or (layout.zero_stage == 2 and layout.pp > 1):   # ZeRO-2 at p > 1: stage-1 engine
         return [Collective("all_reduce", tensors * model.hidden * grad_bytes, 1)]
     return [Collective("all_reduce", model.hidden * grad_bytes, microbatches * tensors)]
 

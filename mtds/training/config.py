@@ -16,6 +16,7 @@ from mtds.parallel.choices import CP_COMM_TYPES, RECOMPUTE_MODES
 from mtds.training.options import check_ranges, opt
 
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
+ZERO2_PIPELINE_REDUCE = ("micro-batch", "step")
 LR_DECAYS = ("cosine", "linear", "constant")
 ON_NAN = ("stop", "skip")
 CE_FUSION_IMPLS = ("native",)       # mtds.tp.cross_entropy's impl= values
@@ -35,7 +36,7 @@ class TrainConfig:
         help="tensor parallel size t (must divide attention heads) [1]")
     pp: int = opt(
         1, "--pipeline-model-parallel-size", "--pp", section=LAYOUT, at_least=1,
-        help="pipeline stages p (ZeRO-2/3 need p = 1) [1]")
+        help="pipeline stages p (ZeRO-3 needs p = 1; ZeRO-2: see --zero2-pipeline-reduce) [1]")
     pipeline_schedule: str = opt(               # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
         "1f1b", "--pipeline-schedule", section=LAYOUT, metavar="NAME",
         help="pipeline schedule: 1f1b (DeepSpeed's engine), interleaved (PTD-P interleaved 1F1B on "
@@ -206,6 +207,11 @@ class TrainConfig:
         help="ZeRO-1's data-parallel gradient reduction: reduce-scatter, each rank summing only the "
              "partition it updates (2(d-1)/d x the parameters' bytes per step with the all-gather), or "
              "DeepSpeed's own all-reduce (3(d-1)/d) [reduce-scatter]")
+    zero2_pipeline_reduce: str = opt(           # ZeRO-2 at --pp > 1: when the gradient partitions are reduced
+        "micro-batch", "--zero2-pipeline-reduce", section=OPTIM, choices=ZERO2_PIPELINE_REDUCE,
+        help="ZeRO-2 with --pp > 1: reduce-scatter each micro-batch's gradients into the rank's partition "
+             "(micro-batch: no whole gradient kept between micro-batches, m x the reduce-scatter's bytes), or "
+             "once after the stage's last backward (step: ZeRO-1's bytes and memory) [micro-batch]")
     # checkpoints and logs
     save: str | None = opt(
         None, "--save", section=LOGS, metavar="DIR", help="checkpoint directory")
@@ -271,6 +277,8 @@ class TrainConfig:
             raise ValueError(f"--lr-decay must be cosine, linear or constant, got {self.lr_decay!r}")
         if self.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
             raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
+        if self.zero2_pipeline_reduce not in ZERO2_PIPELINE_REDUCE:
+            raise ValueError(f"--zero2-pipeline-reduce must be micro-batch or step, got {self.zero2_pipeline_reduce!r}")
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 both given: choose one precision")
         if self.cp_comm_type not in CP_COMM_TYPES:

@@ -16,6 +16,7 @@ from mtds.deepspeed_compat.expert_groups import create_expert_groups, expert_gro
 from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
+from mtds.deepspeed_compat.zero2_reduce import install_zero2_reduce_scatter, micro_batch_done
 from mtds.deepspeed_compat.zero_norm import install_foreach_norm
 from mtds.deepspeed_compat.zero_repoint import install_skip_repoint
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
@@ -52,6 +53,8 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
             named = {n: p for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
             model.add_module(EXPERT_GROUPS, expert_groups_module(world.model_cfg.num_experts, world.layout, named))
     layout, groups = world.layout, world.groups
+    if layout.pp > 1:
+        ds_config = zero2_built_as_stage1(ds_config)
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
         hidden_len = cfg.seq_length // layout.cp // (layout.tp if cfg.sequence_parallel else 1)
@@ -67,16 +70,46 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
     return engine
 
 
+def zero2_built_as_stage1(ds_config: dict) -> dict:
+    """ZeRO-2 on a pipeline: DeepSpeed's optimizer at stage 1 (its pipeline engine asserts stage < 2), the
+    gradients partitioned by mtds (mtds.deepspeed_compat.zero2_reduce)."""
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage") != 2:
+        return ds_config
+    return {**ds_config, "zero_optimization": {**zero, "stage": 1}}
+
+
+def _late_params(engine):
+    """The parameters whose gradients change after a stage's last backward: the tied weights (summed across
+    stages after that) and the sequence-parallel weights (summed over TP)."""
+    def late_params():
+        deferred = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_grads_deferred", False)]
+        return ds_pipeline.tied_parameters(engine.module) + deferred
+    return late_params
+
+
+def install_zero2_pipeline(engine, cfg: TrainConfig) -> None:
+    """ZeRO-2 at p > 1 (mtds.deepspeed_compat.zero2_reduce): its reducer on the stage-1 optimizer; each
+    micro-batch's reduction after the rank's last action of it (mtds's engine calls ``micro_batch_done``
+    itself; DeepSpeed's 1F1B after each BackwardPass, DualPipeV after each of its phase 0), the rest early as
+    ZeRO-1's."""
+    install_zero2_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, _late_params(engine),
+                                 cfg.zero2_pipeline_reduce)
+    if cfg.pipeline_schedule not in OWN_ENGINE:
+        def after_backward(kwargs):
+            if kwargs.get("phase", 0) == 0:     # DualPipeV: phase 0's backward is a micro-batch's last here
+                micro_batch_done(engine)
+        ds_pipeline.after_backward(engine, after_backward)
+        ds_pipeline.before_tied_reduction(engine, lambda: reduce_early(engine))
+
+
 def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
     """ZeRO-1's gradients reduce-scattered (DeepSpeed's all-reduce stays where that cannot apply). On a
     pipeline each stage starts reducing as soon as its last backward (or W) ends: mtds's engine calls
     ``reduce_early`` itself, DeepSpeed's are hooked at their ReduceTiedGrads instruction. Late: the tied
     weights (summed across stages after that) and the sequence-parallel weights (summed over TP).
     DeepSpeed's BF16_Optimizer (bf16 with fp32 accumulation) likewise, from its fp32 gradient buffer."""
-    def late_params():
-        deferred = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_grads_deferred", False)]
-        return ds_pipeline.tied_parameters(engine.module) + deferred
-
+    late_params = _late_params(engine)
     if (install_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None and
             install_bf16_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, late_params) is None):
         return
@@ -102,7 +135,9 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
-    if zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
+    if zero_stage == 2 and world.layout.pp > 1:
+        install_zero2_pipeline(engine, cfg)
+    elif zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
         install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
