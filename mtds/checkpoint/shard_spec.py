@@ -37,6 +37,9 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
                  + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm])
     dense = [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear]
     moe = ["mlp.router.weight", "mlp.experts.gate_up", "mlp.experts.down"]   # mtds.model.moe
+    if cfg.moe_shared_expert_intermediate_size is not None:               # mtds.model.shared_expert
+        moe += ["mlp.shared_expert.fc_in.weight", "mlp.shared_expert.fc_out.weight"]
+        moe += ["mlp.shared_expert.gate"] if cfg.moe_shared_expert_gate else []
     names = {0: ["word_embeddings.weight"] + (["position_embeddings.weight"] if cfg.position_embedding == "learned"
                                               else [])}
     names.update({i: attention + (moe if cfg.is_moe_layer(i) else dense) for i in range(1, cfg.num_layers + 1)})
@@ -60,9 +63,12 @@ def split_of(cfg: ModelConfig, layer: int, name: str) -> Split:
         return Split(0, (cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d))
     if name.startswith("mlp.fc_in."):
         return Split(0, (cfg.ffn_size, cfg.ffn_size) if cfg.activation == "swiglu" else None)
-    if name in ("attention.out_proj.weight", "mlp.fc_out.weight"):
+    if name == "mlp.shared_expert.fc_in.weight":
+        width = cfg.moe_shared_expert_intermediate_size
+        return Split(0, (width, width))
+    if name in ("attention.out_proj.weight", "mlp.fc_out.weight", "mlp.shared_expert.fc_out.weight"):
         return Split(1)
-    if name == "mlp.router.weight":
+    if name in ("mlp.router.weight", "mlp.shared_expert.gate"):
         return REPLICATED
     if name == "mlp.experts.gate_up":     # [E, 2F, h]: each expert's gate|up split over TP
         return Split(1, (cfg.moe_ffn_size, cfg.moe_ffn_size))

@@ -19,7 +19,8 @@ from mtds.rules.job import ModelFacts
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
-ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe",
+                 "qwen2_moe")
 # RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
@@ -67,6 +68,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0        # HF's load-balancing loss weight, added to the training loss
     decoder_sparse_step: int = 1             # block i (1-based) is MoE when i % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()    # ... and its 0-based index is not listed here (Qwen3-MoE)
+    # A dense SwiGLU MLP beside the routed experts of every MoE block, always on (Megatron-core's names):
+    moe_shared_expert_intermediate_size: int | None = None   # its width; None: no shared expert
+    moe_shared_expert_gate: bool = False     # Qwen2-MoE: its output scaled by sigmoid(x · w), w [1, h]
     # Megatron-core's router options (training flags, not HF's; docs/moe.md): off by default
     moe_z_loss_coeff: float = 0.0            # router z-loss weight (--moe-z-loss-coeff)
     moe_expert_capacity_factor: float | None = None   # None: dropless (--moe-expert-capacity-factor)
@@ -164,6 +168,7 @@ class ModelConfig:
                           kv_heads=self.kv_heads, ffn_size=self.ffn_size, num_experts=self.num_experts,
                           moe_ffn_size=self.moe_ffn_size if self.num_experts else 0,
                           moe_blocks=tuple(i for i in range(self.num_layers) if self.is_moe_layer(i + 1)),
+                          shared_expert_ffn_size=self.moe_shared_expert_intermediate_size or 0,
                           attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
                           sliding_window=self.sliding_window)
 
@@ -211,6 +216,7 @@ def _check_moe(cfg: ModelConfig) -> None:
         dense = ModelConfig.__dataclass_fields__
         moved = [f for f in ("moe_top_k", "moe_ffn_hidden_size", "norm_topk_prob", "router_aux_loss_coef",
                              "decoder_sparse_step", "mlp_only_layers", "moe_z_loss_coeff",
+                             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                              "moe_expert_capacity_factor", "moe_token_drop_policy")
                  if getattr(cfg, f) != dense[f].default]
         if moved:
@@ -220,6 +226,11 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ValueError(f"moe_top_k {cfg.moe_top_k} must be in 1..num_experts {cfg.num_experts}")
     if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size <= 0:
         raise ValueError(f"moe_ffn_hidden_size must be positive, got {cfg.moe_ffn_hidden_size}")
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared is not None and (not isinstance(shared, int) or shared <= 0):
+        raise ValueError(f"moe_shared_expert_intermediate_size must be a positive int or None, got {shared!r}")
+    if cfg.moe_shared_expert_gate and shared is None:
+        raise ValueError("moe_shared_expert_gate needs a shared expert (moe_shared_expert_intermediate_size)")
     if not isinstance(cfg.decoder_sparse_step, int) or cfg.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step must be an int >= 1, got {cfg.decoder_sparse_step!r}")
     outside = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_layers]

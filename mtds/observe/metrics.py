@@ -110,18 +110,22 @@ def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
 def active_ffn_width(cfg) -> float:
     """The per-block SwiGLU width whose FLOPs equal, summed over the blocks, what the blocks compute per token:
     a dense block its FFN; an MoE block (docs/moe.md) only the k experts a token goes to, plus its router
-    (2·h·E, written as a width E/3 of the gated MLP's 6·h·f). Model FLOPs count active experts only."""
+    (2·h·E, written as a width E/3 of the gated MLP's 6·h·f), and its shared expert where it has one (its width,
+    plus 1/3 for a sigmoid gate's 2·h). Model FLOPs count active experts only."""
     if not getattr(cfg, "num_experts", 0):
         return float(cfg.ffn_size)
     moe = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
-    return moe_active_ffn_width(cfg.num_layers, cfg.ffn_size, moe, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_size)
+    shared = (cfg.moe_shared_expert_intermediate_size or 0) + (1 / 3 if cfg.moe_shared_expert_gate else 0)
+    return moe_active_ffn_width(cfg.num_layers, cfg.ffn_size, moe, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_size,
+                                shared)
 
 
 def moe_active_ffn_width(layers: int, ffn: float, moe_layers: int, num_experts: int, top_k: int,
-                         moe_ffn: float) -> float:
+                         moe_ffn: float, shared_ffn: float = 0.0) -> float:
     """:func:`active_ffn_width` from the sizes alone (the planner's ModelSpec has no ModelConfig): ``moe_layers``
-    of the ``layers`` blocks run k experts of width ``moe_ffn`` and a router over ``num_experts``."""
-    per_moe = top_k * moe_ffn + num_experts / 3
+    of the ``layers`` blocks run k experts of width ``moe_ffn``, a router over ``num_experts`` and a shared expert
+    of width ``shared_ffn`` (0: none)."""
+    per_moe = top_k * moe_ffn + num_experts / 3 + shared_ffn
     return ((layers - moe_layers) * ffn + moe_layers * per_moe) / layers
 
 

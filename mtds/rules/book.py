@@ -76,7 +76,7 @@ RULES: tuple[Rule, ...] = (
     Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, --pipeline-schedule, document resets",
          "MoE on a pipeline other than 1f1b training, or with document resets; MoE evaluation at --pp > 1",
          kind=NOT_BUILT),
-    Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert FFN size"),
+    Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
 )
 
 # Rules of the stage partition (blocks per virtual stage), which start-up settles once the rules above hold: the

@@ -66,6 +66,9 @@ def moe_pipeline(job: Job) -> str | None:
 def expert_width(job: Job) -> str | None:
     if job.model.num_experts and job.model.moe_ffn_size % job.tp:
         return f"tensor parallel size {job.tp} does not divide the expert FFN size {job.model.moe_ffn_size}"
+    if job.model.shared_expert_ffn_size % job.tp:
+        return f"tensor parallel size {job.tp} does not divide the shared expert FFN size " \
+               f"{job.model.shared_expert_ffn_size}"
     return None
 
 

@@ -20,6 +20,7 @@ class ModelFacts:
     num_experts: int = 0
     moe_ffn_size: int = 0
     moe_blocks: tuple[int, ...] = ()        # 0-based indices of the blocks holding experts
+    shared_expert_ffn_size: int = 0         # the MoE blocks' shared expert's width (0: none)
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     sliding_window: int | None = None

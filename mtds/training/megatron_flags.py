@@ -39,7 +39,11 @@ EQUIVALENTS = {
                                           "the rows it kept, unpadded (docs/moe.md)",
     "--moe-grouped-gemm": "mtds runs the local experts as a grouped GEMM by itself where torch has one for the device "
                           "(docs/moe.md)",
-    "--moe-shared-expert-intermediate-size": "shared experts are not built (docs/moe.md)",
+    **{flag: _MODEL + "; an MoE model's shared expert (width, gate) comes from its HF config: Qwen2-MoE's "
+                      "shared_expert_intermediate_size with its sigmoid shared_expert_gate (docs/moe.md)"
+       for flag in ("--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate")},
+    "--moe-layer-freq": _MODEL + "; which blocks hold experts comes from its HF config (decoder_sparse_step, "
+                                 "mlp_only_layers; docs/moe.md)",
     "--ckpt-format": "mtds writes DeepSpeed's checkpoint format (mtds-convert turns it into HF's)",
 }
 

@@ -1,0 +1,176 @@
+"""The MoE families beyond Mixtral / Qwen3-MoE (docs/moe.md) against transformers, fp32: Qwen2-MoE (a shared
+expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts). Per family: evaluation logits, the
+training loss (LM + aux) and every gradient in one process; the export round trip bit for bit (also through
+mtds-convert at t = 2, p = 2); and one pooled 4-rank body: logits at t = 2 with e = 2 from transformers' files,
+then 10 clipped AdamW steps against transformers (loss and pre-clip grad norm within 1e-5) at (2,1,2) e = 2
+with --sequence-parallel and at (2,2,1) with --sequence-parallel.
+
+Tolerance 1e-5 relative (fp32): the two sides sum in other orders (TP partial sums, the experts' grouped rows);
+measured differences are ~1e-7 (docs/moe.md). Router ties: the one-process checks assert every token's k-th and
+(k+1)-th probabilities differ by more than 1e-4 on their batch (tests/test_moe.py's margin)."""
+import dataclasses
+
+import pytest
+import torch
+
+from mtds.hf import hf_config_dict, load_hf_into_model, model_config_from_hf, model_to_hf_state
+from mtds.model import GPTModel
+from tests.test_moe import MARGIN, REL_TOL, TRAIN_LR, VOCAB, _ids, _min_margin, _parity, _rel, _shape, \
+    grads_in_hf_names
+
+CASES = {
+    # block 0 MoE (4 experts, top-2, not renormalised, a gated shared expert of width 80), block 1 dense
+    "qwen2_moe": lambda T: T.Qwen2MoeConfig(**_shape(num_experts=4, moe_intermediate_size=48,
+                                                     shared_expert_intermediate_size=80, mlp_only_layers=[1],
+                                                     norm_topk_prob=False, router_aux_loss_coef=0.02)),
+}
+SEEDS = {"qwen2_moe": 2}
+
+
+def _hf(name):
+    """transformers' model with random O(1) weights and O(1) router logits (as tests/test_moe.py's)."""
+    import transformers as T
+    torch.manual_seed(SEEDS[name])
+    model = T.AutoModelForCausalLM.from_config(CASES[name](T), attn_implementation="eager").float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith(("gate.weight", "shared_expert_gate.weight")):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_loss_grads_and_export_match_transformers(name, tmp_path):
+    """Evaluation logits and LM loss; in training the loss (LM + coef x aux) and every gradient, in
+    transformers' names; then transformers' files -> mtds -> export bit for bit (keys, tensors, config),
+    directly and through mtds-convert at t = 2, p = 2."""
+    from safetensors.torch import load_file
+    from mtds.cli.convert import main as convert
+    hf = _hf(name)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    cfg = model_config_from_hf(hf.config)
+    model = GPTModel(cfg)
+    load_hf_into_model(model, str(tmp_path / "hf"))
+    ids, labels = _ids()
+    hf.eval(), model.eval()
+    with torch.no_grad():
+        out = hf(ids, output_router_logits=True)
+        assert _min_margin(out.router_logits, cfg.moe_top_k) > MARGIN, name
+        assert _rel(model.full_logits(ids), out.logits) < REL_TOL, name
+    hf.train(), model.train()
+    out = hf(ids, labels=ids, output_router_logits=True)
+    loss = model(ids, labels)
+    got, want = float(loss.detach()), float(out.loss.detach())
+    assert abs(got - want) / want < REL_TOL, (name, got, want)
+    out.loss.backward()
+    loss.backward()
+    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
+    assert sorted(ours) == sorted(theirs)
+    worst = max(_rel(ours[k], theirs[k]) for k in theirs)
+    assert worst < REL_TOL, (name, worst)
+    # the round trip
+    disk = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    state = model_to_hf_state(model)
+    assert sorted(state) == sorted(disk) and all(torch.equal(state[k], disk[k]) for k in disk), name
+    assert model_config_from_hf(hf_config_dict(cfg)) == cfg
+    convert(["hf-to-mtds", "--hf", str(tmp_path / "hf"), "--tp", "2", "--pp", "2", "--out", str(tmp_path / "ck")])
+    convert(["mtds-to-hf", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "conv")])
+    converted = load_file(str(tmp_path / "conv" / "model.safetensors"))
+    assert sorted(converted) == sorted(disk) and all(torch.equal(converted[k], disk[k]) for k in disk), name
+
+
+def _training_model(name):
+    import transformers as T
+    from tests.training_helpers import TINY
+    return dataclasses.replace(model_config_from_hf(CASES[name](T)), vocab_size=TINY.vocab_size)
+
+
+def _logits_at(hf_dir, tp: int, ep: int) -> float:
+    """transformers' files loaded at (tp, 1, 4 / tp) with expert parallelism ``ep`` (each rank reads its own
+    experts and TP shards), evaluated on the same ids everywhere: the largest relative logit difference."""
+    import transformers as T
+    from mtds.eval import build_eval_model
+    from mtds.hf.init import hf_model_config
+    from mtds.parallel.layout import ParallelLayout
+    groups = ParallelLayout(tp=tp, dp=4 // tp, ep=ep).build_groups()
+    cfg = hf_model_config(hf_dir)
+    model = build_eval_model(cfg, groups, hf=hf_dir)
+    _split_spec_matches(cfg, model)
+    ids, _ = _ids()
+    hf = T.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        logits = model(ids)
+    if tp > 1:      # vocab-parallel logits: gather the TP pieces
+        import torch.distributed as dist
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=groups.tp_group)
+        logits = torch.cat(parts, dim=-1)
+    return _rel(logits[..., :VOCAB], hf(ids).logits)
+
+
+def _split_spec_matches(cfg, model):
+    """mtds.checkpoint.shard_spec's table (checkpoints, mtds-convert, resharding) names every parameter of the
+    built model and agrees with the TP attributes its parameters carry."""
+    from mtds.checkpoint.shard_spec import layer_names, split_of
+    names, L = layer_names(cfg), cfg.num_layers
+    modules = {0: model.embedding, **{i + 1: m for i, m in enumerate(model.layers)}, L + 1: model.final_norm}
+    if model.lm_head is not None:
+        modules[L + 2] = model.lm_head
+    assert sorted(modules) == sorted(names)
+    for layer, module in modules.items():
+        assert sorted(names[layer]) == sorted(n for n, _ in module.named_parameters()), layer
+        for pname, p in module.named_parameters():
+            s = split_of(cfg, layer, pname)
+            if getattr(p, "tensor_model_parallel", False):
+                assert (s.dim, s.segments) == (p.partition_dim, p.partition_segments), (layer, pname)
+            else:
+                assert s.dim is None, (layer, pname)
+
+
+def _four_rank_body(hf_dirs, configs):
+    from mtds.training import run
+    logits = {name: _logits_at(d, 2, 2) for name, d in hf_dirs.items()}
+    assert all(err < REL_TOL for err in logits.values()), logits
+    return logits, [run(cfg) for cfg in configs]
+
+
+def test_four_ranks(tmp_path):
+    """One pooled 4-rank body per the module docstring."""
+    from tests.dist import spawn
+    from tests.training_helpers import ds_config, train_config
+    names = list(CASES)
+    lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10)
+    models = [(name, _training_model(name)) for name in names]
+    configs = []
+    for _, cfg in models:
+        configs += [train_config(model=cfg, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
+                                 deepspeed_config=ds_config(zero=0), **lr),
+                    train_config(model=cfg, tp=2, pp=2, sequence_parallel=True, **lr)]
+    hf_dirs = {}
+    for name in names:
+        hf_dirs[name] = str(tmp_path / name)
+        _hf(name).save_pretrained(hf_dirs[name])
+    per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, timeout=600)
+    logits, results = per_rank[-1]
+    print("logits at (2,1,2) e = 2, max rel diff:", logits)
+    assert [r.layout for r in results] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names)
+    _parity(results, [m for m in models for _ in range(2)], "(2,1,2)e2+sp (2,2,1)+sp")
+
+
+def test_shared_expert_flops_and_width_rule():
+    """The step log's FLOPs count the shared expert (6·h·f per token, plus the gate's 2·h, x 3 for forward and
+    backward) in every MoE block; the rulebook refuses a t that does not divide its width."""
+    from mtds import rules
+    from mtds.observe.metrics import model_config_flops
+    cfg = _training_model("qwen2_moe")
+    plain = dataclasses.replace(cfg, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+    batch, seq, h, blocks = 2, 16, cfg.hidden_size, 1
+    extra = model_config_flops(cfg, batch, seq) - model_config_flops(plain, batch, seq)
+    assert abs(extra / (3 * batch * seq * blocks * (6 * h * 80 + 2 * h)) - 1) < 1e-9
+    odd = dataclasses.replace(cfg, moe_shared_expert_intermediate_size=81)
+    found = rules.problems(rules.Job(odd.facts(), 2, tp=2))
+    assert found and "does not divide the shared expert FFN size 81" in found[0].message, found
