@@ -1,9 +1,11 @@
 """The MoE families beyond Mixtral / Qwen3-MoE (docs/moe.md) against transformers, fp32: Qwen2-MoE (a shared
-expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts). Per family: evaluation logits, the
-training loss (LM + aux) and every gradient in one process; the export round trip bit for bit (also through
-mtds-convert at t = 2, p = 2); and one pooled 4-rank body: logits at t = 2 with e = 2 from transformers' files,
-then 10 clipped AdamW steps against transformers (loss and pre-clip grad norm within 1e-5) at (2,1,2) e = 2
-with --sequence-parallel and at (2,2,1) with --sequence-parallel.
+expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts) and DeepSeek-V3 (multi-head latent
+attention; sigmoid routing with the expert bias, groups, scaling; shared experts; dense first blocks). Per family:
+evaluation logits, the training loss (LM + aux) and every gradient in one process; the export round trip bit for
+bit (also through mtds-convert at t = 2, p = 2); and one pooled 4-rank body: logits at t = 2 with e = 2 from
+transformers' files, then 10 clipped AdamW steps against transformers (loss and pre-clip grad norm within 1e-5)
+at (2,1,2) e = 2 with --sequence-parallel and at (2,2,1) with --sequence-parallel; for DeepSeek-V3 also the
+aux-loss-free bias update at (2,1,2) e = 2 against transformers trained with the same update by hand.
 
 Tolerance 1e-5 relative (fp32): the two sides sum in other orders (TP partial sums, the experts' grouped rows);
 measured differences are ~1e-7 (docs/moe.md). Router ties: the one-process checks assert every token's k-th and
@@ -24,7 +26,20 @@ CASES = {
                                                      shared_expert_intermediate_size=80, mlp_only_layers=[1],
                                                      norm_topk_prob=False, router_aux_loss_coef=0.02)),
 }
-SEEDS = {"qwen2_moe": 2}
+_DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=2,
+                 kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.5,
+                 num_mtp_layers=0)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+CASES["deepseek_v3"] = lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK}, q_lora_rank=24, n_group=4,
+                                                    topk_group=2, first_k_dense_replace=1, rope_interleave=True,
+                                                    rope_parameters=_YARN)
+# no q LoRA, RoPE not interleaved and not scaled, one group (plain top-k), every block MoE
+CASES["deepseek_v3_plain"] = lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK}, q_lora_rank=None, n_group=1,
+                                                          topk_group=1, first_k_dense_replace=0,
+                                                          rope_interleave=False, norm_topk_prob=False)
+SEEDS = {"qwen2_moe": 2, "deepseek_v3": 0, "deepseek_v3_plain": 0}
+BIAS = "e_score_correction_bias"
 
 
 def _hf(name):
@@ -40,6 +55,9 @@ def _hf(name):
                 p.copy_(0.5 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for pname, b in model.named_buffers():
+            if pname.endswith(BIAS):      # DeepSeek-V3's bias moves the choice, not the weights
+                b.copy_(0.1 * torch.randn_like(b))
     return model
 
 
@@ -59,7 +77,8 @@ def test_logits_loss_grads_and_export_match_transformers(name, tmp_path):
     hf.eval(), model.eval()
     with torch.no_grad():
         out = hf(ids, output_router_logits=True)
-        assert _min_margin(out.router_logits, cfg.moe_top_k) > MARGIN, name
+        if cfg.moe_router_score_function == "softmax":   # sigmoid routing: a flip shows in the logits (0.1 or so)
+            assert _min_margin(out.router_logits, cfg.moe_top_k) > MARGIN, name
         assert _rel(model.full_logits(ids), out.logits) < REL_TOL, name
     hf.train(), model.train()
     out = hf(ids, labels=ids, output_router_logits=True)
@@ -70,7 +89,7 @@ def test_logits_loss_grads_and_export_match_transformers(name, tmp_path):
     loss.backward()
     ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
     assert sorted(ours) == sorted(theirs)
-    worst = max(_rel(ours[k], theirs[k]) for k in theirs)
+    worst = max(_rel(ours[k], theirs[k]) for k in theirs if not k.endswith(BIAS))   # a buffer: no gradient
     assert worst < REL_TOL, (name, worst)
     # the round trip
     disk = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -116,14 +135,15 @@ def _split_spec_matches(cfg, model):
     """mtds.checkpoint.shard_spec's table (checkpoints, mtds-convert, resharding) names every parameter of the
     built model and agrees with the TP attributes its parameters carry."""
     from mtds.checkpoint.shard_spec import layer_names, split_of
+    from mtds.model.shard import weights_of
     names, L = layer_names(cfg), cfg.num_layers
     modules = {0: model.embedding, **{i + 1: m for i, m in enumerate(model.layers)}, L + 1: model.final_norm}
     if model.lm_head is not None:
         modules[L + 2] = model.lm_head
     assert sorted(modules) == sorted(names)
     for layer, module in modules.items():
-        assert sorted(names[layer]) == sorted(n for n, _ in module.named_parameters()), layer
-        for pname, p in module.named_parameters():
+        assert sorted(names[layer]) == sorted(weights_of(module)), layer
+        for pname, p in weights_of(module).items():
             s = split_of(cfg, layer, pname)
             if getattr(p, "tensor_model_parallel", False):
                 assert (s.dim, s.segments) == (p.partition_dim, p.partition_segments), (layer, pname)
@@ -131,18 +151,68 @@ def _split_spec_matches(cfg, model):
                 assert s.dim is None, (layer, pname)
 
 
-def _four_rank_body(hf_dirs, configs):
+def _four_rank_body(hf_dirs, configs, bias_runs):
+    """``bias_runs``: the indices of the configs with the bias update, whose biases are recorded after each step."""
+    import mtds.training.hooks as hooks
     from mtds.training import run
     logits = {name: _logits_at(d, 2, 2) for name, d in hf_dirs.items()}
     assert all(err < REL_TOL for err in logits.values()), logits
-    return logits, [run(cfg) for cfg in configs]
+    update, biases = hooks.update_expert_biases, []
+
+    def recorded(blocks, rate, group):
+        update(blocks, rate, group)
+        biases[-1].append([b.router.e_score_correction_bias.clone() for b in blocks])
+    results = []
+    for k, cfg in enumerate(configs):
+        biases.append([])
+        hooks.update_expert_biases = recorded
+        try:
+            results.append(run(cfg))
+        finally:
+            hooks.update_expert_biases = update
+    return logits, results, [biases[k] for k in bias_runs]
+
+
+def _reference_with_bias_update(cfg, rate: float):
+    """transformers + torch AdamW (the suite's reference loop) with DeepSeek-V3's bias update done by hand:
+    each router's choices counted over the step's micro-batches, then after the optimizer step
+    bias += rate · sign(mean − load). (losses, grad norms, [per step: [per MoE block: bias]])."""
+    from tests.training_helpers import SEED, hf_with_mtds_weights, train_hf
+    hf = hf_with_mtds_weights(cfg, SEED)
+    routers = [m for m in hf.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    loads = [torch.zeros(cfg.num_experts, dtype=torch.float64) for _ in routers]
+    history = []
+
+    def count(i):
+        def hook(module, args, out):
+            loads[i] += torch.bincount(out[2].reshape(-1), minlength=cfg.num_experts).double()
+        return hook
+
+    def after_step(optimizer, args, kwargs):
+        with torch.no_grad():
+            for router, load in zip(routers, loads):
+                router.e_score_correction_bias += torch.sign(load.mean() - load).float() * rate
+                load.zero_()
+        history.append([r.e_score_correction_bias.clone() for r in routers])
+    handles = [r.register_forward_hook(count(i)) for i, r in enumerate(routers)]
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    handles.append(register_optimizer_step_post_hook(after_step))
+    try:
+        ref = train_hf(hf, lr=TRAIN_LR)
+    finally:
+        for h in handles:
+            h.remove()
+    return ref, history
+
+
+BIAS_RATE = 1e-2     # Megatron's default is 1e-3; 10 steps of 1e-2 move the choice on this model's O(0.1) scores
 
 
 def test_four_ranks(tmp_path):
     """One pooled 4-rank body per the module docstring."""
     from tests.dist import spawn
-    from tests.training_helpers import ds_config, train_config
-    names = list(CASES)
+    from tests.training_helpers import ds_config, max_rel_diff, train_config
+    names = ["qwen2_moe", "deepseek_v3"]
     lr = dict(lr=TRAIN_LR, min_lr=TRAIN_LR / 10)
     models = [(name, _training_model(name)) for name in names]
     configs = []
@@ -150,15 +220,33 @@ def test_four_ranks(tmp_path):
         configs += [train_config(model=cfg, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
                                  deepspeed_config=ds_config(zero=0), **lr),
                     train_config(model=cfg, tp=2, pp=2, sequence_parallel=True, **lr)]
+    deepseek = models[1][1]
+    configs.append(train_config(model=deepseek, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
+                                deepspeed_config=ds_config(zero=1), moe_router_enable_expert_bias=True,
+                                moe_router_bias_update_rate=BIAS_RATE, **lr))
     hf_dirs = {}
     for name in names:
         hf_dirs[name] = str(tmp_path / name)
         _hf(name).save_pretrained(hf_dirs[name])
-    per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, timeout=600)
-    logits, results = per_rank[-1]
+    per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 1], timeout=600)
+    logits, results, _ = per_rank[-1]
     print("logits at (2,1,2) e = 2, max rel diff:", logits)
-    assert [r.layout for r in results] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names)
-    _parity(results, [m for m in models for _ in range(2)], "(2,1,2)e2+sp (2,2,1)+sp")
+    assert [r.layout for r in results[:4]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names)
+    _parity(results[:4], [m for m in models for _ in range(2)], "(2,1,2)e2+sp (2,2,1)+sp")
+    # the bias update: the same losses and norms as transformers trained with the update by hand, and after every
+    # step the same biases, bit for bit, on every rank and in the reference (integer loads, the same signs)
+    ref, history = _reference_with_bias_update(deepseek, BIAS_RATE)
+    got = results[-1]
+    loss, norm = max_rel_diff(got.losses, ref.losses), max_rel_diff(got.grad_norms, ref.grad_norms)
+    print(f"bias update (2,1,2)e2+sp: max rel diff loss {loss:.1e} grad norm {norm:.1e}")
+    assert loss < REL_TOL and norm < REL_TOL, (loss, norm, got.losses, ref.losses)
+    assert len(history) == 10 and history[-1][0].abs().max() > 0
+    for rank, (_, _, (biases,)) in enumerate(per_rank):
+        assert len(biases) == 10, (rank, len(biases))
+        for step, (ours, theirs) in enumerate(zip(biases, history)):
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (rank, step, ours, theirs)
+    # the update moved the model off the run without it (a bias that is not used would not)
+    assert max_rel_diff(got.losses, results[2].losses) > 1e-4, (got.losses, results[2].losses)
 
 
 def test_shared_expert_flops_and_width_rule():
