@@ -264,3 +264,56 @@ def test_shared_expert_flops_and_width_rule():
     odd = dataclasses.replace(cfg, moe_shared_expert_intermediate_size=81)
     found = rules.problems(rules.Job(odd.facts(), 2, tp=2))
     assert found and "does not divide the shared expert FFN size 81" in found[0].message, found
+
+
+@pytest.mark.parametrize("config, needles", [
+    (lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK, "num_mtp_layers": 1}),
+     ("num_nextn_predict_layers 1", "multi-token prediction")),
+    (lambda T: {**T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK}).to_dict(), "scoring_func": "softmax"},
+     ("scoring_func 'softmax'",)),
+    (lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK, "attention_bias": True}), ("attention_bias",)),
+    (lambda T: {"model_type": "deepseek_v32"}, ("'deepseek_v32'", "sparse attention indexer")),
+    (lambda T: T.Qwen2MoeConfig(**_shape(num_experts=4, use_sliding_window=True, sliding_window=8)),
+     ("qwen2_moe", "use_sliding_window")),
+])
+def test_unbuilt_configs_are_refused(config, needles):
+    """What these families' configs may ask for that mtds does not compute: one line naming it."""
+    import transformers as T
+    from mtds.hf import UnsupportedHFConfig
+    with pytest.raises(UnsupportedHFConfig) as e:
+        model_config_from_hf(config(T))
+    line = str(e.value)
+    assert "\n" not in line and all(n in line for n in needles), line
+
+
+def test_router_flags_and_latent_attention_rules(capsys):
+    """The bias update asks for a router with a bias; latent attention is refused with context parallelism;
+    Megatron's latent-attention and DeepSeek routing flags say where the sizes come from."""
+    from mtds import rules
+    from mtds.training.cli import build_parser
+    qwen, deepseek = _training_model("qwen2_moe"), _training_model("deepseek_v3")
+    found = rules.problems(rules.Job(qwen.facts(), 2, moe_bias_update=True))
+    assert found and "needs a router with an expert bias" in found[0].message, found
+    assert not rules.problems(rules.Job(deepseek.facts(), 2, moe_bias_update=True))
+    found = rules.problems(rules.Job(deepseek.facts(), 2, cp=2, seq_length=32))
+    assert any("multi-head latent attention (DeepSeek-V3) with --cp 2" in p.message for p in found), found
+    for flag, words in (("--q-lora-rank", "q_lora_rank"), ("--moe-router-num-groups", "n_group")):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["--deepspeed_config", "ds_configs/cpu_fp32.json", flag, "4"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_plain"])
+def test_latent_attention_flops_are_counted(name):
+    """The step log's FLOPs of multi-head latent attention (mtds.observe.metrics.latent_attention_flops) equal
+    torch's own count of the module's matmuls (FlopCounterMode: projections and the attention kernel)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from mtds.model.latent_attention import MultiLatentAttention
+    from mtds.observe.metrics import latent_attention_flops
+    cfg = _training_model(name)
+    attention, x = MultiLatentAttention(cfg), torch.randn(2, 16, cfg.hidden_size)
+    with FlopCounterMode(display=False) as counter:
+        attention(x)
+    projections, core = latent_attention_flops(cfg, 16)
+    assert counter.get_total_flops() == 2 * 16 * (projections + core), (counter.get_total_flops(), projections, core)
