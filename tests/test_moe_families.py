@@ -225,12 +225,15 @@ def test_four_ranks(tmp_path):
     # without --sequence-parallel: latent attention's replicated down-projections on the replicated input
     configs.append(train_config(model=deepseek, tp=2, expert_model_parallel_size=2,
                                 deepspeed_config=ds_config(zero=1), moe_router_enable_expert_bias=True,
-                                moe_router_bias_update_rate=BIAS_RATE, **lr))
+                                moe_router_bias_update_rate=BIAS_RATE, save=str(tmp_path / "ck"), save_interval=5,
+                                **lr))
+    # resumed at step 5: the biases come back from the checkpoint (a persistent buffer of the module's state)
+    configs.append(dataclasses.replace(configs[-1], save=None, load=str(tmp_path / "ck" / "global_step5")))
     hf_dirs = {}
     for name in names:
         hf_dirs[name] = str(tmp_path / name)
         _hf(name).save_pretrained(hf_dirs[name])
-    per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 1], timeout=600)
+    per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 2, len(configs) - 1], timeout=600)
     logits, results, _ = per_rank[-1]
     print("logits at (2,1,2) e = 2, max rel diff:", logits)
     assert [r.layout for r in results[:4]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names)
@@ -238,15 +241,23 @@ def test_four_ranks(tmp_path):
     # the bias update: the same losses and norms as transformers trained with the update by hand, and after every
     # step the same biases, bit for bit, on every rank and in the reference (integer loads, the same signs)
     ref, history = _reference_with_bias_update(deepseek, BIAS_RATE)
-    got = results[-1]
+    got, resumed = results[-2:]
     loss, norm = max_rel_diff(got.losses, ref.losses), max_rel_diff(got.grad_norms, ref.grad_norms)
     print(f"bias update (2,1,2)e2: max rel diff loss {loss:.1e} grad norm {norm:.1e}")
     assert loss < REL_TOL and norm < REL_TOL, (loss, norm, got.losses, ref.losses)
     assert len(history) == 10 and history[-1][0].abs().max() > 0
-    for rank, (_, _, (biases,)) in enumerate(per_rank):
-        assert len(biases) == 10, (rank, len(biases))
-        for step, (ours, theirs) in enumerate(zip(biases, history)):
+    for rank, (_, _, (biases, biases_resumed)) in enumerate(per_rank):
+        assert len(biases) == 10 and len(biases_resumed) == 5, (rank, len(biases), len(biases_resumed))
+        for step, (ours, theirs) in enumerate(zip(biases + biases_resumed, history + history[5:])):
             assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (rank, step, ours, theirs)
+    assert (resumed.losses, resumed.grad_norms) == (got.losses[5:], got.grad_norms[5:]), (resumed, got)
+    # ... and the step-10 checkpoint exported (mtds-to-hf: the expert files joined) holds the step-10 biases
+    from safetensors.torch import load_file
+    from mtds.cli.convert import main as convert
+    convert(["mtds-to-hf", "--ckpt", str(tmp_path / "ck" / "global_step10"), "--out", str(tmp_path / "exported")])
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    keys = sorted(k for k in exported if k.endswith(BIAS))
+    assert len(keys) == len(history[-1]) and all(torch.equal(exported[k], b) for k, b in zip(keys, history[-1]))
     # the update moved the model off the run without it (a bias that is not used would not)
     assert max_rel_diff(got.losses, results[2].losses) > 1e-4, (got.losses, results[2].losses)
 
@@ -317,3 +328,13 @@ def test_latent_attention_flops_are_counted(name):
         attention(x)
     projections, core = latent_attention_flops(cfg, 16)
     assert counter.get_total_flops() == 2 * 16 * (projections + core), (counter.get_total_flops(), projections, core)
+
+
+def test_expert_bias_stays_float32():
+    """The expert bias is kept in float32 when the model is cast to bf16 (a 1e-3 step would vanish in bf16),
+    and follows the model's device."""
+    model = GPTModel(_training_model("deepseek_v3")).bfloat16()
+    from mtds.model.gpt import moe_blocks
+    blocks = moe_blocks(model)
+    assert blocks and all(b.router.e_score_correction_bias.dtype == torch.float32 for b in blocks)
+    assert all(b.router.weight.dtype == torch.bfloat16 for b in blocks)
