@@ -26,6 +26,8 @@ _NOT_YET = {"gemma": "embeddings scaled by sqrt(hidden_size), RMSNorm as (1 + we
             "gemma3_text": "Gemma 2's, plus q/k norm and a RoPE base per layer type",
             "phi": "attention and MLP in parallel from one LayerNorm, partial rotary, a biased LM head",
             "phi3": "fused qkv_proj / gate_up_proj and longrope scaling",
+            "gpt_oss": "attention sinks, alternating sliding windows, experts with biases and a clamped SwiGLU, a "
+                       "router with a bias (docs/moe.md)",
             "deepseek_v32": "DeepSeek-V3.2's sparse attention indexer is not built (DeepSeek-V3's attention is: "
                             "deepseek_v3)"}
 

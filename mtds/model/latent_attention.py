@@ -17,6 +17,9 @@ gradient, and the shared RoPE key enters the TP region the same way: each rank's
 With sequence parallelism each rank runs the down-projections and norms on its own slice (their weights'
 gradients summed over TP like a norm's), the up-projections all-gather the latents, and the RoPE key is
 all-gathered (its gradient reduce-scattered).
+
+Context parallelism (ring or Ulysses): RoPE at this rank's positions of the whole sequence, then mtds.cp's
+attention with the value head dim padded to the query/key one (or the other way), the output cut back.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtds.cp import cp_attention
 from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 from mtds.tp import (ColumnParallelLinear, RowParallelLinear, checkpoint, copy_to_tensor_parallel_region,
@@ -81,11 +85,9 @@ class MultiLatentAttention(nn.Module):
                  context: ContextParallel | None = None):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
-        if context is not None:
-            raise ValueError("multi-latent attention with context parallelism is not built (docs/moe.md)")
         self.cfg, self.group, self.rng_tracker, self.recompute_core = cfg, tp_group, rng_tracker, recompute_core
         self.sequence_parallel = sequence_parallel and t > 1
-        self.context, self.documents = None, enabled(documents)
+        self.context, self.documents = context, enabled(documents)
         self.local_heads = cfg.num_heads // t
         H, nope, rope, v = cfg.num_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         sp_group = tp_group if self.sequence_parallel else None
@@ -109,9 +111,14 @@ class MultiLatentAttention(nn.Module):
         self._rotary_cache: dict = {}
 
     def _rotary(self, seq: int, device, dtype):
+        """cos/sin of the whole sequence's ``seq`` positions; under context parallelism this rank's rows."""
         key = (seq, str(device), dtype)
         if key not in self._rotary_cache:
-            self._rotary_cache[key] = rotary_cos_sin(self.cfg, seq, device, dtype)
+            cos, sin = rotary_cos_sin(self.cfg, seq, device, dtype)
+            if self.context is not None:
+                index = self.context.positions(seq, device)
+                cos, sin = cos.index_select(0, index), sin.index_select(0, index)
+            self._rotary_cache[key] = cos, sin
         return self._rotary_cache[key]
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,11 +150,13 @@ class MultiLatentAttention(nn.Module):
         if docs is not None and docs.reset_position_ids:
             cos, sin = rotary_cos_sin(cfg, s, q.device, q.dtype, document_positions(segments))
         else:
-            cos, sin = self._rotary(s, q.device, q.dtype)
+            cos, sin = self._rotary(s * (self.context.size if self.context else 1), q.device, q.dtype)
         rotate = rotate_interleaved if cfg.rotary_interleaved else apply_rotary
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(b, heads, s, rope)), dim=-1)
+        if self.context is not None:   # dropout, windows and per-document positions refused (mtds.rules.context)
+            return self._context_parallel(q, k, v, segments).transpose(1, 2).reshape(b, s, heads * v_dim)
         p = cfg.attention_dropout if self.training else 0.0
         forked = self.rng_tracker.sharded_dropout() if (p > 0 and self.rng_tracker is not None) \
             else contextlib.nullcontext()
@@ -156,3 +165,18 @@ class MultiLatentAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                  scale=self.scale)
         return out.transpose(1, 2).reshape(b, s, heads * v_dim)
+
+    def _context_parallel(self, q, k, v, segments):
+        """Ring or Ulysses attention over the context-parallel group. Both take one head dim for queries, keys
+        and values: the shorter side is zero-padded to the longer (zero value columns give zero output columns;
+        zero query/key columns add nothing to the scores, whose scale is passed explicitly), and the output cut
+        back to the value dims."""
+        ctx, docs = self.context, self.documents
+        qk, v_dim = q.shape[-1], v.shape[-1]
+        if v_dim < qk:
+            v = F.pad(v, (0, qk - v_dim))
+        elif qk < v_dim:
+            q, k = F.pad(q, (0, v_dim - qk)), F.pad(k, (0, v_dim - qk))
+        segments = segments if docs is not None and docs.reset_attention_mask else None
+        out = cp_attention(ctx.comm_type, q, k.contiguous(), v, group=ctx.group, segments=segments, scale=self.scale)
+        return out[..., :v_dim]

@@ -36,9 +36,6 @@ def cp_features(job: Job) -> str | None:
     if m.sliding_window is not None and m.sliding_window < job.seq_length:
         return f"a sliding attention window ({m.sliding_window}) with --cp {c} is not supported yet: use --cp 1 " \
                f"or --seq-length <= the window"
-    if m.latent_attention:
-        return f"multi-head latent attention (DeepSeek-V3) with --cp {c} is not built yet (ring and Ulysses " \
-               f"attention take one head dim for queries, keys and values): use --cp 1"
     if m.num_experts:
         return f"mixture-of-experts models with --cp {c} are not supported yet: use --cp 1"
     return None
