@@ -295,6 +295,13 @@ def test_four_ranks(tmp_path):
     exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
     keys = sorted(k for k in exported if k.endswith(BIAS))
     assert len(keys) == len(history[-1]) and all(torch.equal(exported[k], b) for k, b in zip(keys, history[-1]))
+    # resharding carries parameters and optimizer states, not the bias buffer: another layout is refused
+    from mtds.checkpoint.expert_layout import reshard_problem
+    from mtds.checkpoint.meta import CheckpointMeta
+    from mtds.parallel.layout import ParallelLayout
+    problem = reshard_problem(CheckpointMeta.load(str(tmp_path / "ck" / "global_step5")), ParallelLayout(dp=2), 1,
+                              "fp32", "ck")
+    assert problem and "resharding does not carry yet" in problem and "\n" not in problem, problem
     # the update moved the model off the run without it (a bias that is not used would not)
     assert max_rel_diff(got.losses, results[2].losses) > 1e-4, (got.losses, results[2].losses)
 
