@@ -383,3 +383,14 @@ def test_expert_bias_stays_float32():
     blocks = moe_blocks(model)
     assert blocks and all(b.router.e_score_correction_bias.dtype == torch.float32 for b in blocks)
     assert all(b.router.weight.dtype == torch.bfloat16 for b in blocks)
+
+
+def test_deepseek_mtp_layer_weights_are_skipped():
+    """DeepSeek-V3's files keep the multi-token prediction layer as model.layers.61: with
+    num_nextn_predict_layers 0 it is skipped on load, as transformers skips it; other stray keys are refused."""
+    from mtds.hf import UnsupportedHFConfig
+    cfg = model_config_from_hf(CASES["deepseek_v3_plain"](__import__("transformers")))
+    state = model_to_hf_state(GPTModel(cfg, seed=3))
+    load_hf_into_model(GPTModel(cfg), {**state, "model.layers.61.eh_proj.weight": torch.zeros(2, 2)})
+    with pytest.raises(UnsupportedHFConfig, match="have no place"):
+        load_hf_into_model(GPTModel(cfg), {**state, "model.layers.5.eh_proj.weight": torch.zeros(2, 2)})

@@ -23,7 +23,9 @@ from mtds.hf.table import WeightMap
 MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 BASE_PREFIX = "model."
-IGNORED_KEYS = llama_like.IGNORED_KEYS
+# DeepSeek-V3's files hold its multi-token prediction layer as model.layers.61 (after the 61 blocks): skipped on
+# load as transformers skips it (a model whose block 61 is real would miss that block's weights: refused on load)
+IGNORED_KEYS = (*llama_like.IGNORED_KEYS, r"(^|\.)layers\.61\.")
 KEY_ALIASES: dict[str, tuple[str, ...]] = {}
 DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
             "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
