@@ -394,3 +394,33 @@ def test_deepseek_mtp_layer_weights_are_skipped():
     load_hf_into_model(GPTModel(cfg), {**state, "model.layers.61.eh_proj.weight": torch.zeros(2, 2)})
     with pytest.raises(UnsupportedHFConfig, match="have no place"):
         load_hf_into_model(GPTModel(cfg), {**state, "model.layers.5.eh_proj.weight": torch.zeros(2, 2)})
+
+
+def test_latent_attention_documents_and_recompute():
+    """Latent attention with packed documents (positions and mask reset at each document) gives each document
+    what it gives alone (RoPE is shift-invariant, so with the mask reset this holds the mask, not the positions);
+    selective recomputation of its core gives the same output and gradients."""
+    from mtds.model.documents import DocumentMasking
+    from mtds.model.latent_attention import MultiLatentAttention
+    cfg = _training_model("deepseek_v3")
+    torch.manual_seed(0)
+    plain = MultiLatentAttention(cfg)
+    packed = MultiLatentAttention(cfg, documents=DocumentMasking(0, reset_position_ids=True,
+                                                                 reset_attention_mask=True))
+    recomputed = MultiLatentAttention(cfg, recompute_core=True)
+    for other in (packed, recomputed):
+        other.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    segments = torch.tensor([[0] * 6 + [1] * 10])
+    with torch.no_grad():
+        together = packed(x, segments)
+        alone = torch.cat([plain(x[:, :6]), plain(x[:, 6:])], dim=1)
+    assert _rel(together, alone) < REL_TOL
+    plain.train(), recomputed.train()
+    outs = []
+    for module in (plain, recomputed):
+        y = module(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), [p.grad for p in module.parameters()]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))

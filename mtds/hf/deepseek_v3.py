@@ -100,11 +100,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             f"cannot export to {MODEL_TYPE}: the shared expert width {shared} is not a multiple of the expert width "
             f"{cfg.moe_ffn_size} (n_shared_experts x moe_intermediate_size)")
     return {"model_type": MODEL_TYPE, "architectures": [HF_ARCHITECTURE], "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size, "moe_intermediate_size": cfg.moe_ffn_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+            "moe_intermediate_size": cfg.moe_ffn_size,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_heads, "n_shared_experts": shared // cfg.moe_ffn_size,
             "n_routed_experts": cfg.num_experts, "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
-            "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank, "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
+            "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
+            "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
             "v_head_dim": cfg.v_head_dim, "qk_nope_head_dim": cfg.qk_head_dim, "n_group": cfg.moe_router_num_groups,
             "topk_group": cfg.moe_router_group_topk, "num_experts_per_tok": cfg.moe_top_k,
             "first_k_dense_replace": dense, "norm_topk_prob": cfg.norm_topk_prob, "hidden_act": "silu",

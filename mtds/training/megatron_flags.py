@@ -45,7 +45,8 @@ EQUIVALENTS = {
     **{flag: _MODEL + "; multi-head latent attention and its sizes come from a DeepSeek-V3 HF config (q_lora_rank, "
                       "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave; docs/moe.md)"
        for flag in ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-                    "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")},
+                    "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale",
+                    "--mscale-all-dim")},
     **{flag: _MODEL + "; DeepSeek-V3's routing comes from its HF config (sigmoid scores, n_group, topk_group, "
                       "routed_scaling_factor, e_score_correction_bias; docs/moe.md)"
        for flag in ("--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
