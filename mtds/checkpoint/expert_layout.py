@@ -24,6 +24,11 @@ def run_layout(layout: ParallelLayout) -> dict:
 def reshard_problem(meta, layout: ParallelLayout, zero: int, precision: str, where: str) -> str | None:
     """Why the mixture-of-experts checkpoint ``where`` (its CheckpointMeta ``meta``), which this run (``layout``,
     ZeRO stage ``zero``, ``precision``) would have to reshard, cannot be; None when it can."""
+    if meta.model_config.moe_router_enable_expert_bias:
+        # the converter carries parameters and their optimizer states; the routers' bias is a buffer it would drop
+        return (f"checkpoint {where} holds DeepSeek-V3's expert biases (e_score_correction_bias, a buffer), which "
+                f"resharding does not carry yet: resume at the layout it was saved at (--expert-model-parallel-size "
+                f"{meta.ep}, {_text(meta.layout)}, ZeRO-{meta.zero_stage} {meta.precision})")
     if convertible(meta) and precision == meta.precision and (
             zero in (1, 2) or (zero == 0 and precision == "fp32" and layout.pp == 1)):
         return None

@@ -35,8 +35,17 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
     qk_norm = [f"attention.{x}_norm.{n}" for x in "qk" for n in norm] if cfg.qk_norm else []
     attention = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
                  + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm])
+    if cfg.multi_latent_attention:                                        # mtds.model.latent_attention
+        mla = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+        mla += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+        attention = (["input_norm.weight"] + [f"attention.{m}.weight" for m in mla] + ["post_attention_norm.weight"])
     dense = [f"mlp.{fc}.{n}" for fc in ("fc_in", "fc_out") for n in linear]
     moe = ["mlp.router.weight", "mlp.experts.gate_up", "mlp.experts.down"]   # mtds.model.moe
+    if cfg.moe_router_enable_expert_bias:     # a persistent fp32 buffer, in the module's state like a weight
+        moe.insert(1, "mlp.router.e_score_correction_bias")
+    if cfg.moe_shared_expert_intermediate_size is not None:               # mtds.model.shared_expert
+        moe += ["mlp.shared_expert.fc_in.weight", "mlp.shared_expert.fc_out.weight"]
+        moe += ["mlp.shared_expert.gate"] if cfg.moe_shared_expert_gate else []
     names = {0: ["word_embeddings.weight"] + (["position_embeddings.weight"] if cfg.position_embedding == "learned"
                                               else [])}
     names.update({i: attention + (moe if cfg.is_moe_layer(i) else dense) for i in range(1, cfg.num_layers + 1)})
@@ -55,14 +64,23 @@ def split_of(cfg: ModelConfig, layer: int, name: str) -> Split:
         return Split(0, vocab=True)
     if layer == L + 1 or "norm" in name or name.endswith(("out_proj.bias", "fc_out.bias")):
         return REPLICATED
+    if name in ("attention.q_proj.weight", "attention.q_b_proj.weight", "attention.kv_b_proj.weight"):
+        return Split(0)                   # latent attention's per-head up-projections (heads split over TP)
+    if name == "attention.o_proj.weight":
+        return Split(1)
+    if name in ("attention.q_a_proj.weight", "attention.kv_a_proj_with_mqa.weight"):
+        return REPLICATED                 # its down-projections, whole on every TP rank
     if name.startswith("attention.qkv."):
         d = cfg.head_dim
         return Split(0, (cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d))
     if name.startswith("mlp.fc_in."):
         return Split(0, (cfg.ffn_size, cfg.ffn_size) if cfg.activation == "swiglu" else None)
-    if name in ("attention.out_proj.weight", "mlp.fc_out.weight"):
+    if name == "mlp.shared_expert.fc_in.weight":
+        width = cfg.moe_shared_expert_intermediate_size
+        return Split(0, (width, width))
+    if name in ("attention.out_proj.weight", "mlp.fc_out.weight", "mlp.shared_expert.fc_out.weight"):
         return Split(1)
-    if name == "mlp.router.weight":
+    if name in ("mlp.router.weight", "mlp.router.e_score_correction_bias", "mlp.shared_expert.gate"):
         return REPLICATED
     if name == "mlp.experts.gate_up":     # [E, 2F, h]: each expert's gate|up split over TP
         return Split(1, (cfg.moe_ffn_size, cfg.moe_ffn_size))

@@ -57,7 +57,12 @@ def config_to_hf(cfg: ModelConfig, arch: str, hf_architecture: str) -> dict[str,
 # Where an MoE adapter keeps a block's router and experts, as transformers writes them to disk (and the Hub
 # holds them): (router key, expert key with {e}, gate, up, down) under "model.layers.{i}.".
 MOE_KEYS = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", "w1", "w3", "w2"),
-            "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj")}
+            "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
+            "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
+            "deepseek_v3": ("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj")}
+# Where a family keeps the shared expert's MLP and its gate (None: ungated), under "model.layers.{i}.".
+SHARED_EXPERT_KEYS = {"qwen2_moe": ("mlp.shared_expert.", "mlp.shared_expert_gate.weight"),
+                      "deepseek_v3": ("mlp.shared_experts.", None)}
 
 
 def moe_rows(cfg: ModelConfig, i: int, p: str) -> list[WeightMap]:
@@ -70,7 +75,28 @@ def moe_rows(cfg: ModelConfig, i: int, p: str) -> list[WeightMap]:
             WeightMap(i, "mlp.experts.gate_up", tuple(k + f"{w}.weight" for k in experts for w in (gate, up)),
                       "experts", sizes=(ffn, ffn)),
             WeightMap(i, "mlp.experts.down", tuple(k + f"{down}.weight" for k in experts), "experts",
-                      sizes=(cfg.hidden_size,))]
+                      sizes=(cfg.hidden_size,))] + expert_bias_rows(cfg, i, p) + shared_expert_rows(cfg, i, p)
+
+
+def expert_bias_rows(cfg: ModelConfig, i: int, p: str) -> list[WeightMap]:
+    """DeepSeek-V3's router bias (an fp32 buffer beside the router weight, mtds.model.router)."""
+    if not cfg.moe_router_enable_expert_bias:
+        return []
+    return [WeightMap(i, "mlp.router.e_score_correction_bias", (p + "mlp.gate.e_score_correction_bias",))]
+
+
+def shared_expert_rows(cfg: ModelConfig, i: int, p: str) -> list[WeightMap]:
+    """The shared expert's gate|up and down (mtds.model.shared_expert), and its gate where it has one."""
+    width = cfg.moe_shared_expert_intermediate_size
+    if width is None:
+        return []
+    mlp, gate = SHARED_EXPERT_KEYS[cfg.architecture]
+    rows = [WeightMap(i, "mlp.shared_expert.fc_in.weight", (p + mlp + "gate_proj.weight", p + mlp + "up_proj.weight"),
+                      "concat", sizes=(width, width)),
+            WeightMap(i, "mlp.shared_expert.fc_out.weight", (p + mlp + "down_proj.weight",))]
+    if cfg.moe_shared_expert_gate:
+        rows.append(WeightMap(i, "mlp.shared_expert.gate", (p + gate,)))
+    return rows
 
 
 def weight_table(cfg: ModelConfig) -> list[WeightMap]:

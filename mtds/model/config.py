@@ -19,7 +19,8 @@ from mtds.rules.job import ModelFacts
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
-ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe",
+                 "qwen2_moe", "deepseek_v3")
 # RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
@@ -67,7 +68,26 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0        # HF's load-balancing loss weight, added to the training loss
     decoder_sparse_step: int = 1             # block i (1-based) is MoE when i % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()    # ... and its 0-based index is not listed here (Qwen3-MoE)
+    # A dense SwiGLU MLP beside the routed experts of every MoE block, always on (Megatron-core's names):
+    moe_shared_expert_intermediate_size: int | None = None   # its width; None: no shared expert
+    moe_shared_expert_gate: bool = False     # Qwen2-MoE: its output scaled by sigmoid(x · w), w [1, h]
+    # DeepSeek-V3's router (Megatron-core's names; docs/moe.md): sigmoid scores, a bias for the choice only,
+    # group-limited top-k, the weights scaled
+    moe_router_score_function: str = "softmax"         # softmax | sigmoid
+    moe_router_enable_expert_bias: bool = False        # e_score_correction_bias: an fp32 buffer [E]
+    moe_router_num_groups: int | None = None           # n_group: experts in groups of E / n ...
+    moe_router_group_topk: int | None = None           # ... of which topk_group take part (top-2 sums)
+    moe_router_topk_scaling_factor: float | None = None   # routed_scaling_factor on the k weights
+    # Multi-head latent attention (DeepSeek-V2/V3; Megatron-core's names, docs/moe.md). Off: the fields unused.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None           # None: one q projection; else down to this rank, a norm, up
+    kv_lora_rank: int = 0                    # the compressed key/value latent
+    qk_head_dim: int = 0                     # each head's query/key dims without RoPE (qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 0             # ... with RoPE: the decoupled key shared by every head
+    v_head_dim: int = 0                      # each head's value dims
+    rotary_interleaved: bool = False         # RoPE over (x0, x1), (x2, x3), ... pairs (rope_interleave)
     # Megatron-core's router options (training flags, not HF's; docs/moe.md): off by default
+    moe_router_bias_update_rate: float = 0.0   # aux-loss-free balancing: bias += rate·sign(mean − load)
     moe_z_loss_coeff: float = 0.0            # router z-loss weight (--moe-z-loss-coeff)
     moe_expert_capacity_factor: float | None = None   # None: dropless (--moe-expert-capacity-factor)
     moe_token_drop_policy: str = "probs"     # which assignments past the capacity drop: probs | position
@@ -102,6 +122,7 @@ class ModelConfig:
             object.__setattr__(self, "out_proj_bias", None)
         object.__setattr__(self, "rope_scaling_params", _frozen_params(self.rope_scaling_params))
         _check_moe(self)
+        _check_mla(self)
         if self.rope_scaling is not None:
             _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
             if self.position_embedding != "rotary":
@@ -164,11 +185,16 @@ class ModelConfig:
                           kv_heads=self.kv_heads, ffn_size=self.ffn_size, num_experts=self.num_experts,
                           moe_ffn_size=self.moe_ffn_size if self.num_experts else 0,
                           moe_blocks=tuple(i for i in range(self.num_layers) if self.is_moe_layer(i + 1)),
+                          shared_expert_ffn_size=self.moe_shared_expert_intermediate_size or 0,
+                          expert_bias=self.moe_router_enable_expert_bias,
+                          latent_attention=self.multi_latent_attention,
                           attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
                           sliding_window=self.sliding_window)
 
     @property
     def rotary_dim(self) -> int:
+        if self.multi_latent_attention:     # the decoupled RoPE dims of each head
+            return self.qk_pos_emb_head_dim
         # int() truncation is what HF NeoX/Llama do, so partial-rotary models line up dim for dim.
         return int(self.head_dim * self.rotary_percent)
 
@@ -211,6 +237,10 @@ def _check_moe(cfg: ModelConfig) -> None:
         dense = ModelConfig.__dataclass_fields__
         moved = [f for f in ("moe_top_k", "moe_ffn_hidden_size", "norm_topk_prob", "router_aux_loss_coef",
                              "decoder_sparse_step", "mlp_only_layers", "moe_z_loss_coeff",
+                             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                             "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                             "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                             "moe_router_bias_update_rate",
                              "moe_expert_capacity_factor", "moe_token_drop_policy")
                  if getattr(cfg, f) != dense[f].default]
         if moved:
@@ -220,6 +250,11 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ValueError(f"moe_top_k {cfg.moe_top_k} must be in 1..num_experts {cfg.num_experts}")
     if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size <= 0:
         raise ValueError(f"moe_ffn_hidden_size must be positive, got {cfg.moe_ffn_hidden_size}")
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared is not None and (not isinstance(shared, int) or shared <= 0):
+        raise ValueError(f"moe_shared_expert_intermediate_size must be a positive int or None, got {shared!r}")
+    if cfg.moe_shared_expert_gate and shared is None:
+        raise ValueError("moe_shared_expert_gate needs a shared expert (moe_shared_expert_intermediate_size)")
     if not isinstance(cfg.decoder_sparse_step, int) or cfg.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step must be an int >= 1, got {cfg.decoder_sparse_step!r}")
     outside = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_layers]
@@ -232,6 +267,24 @@ def _check_moe(cfg: ModelConfig) -> None:
     if cfg.moe_expert_capacity_factor is not None and not cfg.moe_expert_capacity_factor > 0:
         raise ValueError(f"moe_expert_capacity_factor must be > 0 (or None: dropless), got "
                          f"{cfg.moe_expert_capacity_factor}")
+    if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe_router_score_function must be softmax or sigmoid, got {cfg.moe_router_score_function!r}")
+    groups, group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ValueError("moe_router_num_groups and moe_router_group_topk go together")
+    if groups is not None and not (cfg.num_experts % groups == 0 and cfg.num_experts // groups >= 2
+                                   and 1 <= group_topk <= groups and group_topk * cfg.num_experts // groups
+                                   >= cfg.moe_top_k):
+        raise ValueError(f"moe_router_num_groups {groups} must divide the {cfg.num_experts} experts into groups of "
+                         f">= 2, and moe_router_group_topk {group_topk} groups (of 1..{groups}) must hold the "
+                         f"top-{cfg.moe_top_k}")
+    if (cfg.moe_router_enable_expert_bias or groups is not None) and cfg.moe_router_score_function != "sigmoid":
+        raise ValueError("the expert bias and group-limited routing are built with moe_router_score_function "
+                         "sigmoid (DeepSeek-V3)")
+    if cfg.moe_router_bias_update_rate and not cfg.moe_router_enable_expert_bias:
+        raise ValueError("moe_router_bias_update_rate needs moe_router_enable_expert_bias")
+    if not cfg.moe_router_bias_update_rate >= 0:
+        raise ValueError(f"moe_router_bias_update_rate must be >= 0, got {cfg.moe_router_bias_update_rate}")
     if cfg.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got {cfg.moe_token_drop_policy!r}")
     if cfg.activation != "swiglu" or cfg.linear_bias:
@@ -240,6 +293,25 @@ def _check_moe(cfg: ModelConfig) -> None:
     if not any(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1)):
         raise ValueError(f"num_experts {cfg.num_experts} but no block is MoE (decoder_sparse_step "
                          f"{cfg.decoder_sparse_step}, mlp_only_layers {list(cfg.mlp_only_layers)})")
+
+
+def _check_mla(cfg: ModelConfig) -> None:
+    """Multi-head latent attention's sizes: positive where used, at their defaults where not."""
+    fields = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_interleaved")
+    if not cfg.multi_latent_attention:
+        dense = ModelConfig.__dataclass_fields__
+        moved = [f for f in fields if getattr(cfg, f) != dense[f].default]
+        if moved:
+            raise ValueError(f"multi-latent attention fields {moved} set without multi_latent_attention")
+        return
+    for f in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if not isinstance(getattr(cfg, f), int) or getattr(cfg, f) <= 0:
+            raise ValueError(f"multi_latent_attention needs a positive int {f}, got {getattr(cfg, f)!r}")
+    if cfg.q_lora_rank is not None and (not isinstance(cfg.q_lora_rank, int) or cfg.q_lora_rank <= 0):
+        raise ValueError(f"q_lora_rank must be a positive int or None, got {cfg.q_lora_rank!r}")
+    if cfg.position_embedding != "rotary" or cfg.kv_heads != cfg.num_heads or cfg.qk_norm or cfg.sliding_window:
+        raise ValueError("multi_latent_attention is built with rotary positions, as many key/value heads as "
+                         "query heads, no q/k norm and no sliding window")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -265,7 +337,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 # Fields that describe training, not the weights: a checkpoint or HF config may differ in them.
 NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std", "router_aux_loss_coef", "moe_z_loss_coeff",
-               "moe_expert_capacity_factor", "moe_token_drop_policy")
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_bias_update_rate")
 
 
 def differing_weight_fields(expected: ModelConfig, found: ModelConfig) -> list[str]:

@@ -10,6 +10,7 @@ from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 
 from mtds.model.attention import SelfAttention
+from mtds.model.latent_attention import MultiLatentAttention
 from mtds.model.documents import DocumentMasking
 from mtds.model.init import seeded
 from mtds.model.mlp import MLP
@@ -40,9 +41,10 @@ class TransformerLayer(nn.Module):
         sp_group = tp_group if sequence_parallel else None
         with seeded(seed, layer_number):
             self.input_norm = make_norm(cfg, sp_group)
-            self.attention = SelfAttention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
-                                           sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
-                                           documents=documents, context=context)
+            attention = MultiLatentAttention if cfg.multi_latent_attention else SelfAttention
+            self.attention = attention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
+                                   sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
+                                   documents=documents, context=context)
             self.post_attention_norm = make_norm(cfg, sp_group)
             if cfg.is_moe_layer(layer_number):     # ep_group: the experts split over expert-parallel ranks
                 self.mlp = MoEBlock(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group)

@@ -13,10 +13,12 @@ from mtds.model.init import normal_init, output_init
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 ffn_size: int | None = None):
+        """``ffn_size``: the width, if not cfg's (an MoE block's shared expert)."""
         super().__init__()
         self.activation = cfg.activation
-        ffn = cfg.ffn_size
+        ffn = ffn_size or cfg.ffn_size
         gated = cfg.activation == "swiglu"
         # Segments [gate, up] give every rank matching columns of both, so silu(gate) * up stays local.
         self.fc_in = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, group=tp_group,

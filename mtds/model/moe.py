@@ -17,6 +17,9 @@ an all-to-all (:class:`~mtds.model.dispatch.AllToAllDispatcher`); with tensor pa
 exchanges with the same TP rank of its EP peers (the rows are the same on every TP rank of a replica), and
 the experts' TP all-reduce follows as at e = 1.
 
+A shared expert (Qwen2-MoE, DeepSeek-V3; :mod:`mtds.model.shared_expert`), where the config has one, runs on the
+block input beside the routed experts and its output is added to theirs.
+
 During training the block keeps what transformers' ``load_balancing_loss_func`` needs of it
 (:mod:`mtds.model.aux_loss`), summed over the sequence slices, for the model to collect after the forward,
 and with ``--moe-z-loss-coeff`` its router z-loss's token sum (summed over the slices too: the mean is over
@@ -40,6 +43,7 @@ from mtds.model.aux_loss import RouterStats
 from mtds.model.dispatch import AllToAllDispatcher, LocalDispatcher
 from mtds.model.experts import TensorParallelExperts
 from mtds.model.router import Routing, TopKRouter
+from mtds.model.shared_expert import SharedExpert
 
 
 class MoEBlock(nn.Module):
@@ -53,6 +57,9 @@ class MoEBlock(nn.Module):
         self.experts = TensorParallelExperts(cfg, tp_group=tp_group, ep_group=ep_group)
         self.dispatcher = LocalDispatcher(cfg.num_experts) if ep_group is None else \
             AllToAllDispatcher(cfg.num_experts, ep_group)
+        # built last, so a model without one draws the same init as before it existed
+        self.shared_expert = None if cfg.moe_shared_expert_intermediate_size is None else \
+            SharedExpert(cfg, tp_group=tp_group, sequence_parallel=self.sequence_parallel)
         self.stats: RouterStats | None = None   # this forward's, until the model collects it
         self.tokens_seen = 0      # [E] assignments collected since the step log last reset it (0: none yet)
         self.z_seen = 0.0         # sum of this block's z-losses (mean over tokens, no coefficient) since then
@@ -71,8 +78,11 @@ class MoEBlock(nn.Module):
     # residuals still compile; the block costs one graph break per MoE layer.
     @torch.compiler.disable
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return self._forward_sequence_slices(hidden)
+        shared = None if self.shared_expert is None else self.shared_expert(hidden)
+        routed = self._forward_sequence_slices(hidden) if self.sequence_parallel else self._routed(hidden)
+        return routed if shared is None else routed + shared     # transformers' order of the sum
+
+    def _routed(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
         routing = self.router(tokens, batch=shape[0])

@@ -38,7 +38,7 @@ def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -50,9 +50,9 @@ def _yarn(cfg: ModelConfig, base: float, dim: int, device) -> tuple[torch.Tensor
     if attention_factor is None:
         mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+            attention_factor = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:   # the dim that turns ``rotations`` times in ``original``

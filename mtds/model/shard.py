@@ -48,9 +48,15 @@ def full_of(param: torch.Tensor, group) -> torch.Tensor:
     return unshard_rows(parts, param.partition_dim, getattr(param, "partition_segments", None))
 
 
+def weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: tensor} of ``module``'s parameters and persistent buffers (the state a checkpoint holds: an MoE
+    router's expert bias is a buffer)."""
+    return dict(module.state_dict(keep_vars=True))
+
+
 def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], group, *, strict: bool = True) -> None:
     """Copy full tensors {param name: tensor} into ``module``'s shards (dtype cast to the param's)."""
-    params = dict(module.named_parameters())
+    params = weights_of(module)
     unknown = sorted(set(tensors) - set(params))
     if unknown:
         raise KeyError(f"{type(module).__name__} has no parameter(s) {unknown}; it has {sorted(params)}")
@@ -68,7 +74,7 @@ def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], grou
 def full_state(module: nn.Module, group, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """{param name: full unpadded tensor} of one global layer's module (collective over ``group``)."""
     out = {}
-    for name, param in module.named_parameters():
+    for name, param in weights_of(module).items():
         full = full_of(param, group)
         if name in VOCAB_PARAMS and full.shape[0] > cfg.vocab_size:
             full = full[:cfg.vocab_size]

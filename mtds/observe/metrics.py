@@ -76,7 +76,8 @@ def hardware_flops_per_iteration(
 def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
                                  ffn_hidden: int | None = None, num_heads: int | None = None,
                                  num_kv_heads: int | None = None, gated_mlp: bool = False,
-                                 head_dim: int | None = None, recompute: str = "none") -> float:
+                                 head_dim: int | None = None, recompute: str = "none",
+                                 attention: tuple[float, float] | None = None) -> float:
     """Matmul FLOPs of one training iteration for any decoder of this family: the one count used by
     the step log (TFLOP/s, MFU) and the planner.
 
@@ -91,11 +92,14 @@ def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     pass in the accounting of Korthikanti et al. (4sq x 3). Elementwise work (norms, q/k norm, biases) is
     not a matmul and not counted. With f = 4h, MHA and GELU this equals
     PTD-P's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) and 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+    ``attention``: (projections, core) forward FLOPs per token and layer where the attention is not the fused
+    QKV one (multi-head latent attention, :func:`latent_attention_flops`).
     """
     h, f = float(hidden), float(ffn_hidden or 4 * hidden)
     q = float(num_heads * head_dim) if (head_dim and num_heads) else h
     kv = q * num_kv_heads / num_heads if (num_heads and num_kv_heads) else q
-    layer = 2 * h * (q + 2 * kv) + 4.0 * seq * q + 2 * q * h + 2 * h * f * (3 if gated_mlp else 2)
+    projections, core = attention or (2 * h * (q + 2 * kv) + 2 * q * h, 4.0 * seq * q)
+    layer = projections + core + 2 * h * f * (3 if gated_mlp else 2)
     logits = 2 * h * vocab
     tokens = float(batch) * seq
     if recompute == "none":
@@ -103,26 +107,40 @@ def training_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     if recompute == "full":
         return tokens * (4 * layers * layer + 3 * logits)
     if recompute == "selective":
-        return 3 * tokens * (layers * (layer + 4.0 * seq * q) + logits)
+        return 3 * tokens * (layers * (layer + core) + logits)
     raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
 
 
 def active_ffn_width(cfg) -> float:
     """The per-block SwiGLU width whose FLOPs equal, summed over the blocks, what the blocks compute per token:
     a dense block its FFN; an MoE block (docs/moe.md) only the k experts a token goes to, plus its router
-    (2·h·E, written as a width E/3 of the gated MLP's 6·h·f). Model FLOPs count active experts only."""
+    (2·h·E, written as a width E/3 of the gated MLP's 6·h·f), and its shared expert where it has one (its width,
+    plus 1/3 for a sigmoid gate's 2·h). Model FLOPs count active experts only."""
     if not getattr(cfg, "num_experts", 0):
         return float(cfg.ffn_size)
     moe = sum(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1))
-    return moe_active_ffn_width(cfg.num_layers, cfg.ffn_size, moe, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_size)
+    shared = (cfg.moe_shared_expert_intermediate_size or 0) + (1 / 3 if cfg.moe_shared_expert_gate else 0)
+    return moe_active_ffn_width(cfg.num_layers, cfg.ffn_size, moe, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_size,
+                                shared)
 
 
 def moe_active_ffn_width(layers: int, ffn: float, moe_layers: int, num_experts: int, top_k: int,
-                         moe_ffn: float) -> float:
+                         moe_ffn: float, shared_ffn: float = 0.0) -> float:
     """:func:`active_ffn_width` from the sizes alone (the planner's ModelSpec has no ModelConfig): ``moe_layers``
-    of the ``layers`` blocks run k experts of width ``moe_ffn`` and a router over ``num_experts``."""
-    per_moe = top_k * moe_ffn + num_experts / 3
+    of the ``layers`` blocks run k experts of width ``moe_ffn``, a router over ``num_experts`` and a shared expert
+    of width ``shared_ffn`` (0: none)."""
+    per_moe = top_k * moe_ffn + num_experts / 3 + shared_ffn
     return ((layers - moe_layers) * ffn + moe_layers * per_moe) / layers
+
+
+def latent_attention_flops(cfg, seq: int) -> tuple[float, float]:
+    """Multi-head latent attention's forward FLOPs per token and layer: (its projections: q (or q down and up),
+    kv down, kv up, out; the core: scores over (no-RoPE + RoPE) dims and x V over the value dims)."""
+    h, H = float(cfg.hidden_size), float(cfg.num_heads)
+    qk, v, r_kv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q = h * H * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + H * qk)
+    projections = 2 * (q + h * (r_kv + cfg.qk_pos_emb_head_dim) + r_kv * H * (cfg.qk_head_dim + v) + H * v * h)
+    return projections, 2.0 * seq * H * (qk + v)
 
 
 def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> float:
@@ -132,7 +150,9 @@ def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> fl
                                         ffn_hidden=active_ffn_width(cfg), num_heads=cfg.num_heads,
                                         num_kv_heads=cfg.kv_heads,
                                         gated_mlp=cfg.activation == "swiglu", head_dim=cfg.kv_channels,
-                                        recompute=recompute)
+                                        recompute=recompute,
+                                        attention=latent_attention_flops(cfg, seq) if getattr(
+                                            cfg, "multi_latent_attention", False) else None)
 
 
 # Dense tensor-core peak in TFLOP/s (no sparsity), from NVIDIA datasheets:

@@ -43,8 +43,9 @@ RULES: tuple[Rule, ...] = (
          "torch.compile of layers whose backward defers the weight gradients", kind=NOT_BUILT),
     Rule("grid", layout.grid, "world size, --tp, --cp, --pp, --expert-model-parallel-size",
          "a world that does not split into t·c·p groups; e not dividing d; virtual stages without a pipeline"),
-    Rule("router-flags", experts.router_flags, "--moe-z-loss-coeff, --moe-expert-capacity-factor, the model",
-         "Megatron-core's router options on a model without experts"),
+    Rule("router-flags", experts.router_flags, "--moe-z-loss-coeff, --moe-expert-capacity-factor, "
+         "--moe-router-enable-expert-bias, the model",
+         "Megatron-core's router options on a model without experts (the bias update: without an expert bias)"),
     Rule("model-shards", layout.model_shards, "--tp, --pp, the model",
          "t not dividing the heads, KV heads, hidden or FFN size; fewer blocks than pipeline stages"),
     Rule("experts-split", experts.experts_split, "--expert-model-parallel-size, the model",
@@ -77,7 +78,7 @@ RULES: tuple[Rule, ...] = (
     Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, --pipeline-schedule, document resets",
          "MoE on a pipeline other than 1f1b training, or with document resets; MoE evaluation at --pp > 1",
          kind=NOT_BUILT),
-    Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert FFN size"),
+    Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
 )
 
 # Rules of the stage partition (blocks per virtual stage), which start-up settles once the rules above hold: the

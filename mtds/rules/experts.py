@@ -7,7 +7,10 @@ from mtds.rules.job import EVAL, Job
 
 
 def router_flags(job: Job) -> str | None:
-    """Megatron-core's router options apply to models with experts."""
+    """Megatron-core's router options apply to models with experts; the bias update to a router with a bias."""
+    if job.moe_bias_update and not job.model.expert_bias:
+        return "--moe-router-enable-expert-bias needs a router with an expert bias (DeepSeek-V3's " \
+               "e_score_correction_bias with sigmoid scores); this model's has none"
     if job.model.num_experts or not (job.moe_z_loss or job.moe_capacity):
         return None
     flag = "--moe-z-loss-coeff" if job.moe_z_loss else "--moe-expert-capacity-factor"
@@ -66,6 +69,9 @@ def moe_pipeline(job: Job) -> str | None:
 def expert_width(job: Job) -> str | None:
     if job.model.num_experts and job.model.moe_ffn_size % job.tp:
         return f"tensor parallel size {job.tp} does not divide the expert FFN size {job.model.moe_ffn_size}"
+    if job.model.shared_expert_ffn_size % job.tp:
+        return f"tensor parallel size {job.tp} does not divide the shared expert FFN size " \
+               f"{job.model.shared_expert_ffn_size}"
     return None
 
 

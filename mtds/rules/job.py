@@ -20,6 +20,9 @@ class ModelFacts:
     num_experts: int = 0
     moe_ffn_size: int = 0
     moe_blocks: tuple[int, ...] = ()        # 0-based indices of the blocks holding experts
+    shared_expert_ffn_size: int = 0         # the MoE blocks' shared expert's width (0: none)
+    expert_bias: bool = False               # the router has an expert bias (DeepSeek-V3)
+    latent_attention: bool = False          # multi-head latent attention (DeepSeek-V3)
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     sliding_window: int | None = None
@@ -57,6 +60,7 @@ class Job:
     zero_overlap_comm: bool = False
     deepspeed_version: str | None = None
     moe_z_loss: bool = False                # --moe-z-loss-coeff > 0
+    moe_bias_update: bool = False           # --moe-router-enable-expert-bias
     moe_capacity: bool = False              # --moe-expert-capacity-factor given
     purpose: str = TRAIN                    # train | eval (mtds-eval: no router statistics carried)
 

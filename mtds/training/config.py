@@ -96,6 +96,16 @@ class TrainConfig:
         "probs", "--moe-token-drop-policy", section=LAYOUT, choices=("probs", "position"),
         help="with --moe-expert-capacity-factor, which assignments an expert keeps: probs = its largest "
              "routing weights, position = the earliest tokens (Megatron's [s, b] order) [probs]")
+    moe_router_enable_expert_bias: bool = opt(  # Megatron-core's aux-loss-free balancing, mtds.training.expert_bias
+        False, "--moe-router-enable-expert-bias", section=LAYOUT,
+        help="MoE models whose router has an expert bias (DeepSeek-V3's e_score_correction_bias, sigmoid "
+             "scores): move it during training by --moe-router-bias-update-rate (Megatron-core's aux-loss-free "
+             "balancing; docs/moe.md) [off: the bias stays as loaded, as transformers keeps it]")
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "--moe-router-bias-update-rate", section=LAYOUT, at_least=0, metavar="R",
+        help="with --moe-router-enable-expert-bias: after each step every MoE block's bias moves by R x "
+             "sign(mean load - load of the expert), the loads counted over the step's tokens of all ranks "
+             "[1e-3, Megatron-core's]")
     model: Any = opt(                           # preset name, HF config.json/dir, ModelConfig; None: see world.py
         None, "--model", section=LAYOUT,
         help="preset (gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl) or a HF config.json "

@@ -29,6 +29,7 @@ from mtds.checkpoint import lifecycle as ckpt
 from mtds.training.build import BuiltRun
 from mtds.training.result import RunResult
 from mtds.training.step import eval_loss
+from mtds.training.expert_bias import update_expert_biases
 from mtds.training.expert_load import ExpertLoad
 from mtds.model.gpt import moe_blocks
 
@@ -148,6 +149,17 @@ class ExpertLoadHook(Hook):
 
     def after_step(self, step, record):
         record.update(self.load.fields())
+
+
+class ExpertBiasHook(Hook):
+    """Aux-loss-free balancing: each MoE block's expert bias moved after the step by the step's loads
+    (:mod:`mtds.training.expert_bias`); before ExpertLoadHook resets the counts for the next step."""
+
+    def __init__(self, blocks, rate: float, dp_group):
+        self.blocks, self.rate, self.dp_group = blocks, rate, dp_group
+
+    def after_step(self, step, record):
+        update_expert_biases(self.blocks, self.rate, self.dp_group)
 
 
 class LogHook(Hook):
@@ -281,6 +293,9 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
         hooks.append(ExpertLoadHook(ExpertLoad(moe_blocks(built.model), built.world.model_cfg.num_experts,
                                                groups.dp_group, groups.pp_group, built.world.device,
                                                z_loss=built.world.model_cfg.moe_z_loss_coeff > 0)))
+        if built.world.model_cfg.moe_router_bias_update_rate:
+            hooks.append(ExpertBiasHook(moe_blocks(built.model), built.world.model_cfg.moe_router_bias_update_rate,
+                                        groups.dp_cp_group))
     hooks.append(LogHook(built.logger))
     agreed = NonFiniteHook(built, stop)
     hooks.append(agreed)

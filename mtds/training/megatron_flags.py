@@ -39,7 +39,23 @@ EQUIVALENTS = {
                                           "the rows it kept, unpadded (docs/moe.md)",
     "--moe-grouped-gemm": "mtds runs the local experts as a grouped GEMM by itself where torch has one for the device "
                           "(docs/moe.md)",
-    "--moe-shared-expert-intermediate-size": "shared experts are not built (docs/moe.md)",
+    **{flag: _MODEL + "; an MoE model's shared expert (width, gate) comes from its HF config: Qwen2-MoE's "
+                      "shared_expert_intermediate_size with its sigmoid shared_expert_gate (docs/moe.md)"
+       for flag in ("--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate")},
+    **{flag: _MODEL + "; multi-head latent attention and its sizes come from a DeepSeek-V3 HF config (q_lora_rank, "
+                      "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave; docs/moe.md)"
+       for flag in ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                    "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mscale",
+                    "--mscale-all-dim")},
+    **{flag: _MODEL + "; DeepSeek-V3's routing comes from its HF config (sigmoid scores, n_group, topk_group, "
+                      "routed_scaling_factor, e_score_correction_bias; docs/moe.md)"
+       for flag in ("--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
+                    "--moe-router-topk-scaling-factor")},
+    "--moe-router-load-balancing-type": "mtds adds transformers' load-balancing loss (router_aux_loss_coef of the HF "
+                                        "config; none for DeepSeek-V3, which balances by --moe-router-enable-expert-"
+                                        "bias); Megatron's seq_aux_loss is not built (docs/moe.md)",
+    "--moe-layer-freq": _MODEL + "; which blocks hold experts comes from its HF config (decoder_sparse_step, "
+                                 "mlp_only_layers; DeepSeek-V3's first_k_dense_replace; docs/moe.md)",
     "--ckpt-format": "mtds writes DeepSpeed's checkpoint format (mtds-convert turns it into HF's)",
 }
 
