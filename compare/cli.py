@@ -30,6 +30,10 @@ EXAMPLES = textwrap.dedent("""\
       python -m compare run --schemes ptdp:tp=2,pp=2 zero3 --nproc 4 --model gpt2-tiny --steps 20 --out runs/compare
       python -m compare run --nodes 2 --ranks-per-node 2 --inter-node 10gbit,1gbit,100mbit \
           --schemes ptdp:tp=2,pp=2 zero3 zero1 hf-zero3 autotp:tp=2 --out runs/cluster-sweep
+      make peers     # once: Megatron-core and torchtitan in their own venv, for the two peer schemes
+      python -m compare run --nodes 2 --ranks-per-node 2 --inter-node 1gbit,20mbit --model compare/llama_tiny.json \
+          --global-batch 16 --micro-batch 4 --schemes ptdp:tp=2,pp=2 megatron:tp=2,pp=2 torchtitan:tp=2,fsdp=2 \
+          --out runs/peers-sweep
       python -m compare project                                    # PTD-P Table 2 vs the planner
       python -m compare project --schemes ptdp:tp=8,pp=12 zero3 --model gpt2-xl --gpus 64 --global-batch 512
     """)
