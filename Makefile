@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 SETUP_STAMP := $(VENV)/.setup-$(subst /,_,$(subst $() ,_,$(TORCH_SPEC)))
 TEST_STAMP := $(SETUP_STAMP)-test
 
-.PHONY: setup setup-test train test test-slow gpu-check gpu-bench clean
+.PHONY: setup setup-test train test test-slow gpu-check gpu-bench peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,25 @@ gpu-check: setup
 GPU_BENCH_OUT ?= $(or $(OUT),gpu_bench)
 gpu-bench:
 	$(PYTHON) benchmarks/gpu_bench.py --out $(GPU_BENCH_OUT) $(GPU_BENCH_ARGS)
+
+# The peers of `python -m compare run` (schemes megatron:... and torchtitan:...), optional and never imported by
+# mtds: Megatron-core 0.19.2 and torchtitan 0.3.0 with torch 2.13.0 in a venv of their own ($(PEERS_WORK)/venv,
+# which compare/peer_launch.py finds; PEERS_PYTHON names another). Megatron-core 0.17+ declares Python >= 3.12,
+# its cp311 wheel works; numpy first, or pip picks one that needs 3.12 to build. torchtitan without its pins (they
+# would replace torch), plus what its model and TP code import.
+PEERS_WORK ?= $(or $(TMPDIR),/tmp)/mtds-peers
+PEERS_BIN := $(PEERS_WORK)/venv/bin
+peers: $(PEERS_WORK)/venv/.installed
+$(PEERS_WORK)/venv/.installed:
+	$(PYTHON) -m venv $(PEERS_WORK)/venv
+	$(PEERS_BIN)/pip install -q --upgrade pip
+	$(PEERS_BIN)/pip install -q torch==2.13.0 numpy packaging transformers
+	$(PEERS_BIN)/pip install -q --ignore-requires-python megatron-core==0.19.2
+	$(PEERS_BIN)/pip install -q --no-deps torchtitan==0.3.0
+	$(PEERS_BIN)/pip install -q torchdata torch_checkpointing spmd_types==0.2.3 tyro einops safetensors tokenizers \
+	    tensorboard pillow "datasets>=3.6,<4.8"
+	$(PEERS_BIN)/python -c "import torch; assert torch.__version__.startswith('2.13'), torch.__version__"
+	touch "$@"
 
 clean:
 	rm -rf $(VENV) runs

@@ -13,8 +13,10 @@
 
 Scheme specs: ptdp:tp=T,pp=P (ZeRO-1, ds_configs/cpu_fp32.json), zero3 (tp=1 pp=1, ZeRO-3,
 ds_configs/cpu_zero3_fp32.json), zero1 (plain data parallel, ZeRO-1), hf-zero3 (HF model under
-accelerate + DeepSpeed ZeRO-3), autotp:tp=T (HF model under DeepSpeed AutoTP); add config=FILE to use
-another DeepSpeed JSON.
+accelerate + DeepSpeed ZeRO-3), autotp:tp=T (HF model under DeepSpeed AutoTP), megatron:tp=T,pp=P
+(Megatron-core's own GPT) and torchtitan:tp=T,fsdp=F (torchtitan's Llama-3), the two peers, run in their
+own interpreter (`make peers`; without them their rows fail saying how to get them); add config=FILE to
+use another DeepSpeed JSON.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ EXAMPLES = textwrap.dedent("""\
       python -m compare run --schemes ptdp:tp=2,pp=2 zero3 --nproc 4 --model gpt2-tiny --steps 20 --out runs/compare
       python -m compare run --nodes 2 --ranks-per-node 2 --inter-node 10gbit,1gbit,100mbit \
           --schemes ptdp:tp=2,pp=2 zero3 zero1 hf-zero3 autotp:tp=2 --out runs/cluster-sweep
+      make peers     # once: Megatron-core and torchtitan in their own venv, for the two peer schemes
+      python -m compare run --nodes 2 --ranks-per-node 2 --inter-node 1gbit,20mbit --model compare/llama_tiny.json \
+          --global-batch 16 --micro-batch 4 --schemes ptdp:tp=2,pp=2 megatron:tp=2,pp=2 torchtitan:tp=2,fsdp=2 \
+          --out runs/peers-sweep
       python -m compare project                                    # PTD-P Table 2 vs the planner
       python -m compare project --schemes ptdp:tp=8,pp=12 zero3 --model gpt2-xl --gpus 64 --global-batch 512
     """)
@@ -88,20 +94,31 @@ def cmd_run_cluster(args) -> int:
     return 0
 
 
+def refuse_missing_peers(schemes) -> None:
+    """Before anything starts: a peer scheme whose framework is not installed is one line saying how to get it."""
+    from .peer_launch import peer_missing
+    for kind in dict.fromkeys(s.kind for s in schemes if s.peer):
+        why = peer_missing(kind)
+        if why:
+            raise ValueError(why)
+
+
 def cmd_run(args) -> int:
     if args.nodes:
         return cmd_run_cluster(args)
     from .launch import launch
+    from .peer_launch import launch_peer
     from .plots import write_plots
-    from .schemes import parse_scheme
+    from .schemes import for_run, parse_scheme
     from .table import loss_agreement, summarise, write
-    schemes = [parse_scheme(s) for s in args.schemes]
+    schemes = [for_run(parse_scheme(s), args.model) for s in args.schemes]
     for s in schemes:
         s.data_parallel(args.nproc)           # refuse a bad world size before anything starts
+    refuse_missing_peers(schemes)
     rows = []
     for s in schemes:
         print(f"[compare] {s.name}: {args.nproc} ranks, config {os.path.basename(s.config)}", flush=True)
-        launched = launch(s, nproc=args.nproc, model=args.model, steps=args.steps, seq_length=args.seq_length,
+        launched = (launch_peer if s.peer else launch)(s, nproc=args.nproc, model=args.model, steps=args.steps, seq_length=args.seq_length,
                           out_dir=os.path.join(args.out, s.name), global_batch=args.global_batch,
                           micro_batch=args.micro_batch, timeout=args.timeout)
         rows.append(summarise(launched))

@@ -43,6 +43,8 @@ def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, mic
     from mtds.plan.predict import predict
     if scheme.kind == "autotp":
         return {"error": "the planner models Megatron TP, not AutoTP"}
+    if scheme.kind == "torchtitan" and scheme.tp > 1:
+        return {"error": "the planner models ZeRO-3 without TP, not FSDP2 x TP"}
     gpu = get_gpu("local", profile=profile)
     spec = resolve_model(model, seq=seq)
     layout = Candidate(scheme.tp, scheme.pp, scheme.data_parallel(world), micro_batch, zero_stage=scheme.zero_stage,

@@ -7,7 +7,7 @@ import csv
 import json
 import os
 
-from .table import fmt_bytes, learning_rate
+from .table import fmt_bytes, learning_rate, peer_notes
 
 CSV_FIELDS = ["link", "link_bits_per_s", "scheme", "model", "tp", "pp", "dp", "status", "error", "step_s_median",
               "step_s_p25", "step_s_p75", "step_s_min", "step_s_max", "timed_steps", "tokens_per_s",
@@ -17,7 +17,8 @@ CSV_FIELDS = ["link", "link_bits_per_s", "scheme", "model", "tp", "pp", "dp", "s
               "state_rank", "state_psi", "state_params", "state_grads", "state_optimizer", "state_other", "state_total",
               "formula_params", "formula_grads", "formula_optimizer", "formula_total", "formula", "bubble",
               "bubble_per_stage", "predicted_step_s",
-              "predicted_tokens_per_s", "predicted_over_measured", "loss_max_rel_diff", "final_loss"]
+              "predicted_tokens_per_s", "predicted_over_measured", "loss_max_rel_diff", "final_loss", "framework",
+              "parameters"]
 
 
 def add_loss_agreement(rows: list[dict], references: dict | None = None) -> dict:
@@ -30,11 +31,16 @@ def add_loss_agreement(rows: list[dict], references: dict | None = None) -> dict
             continue
         model = r.get("model")
         ref = (references or {}).get(model)
-        if not isinstance(ref, list):
-            ref = next(x["losses"] for x in rows if x.get("status") == "ok" and x.get("losses")
-                       and x.get("model") == model)
+        if not isinstance(ref, list):     # the first mtds row of the model (a peer's initialisation is its own)
+            same = [x for x in rows if x.get("status") == "ok" and x.get("losses") and x.get("model") == model]
+            ref = next((x for x in same if not x.get("framework")), same[0])["losses"]
         n = min(len(ref), len(r["losses"]))
         r["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref[:n]))
+        if r.get("framework"):   # its own initialisation: only the first step compares (before any update)
+            r["loss_step1_rel_diff"] = abs(r["losses"][0] - ref[0]) / abs(ref[0])
+            key = ("peers", model)
+            worst[key] = max(worst.get(key, 0.0), r["loss_step1_rel_diff"])
+            continue
         worst[model] = max(worst.get(model, 0.0), r["loss_max_rel_diff"])
     return worst
 
@@ -146,7 +152,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "## tokens/s measured (predicted)", "", *summary_table(rows, meta["links"])]
     for link in meta["links"]:
         out += ["", f"## inter-node link {link}", "", *_cell_table([r for r in rows if r["link"] == link])]
-    out += ["", meta.get("loss_agreement", ""), "", learning_rate([r for r in rows if r.get("status") == "ok"]), "",
+    out += ["", meta.get("loss_agreement", ""), "", learning_rate([r for r in rows if r.get("status") == "ok"]),
+            *peer_notes([r for r in rows if r.get("status") == "ok"]), "",
             "Communication columns are payload bytes per rank per step (max over ranks), one per collective family "
             "(an all-gather's payload is the rank's shard, a reduce-scatter's and an all-reduce's the full tensor, "
             "so they are never added). Link bytes are what each node's interface sent per timed step (kernel "
@@ -179,10 +186,14 @@ def write_results(rows: list[dict], meta: dict, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     worst = add_loss_agreement(rows, meta.get("references"))
     main = worst.pop(meta.get("model"), 0.0)
+    peers = {m: worst.pop(k) for k in list(worst) if isinstance(k, tuple) for m in [k[1]]}
     meta["loss_agreement"] = (f"Loss agreement: every {meta.get('model')} scheme's loss at every step is within "
                               f"{main:.1e} (relative) of the first scheme's (same initial weights, samples and seed)."
                               + "".join(f" {m}: within {w:.1e} of mtds on one rank on this host (same model, data, seed)."
                                         for m, w in worst.items())
+                              + "".join(f" Peer frameworks on {m} (their own initialisation, so only the first "
+                                        f"step compares): step-1 loss within {w:.1e} of the first mtds row's."
+                                        for m, w in peers.items())
                               + _dropout_caveat(meta.get("model")))
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -12,6 +12,10 @@
     ptdp:tp=2,config=my.json  any scheme can name its own DeepSpeed config
     zero1:grad_reduce=all-reduce
                               ... DeepSpeed's own ZeRO-1 gradient all-reduce (train.py --zero1-grad-reduce)
+    megatron:tp=2,pp=2        Megatron-core's own GPT (TP, PP with its 1F1B schedule, its distributed optimizer
+                              over the data-parallel ranks), in the peers' interpreter (make peers)
+    torchtitan:tp=2,fsdp=2    torchtitan's Llama-3 (DTensor TP x FSDP2 over fsdp ranks; fsdp = ranks / tp);
+                              trains a Llama model: model=llama-tiny unless --model is one
     autotp:tp=2,model=llama-tiny
                               any scheme can train another model than --model (a preset, a HF config.json,
                               or llama-tiny: compare/llama_tiny.json, gpt2-tiny's shape as a Llama); the
@@ -29,14 +33,18 @@ DEFAULT_CONFIGS = {"ptdp": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
                    "zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json"),
                    "zero1": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
                    "hf-zero3": os.path.join(REPO, "ds_configs", "cpu_zero3_fp32.json"),
-                   "autotp": os.path.join(REPO, "ds_configs", "cpu_fp32.json")}
+                   "autotp": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
+                   # the peers read the batch, optimizer and clipping from the same config as ptdp
+                   "megatron": os.path.join(REPO, "ds_configs", "cpu_fp32.json"),
+                   "torchtitan": os.path.join(REPO, "ds_configs", "cpu_fp32.json")}
+PEERS = ("megatron", "torchtitan")     # other frameworks, run by compare.peer_launch in their own interpreter
 DATA_PARALLEL_ONLY = ("zero3", "zero1", "hf-zero3")     # tp = pp = 1
 MODEL_ALIASES = {"llama-tiny": os.path.join(REPO, "compare", "llama_tiny.json")}
 
 
 @dataclass(frozen=True)
 class Scheme:
-    kind: str           # "ptdp" | "zero3" | "zero1" | "hf-zero3" | "autotp"
+    kind: str           # "ptdp" | "zero3" | "zero1" | "hf-zero3" | "autotp" | "megatron" | "torchtitan"
     tp: int = 1
     pp: int = 1
     config: str = ""
@@ -47,6 +55,7 @@ class Scheme:
     grad_reduce: str = "reduce-scatter"   # train.py --zero1-grad-reduce (mtds's ZeRO-1 schemes)
     cp: int = 1              # train.py --context-parallel-size (ptdp)
     comm: str = "p2p"        # train.py --cp-comm-type (with cp > 1)
+    fsdp: int = 0            # torchtitan: FSDP degree (0: ranks / tp)
 
     @property
     def name(self) -> str:
@@ -67,6 +76,10 @@ class Scheme:
             return self.kind
         if self.kind == "autotp":
             return f"autotp-t{self.tp}"
+        if self.kind == "megatron":
+            return f"megatron-t{self.tp}p{self.pp}"
+        if self.kind == "torchtitan":
+            return f"torchtitan-t{self.tp}" + (f"f{self.fsdp}" if self.fsdp else "")
         schedule = "" if self.schedule == "1f1b" else f"-{self.schedule}" + (f"-v{self.v}" if self.v > 1 else "")
         cp = f"-c{self.cp}{self.comm}" if self.cp > 1 else ""
         return f"ptdp-t{self.tp}p{self.pp}" + cp + ("-sp" if self.sp else "") + schedule
@@ -77,12 +90,22 @@ class Scheme:
         return self.kind in ("hf-zero3", "autotp")
 
     @property
+    def peer(self) -> bool:
+        """Another framework's scheme (compare.peer_launch), not mtds's or HF's."""
+        return self.kind in PEERS
+
+    @property
     def zero_stage(self) -> int:
-        return 3 if self.kind in ("zero3", "hf-zero3") else 1
+        # FSDP2 shards parameters, gradients and optimizer states (ZeRO-3); Megatron's distributed
+        # optimizer shards optimizer states (ZeRO-1)
+        return 3 if self.kind in ("zero3", "hf-zero3", "torchtitan") else 1
 
     def data_parallel(self, world: int) -> int:
         """d = world / (t c p): the data-parallel ranks (the c ranks of a context group read the same data)."""
         mp = self.tp * self.pp * self.cp
+        if self.fsdp and world != self.tp * self.fsdp:
+            raise ValueError(f"{self.name}: tp x fsdp = {self.tp * self.fsdp} must equal the {world} ranks "
+                             f"(--nproc, or nodes x ranks per node)")
         if world % mp:
             what = "tp x cp x pp" if self.cp > 1 else "tp x pp"
             raise ValueError(f"{self.name}: {world} ranks (--nproc, --gpus or nodes x ranks per node) are not divisible by {what} = {mp}")
@@ -92,20 +115,23 @@ class Scheme:
 def parse_scheme(text: str) -> Scheme:
     kind, _, rest = text.partition(":")
     if kind not in DEFAULT_CONFIGS:
-        raise ValueError(f"unknown scheme {text!r}: use ptdp[:tp=T,pp=P], zero3, zero1, hf-zero3 or autotp:tp=T")
+        raise ValueError(f"unknown scheme {text!r}: use ptdp[:tp=T,pp=P], zero3, zero1, hf-zero3, autotp:tp=T, "
+                         f"megatron[:tp=T,pp=P] or torchtitan[:tp=T,fsdp=F]")
     fields = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("tp", "pp", "sp", "cp", "comm", "config", "schedule", "v", "model", "grad_reduce"):
+        if not eq or key not in ("tp", "pp", "sp", "cp", "comm", "config", "schedule", "v", "model", "grad_reduce",
+                                 "fsdp"):
             raise ValueError(f"bad option {item!r} in {text!r}: use tp=T, pp=P, sp=0|1, cp=C, comm=p2p|a2a, "
-                             f"schedule=NAME, v=V, config=FILE, model=NAME|FILE or grad_reduce=reduce-scatter|all-reduce")
+                             f"schedule=NAME, v=V, config=FILE, model=NAME|FILE, grad_reduce=reduce-scatter|all-reduce "
+                             f"or fsdp=F (torchtitan)")
         fields[key] = value if key in ("config", "schedule", "model", "grad_reduce", "comm") else int(value)
     if ("cp" in fields or "comm" in fields) and kind != "ptdp":
         raise ValueError(f"{text!r}: cp= and comm= are context-parallel options of ptdp schemes")
     if fields.get("comm", "p2p") not in CP_COMM_TYPES or fields.get("cp", 1) < 1:
         raise ValueError(f"{text!r}: cp= is a positive size and comm= p2p or a2a")
     if fields.get("grad_reduce", "reduce-scatter") not in ("reduce-scatter", "all-reduce") or \
-            ("grad_reduce" in fields and kind in ("zero3", "hf-zero3", "autotp")):
+            ("grad_reduce" in fields and kind in ("zero3", "hf-zero3", "autotp", *PEERS)):
         raise ValueError(f"{text!r}: grad_reduce= is reduce-scatter or all-reduce, for mtds's ZeRO-1 schemes "
                          f"(ptdp, zero1)")
     if kind != "ptdp" and ("schedule" in fields or "v" in fields):
@@ -116,6 +142,10 @@ def parse_scheme(text: str) -> Scheme:
         problem = name_problem(name) or chunks_problem(name, fields.get("pp", 1), fields.get("v", 1))
         if problem is not None:
             raise ValueError(problem)
+    if kind in PEERS:
+        _check_peer(kind, fields, text)
+    elif "fsdp" in fields:
+        raise ValueError(f"{text!r}: fsdp= is the FSDP degree of torchtitan schemes")
     if kind in DATA_PARALLEL_ONLY and (fields.get("tp", 1) != 1 or fields.get("pp", 1) != 1 or fields.get("sp", 0)):
         raise ValueError(f"{kind} runs with tp=1, pp=1 (data parallelism only)")
     if kind == "autotp" and (fields.get("pp", 1) != 1 or fields.get("sp", 0)):
@@ -126,3 +156,28 @@ def parse_scheme(text: str) -> Scheme:
         raise ValueError(f"{text!r}: sequence parallelism (sp=1) needs tp > 1")
     fields.setdefault("config", DEFAULT_CONFIGS[kind])
     return Scheme(kind, **fields)
+
+
+def _check_peer(kind: str, fields: dict, text: str) -> None:
+    """What the peers' schemes run here: Megatron-core TP x PP x DP; torchtitan TP x FSDP (its pipeline
+    schedules and the sequence parallelism of either are not wired into compare/peer_entry.py)."""
+    if fields.get("sp", 0) or "schedule" in fields or "v" in fields or "cp" in fields:
+        raise ValueError(f"{text!r}: the peer schemes take tp=, pp= (megatron), fsdp= (torchtitan), model= and "
+                         f"config=; sequence, context parallelism and other schedules are not wired for them")
+    if kind == "megatron" and "fsdp" in fields:
+        raise ValueError(f"{text!r}: fsdp= is torchtitan's; Megatron-core's data parallelism is ranks / (tp x pp)")
+    if kind == "torchtitan" and fields.get("pp", 1) != 1:
+        raise ValueError(f"{text!r}: torchtitan runs tp x fsdp here (its pipeline schedules are not wired on CPU)")
+    if kind == "torchtitan" and fields.get("fsdp", 1) < 1:
+        raise ValueError(f"{text!r}: fsdp= is a positive FSDP degree")
+
+
+def for_run(scheme: Scheme, run_model: str) -> Scheme:
+    """A torchtitan scheme trains Llama models only: given a run of another family, it trains llama-tiny
+    (then compared with llama-tiny's own rows and reference, as any scheme with model=)."""
+    if scheme.kind != "torchtitan" or scheme.model:
+        return scheme
+    from dataclasses import replace
+
+    from mtds.hf.resolve import resolve_model_config
+    return scheme if resolve_model_config(run_model).architecture == "llama" else replace(scheme, model="llama-tiny")

@@ -19,7 +19,8 @@ from mtds.cluster.shaping import rate_bits
 
 from .cluster_launch import launch_on_cluster
 from .predict import calibrate, predict_cell
-from .schemes import MODEL_ALIASES, Scheme, parse_scheme
+from .peer_launch import launch_peer_on_cluster
+from .schemes import MODEL_ALIASES, Scheme, for_run, parse_scheme
 from .table import summarise
 
 
@@ -82,10 +83,12 @@ def run_sweep(args) -> tuple[list[dict], dict]:
     reason = unavailable_reason()
     if reason:
         raise ValueError(f"--nodes needs an emulated cluster, which is unavailable here: {reason}")
-    schemes = [parse_scheme(s) for s in args.schemes]
+    schemes = [for_run(parse_scheme(s), args.model) for s in args.schemes]
     world = args.nodes * args.ranks_per_node
     for s in schemes:
         s.data_parallel(world)
+    from .cli import refuse_missing_peers
+    refuse_missing_peers(schemes)
     speeds = [x.strip() for x in args.inter_node.split(",") if x.strip()]
     for speed in speeds:
         rate_bits(speed)
@@ -118,9 +121,10 @@ def run_sweep(args) -> tuple[list[dict], dict]:
                        "model": s.model or args.model, "grad_reduce": s.grad_reduce}
                 if s.pp > 1:     # the partition train.py builds (compare.predict.run_partition re-derives it)
                     from mtds.plan.balance import DEFAULT_BALANCE
-                    row["pipeline_balance"] = DEFAULT_BALANCE
+                    # Megatron-core splits the layers evenly over its stages
+                    row["pipeline_balance"] = "uniform" if s.kind == "megatron" else DEFAULT_BALANCE
                 try:
-                    launched = launch_on_cluster(cluster, s, model=args.model, steps=args.steps,
+                    launched = (launch_peer_on_cluster if s.peer else launch_on_cluster)(cluster, s, model=args.model, steps=args.steps,
                                                  seq_length=args.seq_length, out_dir=out_dir, timeout=args.timeout,
                                                  **batch, echo=print if speed == speeds[0] else None)
                     row.update(summarise(launched, warmup=args.warmup, ranks_per_node=args.ranks_per_node),

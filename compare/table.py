@@ -81,7 +81,32 @@ def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None
         "bubble_per_stage": timed[-1].get("bubble_per_stage") if bubbles else None,
         "steps": [s["step"] for s in steps], "losses": [s["loss"] for s in steps], "lrs": [s.get("lr") for s in steps],
         "final_loss": steps[-1]["loss"] if steps else None, "wall_s": launched["wall_s"],
+        **_peer_fields(ranks[0]),
     }
+
+
+def _peer_fields(rank0: dict) -> dict:
+    """A peer's framework and version, torch's, every shim it needed and its parameter count (one replica)."""
+    if not rank0.get("peer"):
+        return {}
+    return {"framework": f"{rank0['peer']} {rank0['peer_version']}", "framework_torch": rank0["torch_version"],
+            "patches": rank0["patches"], "parameters": rank0["parameters_total"]}
+
+
+def peer_notes(rows: list[dict]) -> list[str]:
+    """One paragraph per peer framework: its version and every shim it ran with (compare/peer_shims.py)."""
+    out, seen = [], set()
+    for r in rows:
+        if r.get("framework") and r["framework"] not in seen:
+            seen.add(r["framework"])
+            out += ["", f"{r['framework']} (torch {r['framework_torch']}; {r['parameters']:,} parameters in "
+                        f"{r['scheme']}) ran with these shims, applied in its own process, nothing in "
+                        f"site-packages edited: " + "; ".join(r["patches"]) + "."]
+    if out:
+        out += ["", "Communication columns count mtds's collectives (its tracer); a peer's are 0 there (not "
+                    "traced): on an emulated cluster compare the link columns, read from the same kernel "
+                    "counters for every scheme."]
+    return out
 
 
 def _link_per_step(ranks: list[dict], warmup: int, ranks_per_node: int | None) -> float | None:
@@ -174,6 +199,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines += ["", meta["loss_agreement"]]
     if learning_rate(rows):
         lines += ["", learning_rate(rows)]
+    lines += peer_notes(rows)
     lines += ["", "Peak memory is peak RSS per process on CPU (includes the Python/torch/DeepSpeed runtime). "
               "Communication columns are payload bytes per rank in the last step (max over ranks), counted from "
               "before DeepSpeed starts (so ZeRO's cached all-gather / reduce-scatter calls are included); one "
