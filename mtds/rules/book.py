@@ -84,8 +84,8 @@ RULES: tuple[Rule, ...] = (
 # cost balancer needs a valid layout and batch (mtds.training.stage_plan).
 PARTITION_RULES: tuple[Rule, ...] = (
     Rule("experts-on-every-stage", experts.experts_on_every_stage,
-         "--expert-model-parallel-size, --pp, ZeRO stage, the stage partition",
-         "a pipeline stage without MoE blocks under expert parallelism with ZeRO-1/2", kind=NOT_BUILT,
+         "--expert-model-parallel-size, --pp, ZeRO stage, precision, the stage partition",
+         "a pipeline stage without MoE blocks under expert parallelism with ZeRO-1/2 in bf16/fp16", kind=NOT_BUILT,
          applies=experts.partition_matters),
 )
 ALL_RULES = RULES + PARTITION_RULES
