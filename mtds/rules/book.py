@@ -75,7 +75,7 @@ RULES: tuple[Rule, ...] = (
     Rule("expert-parallel-zero", experts.expert_parallel_zero, "--expert-model-parallel-size, ZeRO stage, "
          "precision", "expert parallelism with ZeRO-3, or in 16 bits at ZeRO-0", kind=NOT_BUILT),
     Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, --pipeline-schedule, document resets",
-         "MoE on a pipeline other than 1f1b training, or with document resets; MoE evaluation at --pp > 1",
+         "MoE on a pipeline other than 1f1b training, or with document resets",
          kind=NOT_BUILT),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert FFN size"),
 )
