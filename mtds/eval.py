@@ -108,7 +108,7 @@ def padded_length(length: int, cp: int) -> int:
 
 def admit_eval(args, cfg, world_size: int, rows: list[list[int]]):
     """The rulebook's verdict on this evaluation (mtds.rules, as train.py's start-up asks it): the layout against
-    the model, context parallelism for the longest row once padded, MoE pipelines; then what evaluation adds, the
+    the model, context parallelism for the longest row once padded; then what evaluation adds, the
     padded rows against learned positions. The layout, or one ``error:`` line. Dropout is not weighed:
     evaluation runs without it."""
     import dataclasses

@@ -1,6 +1,7 @@
 """mtds logits and `mtds-eval` loss equal HF's (fp32, 1e-5) for GPT-2, GPT-NeoX and Llama at
 (t, p) in {(1,1), (2,1), (1,2), (2,2), (4,1)}, from HF weights and from mtds checkpoints saved at another
 layout. The vocabulary (250) is not divisible by 128*t and each of the 2 stages holds 1 (odd) block.
+A Mixtral (every block MoE) at (t, p) = (1, 2) and (2, 2), from HF weights and from a checkpoint: the same.
 Context parallelism (--cp 2) on the Llamas at c = 2 and t = 2 x c = 2 (both comm types) and c = 2 x p = 2 (a2a):
 rows of 5, 17, 9 and 2 tokens are padded to a multiple of 2c = 4, and the loss and the gathered logits still
 equal HF's.
@@ -21,7 +22,9 @@ TOL = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # world size -> layouts; llama_t4 (8 heads, 4 kv heads) where t = 4 must divide the kv heads.
 LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
-NAMES = {1: ("gpt2", "neox", "llama"), 2: ("gpt2", "neox", "llama"), 4: ("gpt2", "neox", "llama_t4")}
+NAMES = {1: ("gpt2", "neox", "llama"), 2: ("gpt2", "neox", "llama", "mixtral"), 4: ("gpt2", "neox", "llama_t4", "mixtral")}
+# a Mixtral (4 experts, top-2) on pipelines only: evaluation carries no router statistics between stages
+MOE_LAYOUTS = {2: [(1, 2)], 4: [(2, 2)]}
 # world -> (t, c, p, comm, source) evaluated on the Llama of that world (a2a: its heads per TP rank divide by c)
 CP_LAYOUTS = {1: [], 2: [(1, 2, 1, "p2p", "hf"), (1, 2, 1, "a2a", "ckpt")],
               4: [(2, 2, 1, "p2p", "ckpt"), (2, 2, 1, "a2a", "hf"), (1, 2, 2, "a2a", "ckpt")]}
@@ -80,7 +83,7 @@ def _rank_parity(root: str, world: int):
         ids = torch.tensor([data[3]])
         with torch.no_grad():
             ref_logits = hf(ids).logits
-        for t, p in LAYOUTS[world]:
+        for t, p in MOE_LAYOUTS[world] if name == "mixtral" else LAYOUTS[world]:
             groups = ParallelLayout.for_world(world, tp=t, pp=p).build_groups()
             for source in ("hf", "ckpt"):
                 model = build_eval_model(cfg, groups, hf=hf_dir) if source == "hf" else \
@@ -141,6 +144,10 @@ def test_eval_cp_flags_and_refusals():
         return argparse.Namespace(tp=tp, pp=pp, context_parallel_size=cp, cp_comm_type=comm)
     assert admit_eval(flags(2, "a2a"), llama, 2, rows_).cp == 2          # dropout: no refusal
     assert admit_eval(flags(3, "p2p"), gpt2, 3, rows_).cp == 3           # 30 needs no padding at 2c = 6
+    from mtds.hf import model_config_from_hf
+    from tests.test_hf_cases import hf_config
+    mixtral = model_config_from_hf(hf_config("mixtral"))
+    assert admit_eval(flags(1, "p2p", tp=2, pp=2), mixtral, 4, rows_).pp == 2     # MoE pipelines evaluate
     for args_, cfg, world, error, message in [
             (flags(4, "a2a"), llama, 4, JobRefused, "--cp-comm-type a2a needs the 4 query heads per TP rank and 2 "
                                                     "key/value heads per TP rank divisible by C=4"),

@@ -33,6 +33,10 @@ def hf_config(name: str):
         return T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=96, n_positions=32, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu", tie_word_embeddings=False,
                             **common)
+    if name == "mixtral":      # 4 experts, top-2, every block MoE
+        return T.MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=32, **common)
     if name in FAMILIES:
         return FAMILIES[name]()
     raise KeyError(name)

@@ -76,7 +76,7 @@ RULES: tuple[Rule, ...] = (
     Rule("expert-parallel-zero", experts.expert_parallel_zero, "--expert-model-parallel-size, ZeRO stage, "
          "precision", "expert parallelism with ZeRO-3, or in 16 bits at ZeRO-0", kind=NOT_BUILT),
     Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, --pipeline-schedule, document resets",
-         "MoE on a pipeline other than 1f1b training, or with document resets; MoE evaluation at --pp > 1",
+         "MoE on a pipeline other than 1f1b training, or with document resets",
          kind=NOT_BUILT),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
 )
@@ -85,8 +85,8 @@ RULES: tuple[Rule, ...] = (
 # cost balancer needs a valid layout and batch (mtds.training.stage_plan).
 PARTITION_RULES: tuple[Rule, ...] = (
     Rule("experts-on-every-stage", experts.experts_on_every_stage,
-         "--expert-model-parallel-size, --pp, ZeRO stage, the stage partition",
-         "a pipeline stage without MoE blocks under expert parallelism with ZeRO-1/2", kind=NOT_BUILT,
+         "--expert-model-parallel-size, --pp, ZeRO stage, precision, the stage partition",
+         "a pipeline stage without MoE blocks under expert parallelism with ZeRO-1/2 in bf16/fp16", kind=NOT_BUILT,
          applies=experts.partition_matters),
 )
 ALL_RULES = RULES + PARTITION_RULES

@@ -50,12 +50,11 @@ def expert_parallel_zero(job: Job) -> str | None:
 
 def moe_pipeline(job: Job) -> str | None:
     """transformers' aux loss pools the expert counts of every MoE block of the forward (mtds.model.aux_loss):
-    on a pipeline they travel with the activations, as a tuple, which only DeepSpeed's 1F1B engine sends."""
-    if not job.model.num_experts or job.pp == 1:
+    on a pipeline they travel with the activations, as a tuple, which only DeepSpeed's 1F1B engine sends.
+    Evaluation (mtds-eval) carries no statistics (its loss is the LM loss): one tensor, at any p."""
+    if not job.model.num_experts or job.pp == 1 or job.purpose == EVAL:
         return None
     p = job.pp
-    if job.purpose == EVAL:
-        return f"this MoE model is built at --pp 1 only here (asked --pp {p}): evaluate it at --pp 1"
     if job.pipeline_schedule != "1f1b":
         return f"MoE models with --pp {p} need --pipeline-schedule 1f1b: the router statistics travel beside " \
                f"the activation, and this schedule sends one tensor between stages"
@@ -77,12 +76,14 @@ def expert_width(job: Job) -> str | None:
 
 def partition_matters(job: Job) -> bool:
     """Whether :func:`experts_on_every_stage` weighs the stage partition of ``job``."""
-    return job.ep > 1 and job.pp > 1 and job.zero_stage >= 1
+    return job.ep > 1 and job.pp > 1 and job.zero_stage >= 1 and job.precision != "fp32"
 
 
 def experts_on_every_stage(job: Job) -> str | None:
     """DeepSpeed's ZeRO runs its norm per optimizer param group, each with a collective over the pipeline's
-    model-parallel group: a stage without MoE blocks has no expert group and would leave the others waiting."""
+    model-parallel group. In fp32 a stage without MoE blocks runs the expert groups' collectives empty
+    (mtds.deepspeed_compat.stage_expert_norms); bf16 and fp16 (DeepSpeed's BF16 optimizer takes another norm
+    path) are not built for such a stage."""
     if not partition_matters(job) or job.stage_blocks is None:
         return None
     moe, start, held = set(job.model.moe_blocks), 0, [False] * job.pp
@@ -91,9 +92,9 @@ def experts_on_every_stage(job: Job) -> str | None:
         start += n
     if all(held):
         return None
-    return f"--expert-model-parallel-size {job.ep} with --pp {job.pp} and ZeRO-1/2 needs MoE blocks on every " \
-           f"pipeline stage (DeepSpeed's ZeRO runs one norm collective per expert param group): use " \
-           f"--pipeline-balance uniform or a --pipeline-layout that gives each stage one, or ZeRO-0"
+    return f"--expert-model-parallel-size {job.ep} with --pp {job.pp}, ZeRO-1/2 and {job.precision} needs MoE " \
+           f"blocks on every pipeline stage (a stage without experts is built in fp32 only): use " \
+           f"--pipeline-balance uniform or a --pipeline-layout that gives each stage one, fp32, or ZeRO-0"
 
 
 def rank_of_virtual_stage(k: int, p: int, schedule: str) -> int:

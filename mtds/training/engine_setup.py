@@ -17,6 +17,7 @@ from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.deepspeed_compat.zero2_reduce import install_zero2_reduce_scatter, micro_batch_done
+from mtds.deepspeed_compat.stage_expert_norms import install_stage_expert_norms
 from mtds.deepspeed_compat.zero_norm import install_foreach_norm
 from mtds.deepspeed_compat.zero_repoint import install_skip_repoint
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
@@ -125,7 +126,7 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
     # model-parallel group, which the two paths run differently. The ZeRO-1 reduce-scatters, fp32
     # (zero1_reduce.py) and BF16_Optimizer's (bf16_reduce.py), and the flat-bf16 bookkeeping (bf16_flat.py: its
     # dense norm sums over the model-parallel group as DeepSpeed's, the expert norms stay DeepSpeed's) take MoE
-    # param groups; at ZeRO-1 every stage holds an expert group (refused otherwise, above).
+    # param groups; a stage without experts runs the expert groups' norm collectives empty (stage_expert_norms.py).
     experts = world.layout.ep > 1
     install_flat_bf16(engine)           # BF16_Optimizer's per-parameter loops on flat buffers (else nothing)
     if not experts:
@@ -141,6 +142,8 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
         install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:
         defer_sequence_parallel_grads(engine, groups)
+    if experts and world.layout.pp > 1 and zero_stage >= 1:
+        install_stage_expert_norms(engine)      # a stage without MoE blocks runs the expert groups' norms empty
     if world.layout.ep > 1:     # checkpoints: mtds's stacked experts through DeepSpeed's MoE files
         install_expert_checkpointing(engine, EXPERT_GROUPS)
     if world.tracer is not None:
