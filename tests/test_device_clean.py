@@ -26,6 +26,11 @@ ON_THE_HOST = {
     ("mtds/model/norms.py", "torch.ones(hidden_size)"):
         "a parameter: modules are built on the host, then moved by DeepSpeed / .to(device)",
     ("mtds/model/router.py", "torch.empty(cfg.num_experts, cfg.hidden_size)"): "the MoE router's parameter (as above)",
+    ("mtds/model/router.py", "torch.zeros(cfg.num_experts, dtype=torch.float32)"):
+        "the expert-bias buffer: a module's buffer, moved with the module (as above)",
+    ("mtds/model/latent_attention.py", "torch.empty(out_features, in_features)"):
+        "latent attention's replicated projection, a parameter (as above)",
+    ("mtds/model/shared_expert.py", "torch.empty(1, cfg.hidden_size)"): "the shared expert's gate, a parameter (as above)",
     # init_shard: a parameter's initial values come from the CPU generator (the same on every device)
     ("mtds/tp/init_shard.py", "torch.zeros(shape, dtype=torch.float32)"): "a parameter's full fill (as above)",
     ("mtds/tp/init_shard.py", "torch.zeros(local_shape, dtype=torch.float32)"): "a parameter's shard (as above)",
