@@ -212,6 +212,12 @@ class TrainConfig:
     save_interval: int = opt(
         0, "--save-interval", section=LOGS, at_least=0, note=" (0: save at the end only)",
         help="save every N steps (and at the end) [0]")
+    async_save: bool = opt(
+        False, "--async-save", section=LOGS, action="store_true",
+        help="save checkpoints without stopping training: each rank copies its state to host memory at the "
+             "step boundary and a background thread writes it; the checkpoint becomes the one --load finds once "
+             "every rank's files are durable (checked at later step boundaries); one save in flight at most, "
+             "the last one (and a SIGTERM's) complete before exit")
     keep_last: int = opt(
         0, "--keep-last", section=LOGS, at_least=0, note=" (0 keeps every checkpoint)", metavar="K",
         help="after each complete save delete all but the newest K complete checkpoints [0: keep all]")

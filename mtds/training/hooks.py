@@ -222,28 +222,44 @@ class EvalHook(Hook):
 
 
 class SaveHook(Hook):
-    """--save: a checkpoint every --save-interval steps and at the end (once per step at most)."""
+    """--save: a checkpoint every --save-interval steps and at the end (once per step at most). With
+    --async-save the step only snapshots it (mtds.checkpoint.async_save): each step boundary first asks whether
+    the save in flight is written everywhere (and commits it), and the run's end waits for the last one."""
 
     def __init__(self, built: BuiltRun):
         self.built = built
         self.saved_at = None
+        self.background = None
+        if built.cfg.async_save:
+            from mtds.checkpoint.async_save import AsyncSaver
+            self.background = AsyncSaver(built.engine, built.cfg.save, built.world.groups, built.world.device,
+                                         model_cfg=built.world.model_cfg, tokenizer=built.cfg.tokenizer,
+                                         rng_tracker=built.world.rng, keep_last=built.cfg.keep_last,
+                                         log=built.logger.info)
 
     def save(self, step: int) -> None:
         if self.saved_at == step:
             return
         b = self.built
-        ckpt.save(b.engine, b.cfg.save, step, {"data": b.stream.state_dict()}, b.world.groups,
-                  model_cfg=b.world.model_cfg, tokenizer=b.cfg.tokenizer, rng_tracker=b.world.rng,
-                  keep_last=b.cfg.keep_last)
+        extra = {"data": b.stream.state_dict()}
+        if self.background is not None:
+            self.background.save(step, extra)
+        else:
+            ckpt.save(b.engine, b.cfg.save, step, extra, b.world.groups, model_cfg=b.world.model_cfg,
+                      tokenizer=b.cfg.tokenizer, rng_tracker=b.world.rng, keep_last=b.cfg.keep_last)
         self.saved_at = step
 
     def after_step(self, step, record):
+        if self.background is not None:
+            self.background.poll()
         if self.built.cfg.save_interval and step % self.built.cfg.save_interval == 0:
             self.save(step)
 
     def at_end(self, step, completed):
         if completed:
             self.save(step)
+        if self.background is not None:     # the last save (and a signal's) is complete before the run returns
+            self.background.finish()
 
 
 class SignalStopHook(Hook):
