@@ -58,6 +58,8 @@ class Job:
     deepspeed_version: str | None = None
     moe_z_loss: bool = False                # --moe-z-loss-coeff > 0
     moe_capacity: bool = False              # --moe-expert-capacity-factor given
+    save: bool = False                      # --save given
+    async_save: bool = False                # --async-save
     purpose: str = TRAIN                    # train | eval (mtds-eval: no router statistics carried)
 
     @property

@@ -66,7 +66,7 @@ def describe(cfg: TrainConfig, world_size: int, model_cfg: ModelConfig, ds_confi
                bf16_immediate_grad_update=bool(bf16.get("enabled") and bf16.get("immediate_grad_update")),
                zero_overlap_comm=bool(zero.get("overlap_comm", stage == 3)), deepspeed_version=version,
                moe_z_loss=cfg.moe_z_loss_coeff > 0, moe_capacity=cfg.moe_expert_capacity_factor is not None,
-               purpose=TRAIN)
+               save=bool(cfg.save), async_save=cfg.async_save, purpose=TRAIN)
 
 
 def admit(cfg: TrainConfig, world_size: int, model_cfg: ModelConfig, device) -> Admitted:
