@@ -137,9 +137,9 @@ def run_with_faults(work: str, seed: int, kinds: list[str], *, steps: int = 14, 
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-    text = out.text()
-    with open(os.path.join(work, "out.txt"), "w") as f:
-        f.write("\n".join(f"{when - start:8.2f} {line}" for when, line in out.lines))
+        text = out.text()
+        with open(os.path.join(work, "out.txt"), "w") as f:     # each line with its time since the launch
+            f.write("\n".join(f"{when - start:8.2f} {line}" for when, line in out.lines))
     for fault in faults:
         detect = out.first_after(fault.at, "error:")
         loaded = out.first_after(fault.at, "resumed from")

@@ -150,6 +150,49 @@ class ExpertLoadHook(Hook):
         record.update(self.load.fields())
 
 
+class StragglerHook(Hook):
+    """--log-straggler: every --straggler-interval steps, each rank's mean step time split into compute and
+    wait (mtds.observe.stragglers) gathered over the world; a rank slower than --straggler-factor x the median
+    is named in the log, and the record (JSONL, TensorBoard) carries the slowest rank's ratio."""
+
+    def __init__(self, built: BuiltRun, result: RunResult):
+        from mtds.observe.comm_trace import clock
+        self.built, self.result, self.clock = built, result, clock
+        self.step_s = self.wait_s = 0.0
+        self.steps, self.first, self.wait_at_start = 0, None, 0.0
+
+    def before_step(self, step):
+        self.wait_at_start = self.clock.seconds
+        if self.first is None:
+            self.first = step
+
+    def after_step(self, step, record):
+        self.step_s += record["step_time_s"]
+        self.wait_s += self.clock.seconds - self.wait_at_start
+        self.steps += 1
+        if step % self.built.cfg.straggler_interval:
+            return None
+        from mtds.observe.stragglers import describe, find_stragglers
+        mine = torch.tensor([self.step_s / self.steps, self.wait_s / self.steps], dtype=torch.float64,
+                            device=self.built.world.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        step_s, wait_s = zip(*(t.tolist() for t in every))
+        compute_s = [max(0.0, s - w) for s, w in zip(step_s, wait_s)]
+        found = find_stragglers(compute_s, self.built.cfg.straggler_factor)
+        median = sorted(compute_s)[len(compute_s) // 2]
+        slowest = max(range(len(compute_s)), key=compute_s.__getitem__)
+        record.update(straggler_slowest_rank=slowest, straggler_ratio=compute_s[slowest] / median if median else 1.0,
+                      straggler_compute_s=compute_s[slowest], straggler_median_compute_s=median,
+                      stragglers=[s.rank for s in found])
+        self.result.stragglers.append((step, [s.rank for s in found]))
+        if found:
+            self.built.logger.info(describe(found, self.first, step, list(wait_s)))
+        self.step_s = self.wait_s = 0.0
+        self.steps, self.first = 0, None
+        return None
+
+
 class LogHook(Hook):
     """The step's record to the console, JSONL, TensorBoard and progress bar (reporting rank only)."""
 
@@ -297,6 +340,8 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
         hooks.append(ExpertLoadHook(ExpertLoad(moe_blocks(built.model), built.world.model_cfg.num_experts,
                                                groups.dp_group, groups.pp_group, built.world.device,
                                                z_loss=built.world.model_cfg.moe_z_loss_coeff > 0)))
+    if cfg.log_straggler and built.world.size > 1:
+        hooks.append(StragglerHook(built, result))
     hooks.append(LogHook(built.logger))
     agreed = NonFiniteHook(built, stop)
     hooks.append(agreed)
