@@ -5,9 +5,10 @@ into its parts from timestamped output:
 
   detect   fault -> the first surviving rank's ``error:`` line (a collective's failure, or the heartbeat)
   restart  -> the agent's new worker processes exist (survivors exit, the agent stops and starts the group)
-  start    -> the new attempt has loaded its checkpoint ("resumed from" line: imports, process group, model,
-              engine, checkpoint load)
+  init     -> the new attempt's process group exists (its "mtds: layout" line: mostly importing torch and DeepSpeed)
+  start    -> it has loaded its checkpoint ("resumed from" line: data, model, engine, checkpoint load)
   step     -> its first trained step is logged
+(each measured from the fault). ``named``: for a kill -9, torchrun's report names the rank and exit code -9.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class Fault:
     rank: int
     after_step: int                  # the newest step in the log when it struck
     at: float                        # time.monotonic() of the fault
-    parts: dict = field(default_factory=dict)      # detect / restart / start / step seconds (cumulative order)
+    parts: dict = field(default_factory=dict)      # detect / restart / init / start / step: seconds since the fault
+    named: bool = False
 
 
 @dataclass
@@ -143,10 +145,15 @@ def run_with_faults(work: str, seed: int, kinds: list[str], *, steps: int = 14, 
     for fault in faults:
         detect = out.first_after(fault.at, "error:")
         loaded = out.first_after(fault.at, "resumed from")
+        init = out.first_after(fault.at + fault.parts.get("restart", 0.0), "mtds: layout")
         if detect is not None:
             fault.parts["detect"] = detect - fault.at
+        if init is not None:
+            fault.parts["init"] = init - fault.at
         if loaded is not None:
             fault.parts["start"] = loaded - fault.at
+        fault.named = fault.kind == "stop" or out.first_after(
+            fault.at, f"failed (exitcode: -9) local_rank: {fault.rank} ") is not None
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     return RestartRun(launcher.returncode, faults, last_per_step(log), text, errors, time.monotonic() - start)
 
