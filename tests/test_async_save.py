@@ -1,9 +1,10 @@
 """--async-save on 2 gloo ranks: saving every step in the background leaves training bit for bit unchanged and
-resumes exactly; a save is not visible before every rank's files are durable (one rank's writer frozen);
-a save asked for while one is in flight waits for it. (kill -9 during a background write:
-tests/test_recovery.py.)"""
+resumes exactly (with the writer process, each write held back past the next step's update; and with the writer
+thread the CUDA path uses); a save is not visible before every rank's files are durable (rank 1's writer process
+frozen with SIGSTOP); kill -9 of a rank's writer during a write stops the run with one line and the previous save
+resumes exactly. (kill -9 of a rank during a background write: tests/test_recovery.py.)"""
 import os
-import threading
+import signal
 
 import pytest
 
@@ -12,7 +13,7 @@ from lab.testing import spawn
 from tests.training_helpers import TINY, ds_config, train_config
 
 DROPOUT = TINY.__class__(**{**TINY.__dict__, "hidden_dropout": 0.1, "attention_dropout": 0.1, "num_layers": 2})
-FROZEN_SAVE, RELEASE_AT = 2, 4
+FROZEN_SAVE, RELEASE_AT, KILLED_SAVE = 2, 4, 3
 
 
 def _visible(directory, step):
@@ -23,73 +24,85 @@ def _visible(directory, step):
         return False
 
 
-class _slow_writer:
-    def __init__(self, delay_s):
-        self.delay_s = delay_s
+class _around_saves:
+    """Wraps AsyncSaver.save / poll in this process: ``after_save(saver, step)`` once a save is handed to the
+    writer, ``before_poll(saver)`` at each step boundary before the poll."""
+
+    def __init__(self, after_save=None, before_poll=None):
+        self.after_save, self.before_poll = after_save, before_poll
 
     def __enter__(self):
-        import time
+        from mtds.checkpoint.async_save import AsyncSaver
+        self.save, self.poll = AsyncSaver.save, AsyncSaver.poll
+        outer = self
 
-        from mtds.checkpoint import async_save
-        self.original = original = async_save.write_file
+        def save(saver, step, extra):
+            outer.save(saver, step, extra)
+            if outer.after_save:
+                outer.after_save(saver, step)
 
-        def write_file(save, state, path):
-            time.sleep(self.delay_s)
-            return original(save, state, path)
-        async_save.write_file = write_file
+        def poll(saver):
+            if outer.before_poll:
+                outer.before_poll(saver)
+            return outer.poll(saver)
+        AsyncSaver.save, AsyncSaver.poll = save, poll
 
     def __exit__(self, *exc):
-        from mtds.checkpoint import async_save
-        async_save.write_file = self.original
+        from mtds.checkpoint.async_save import AsyncSaver
+        AsyncSaver.save, AsyncSaver.poll = self.save, self.poll
 
 
-def _freeze_rank1_writer(root, seen):
-    """Rank 1's background write of step FROZEN_SAVE waits until rank 1 starts step RELEASE_AT; rank 0 records,
-    at each step boundary, whether its own files are durable and whether the checkpoint is visible."""
-    import torch.distributed as dist
-
-    from mtds.checkpoint import async_save
-    rank, release = dist.get_rank(), threading.Event()
-    original_write, original_poll = async_save.write_file, async_save.AsyncSaver.poll
-
-    def write_file(save, state, path):
-        if rank == 1 and f"global_step{FROZEN_SAVE}{STAGING_SUFFIX}" in path:
-            release.wait(120)
-        return original_write(save, state, path)
-
-    def poll(self):
-        staging = os.path.join(root, f"global_step{FROZEN_SAVE}{STAGING_SUFFIX}")
-        seen.append((os.path.isfile(rank_manifest(staging, 0)), _visible(root, FROZEN_SAVE)))
-        return original_poll(self)
-
-    async_save.write_file, async_save.AsyncSaver.poll = write_file, poll
-
-    def releaser(engine, groups):
-        def at_step(module, args):
-            if engine.global_steps == RELEASE_AT - 1:
-                release.set()
-        engine.module.register_forward_pre_hook(at_step)
-    return releaser, lambda: setattr(async_save, "write_file", original_write) or setattr(
-        async_save.AsyncSaver, "poll", original_poll)
+def _writer_pid():
+    from mtds.checkpoint.writer_process import writer
+    return writer().process.pid
 
 
 def _worker(root):
+    import torch.distributed as dist
+
+    from mtds.checkpoint.async_save import AsyncSaver
+    from mtds.checkpoint.lifecycle import CheckpointError
     from mtds.training import run
+    rank = dist.get_rank()
     dense = dict(model=DROPOUT, steps=4, deepspeed_config=ds_config(zero=1))     # d = 2: ZeRO-1 partitions
     plain = run(train_config(**dense))
-    # each background write starts 0.2 s late, after the next step's update: a snapshot that shared the live
-    # tensors would save that step's weights
-    with _slow_writer(0.2):
+    # each write but the last waits (its writer stopped) until the next step boundary, after that step's update
+    with _around_saves(after_save=lambda saver, step: step < 4 and os.kill(_writer_pid(), signal.SIGSTOP),
+                       before_poll=lambda saver: os.kill(_writer_pid(), signal.SIGCONT)):
         every = run(train_config(**dense, save=f"{root}/every", save_interval=1, async_save=True))
     resumed = run(train_config(**dense, load=f"{root}/every/global_step2"))
-    seen: list = []
-    releaser, restore = _freeze_rank1_writer(f"{root}/frozen", seen)
+    AsyncSaver.writer = "thread"
     try:
-        pipe = run(train_config(model=DROPOUT, pp=2, steps=5, save=f"{root}/frozen", save_interval=FROZEN_SAVE,
-                                async_save=True), on_engine_ready=(releaser,))
+        threaded = run(train_config(**dense, save=f"{root}/thread", save_interval=1, async_save=True))
     finally:
-        restore()
-    return plain, every, resumed, seen, pipe
+        AsyncSaver.writer = "process"
+    # rank 1's writer frozen from the save of step 2 until the boundary of step 3 has been looked at
+    seen, boundaries = [], [0]
+    frozen = f"{root}/frozen/global_step{FROZEN_SAVE}{STAGING_SUFFIX}"
+
+    def after_save(saver, step):
+        if rank == 1 and step == FROZEN_SAVE:
+            os.kill(_writer_pid(), signal.SIGSTOP)
+
+    def before_poll(saver):
+        boundaries[0] += 1
+        if boundaries[0] == FROZEN_SAVE + 1 and rank == 0:
+            seen.append((os.path.isfile(rank_manifest(frozen, 0)), _visible(f"{root}/frozen", FROZEN_SAVE)))
+        if boundaries[0] == RELEASE_AT and rank == 1:
+            os.kill(_writer_pid(), signal.SIGCONT)
+    with _around_saves(after_save, before_poll):
+        pipe = run(train_config(model=DROPOUT, pp=2, steps=5, save=f"{root}/frozen", save_interval=FROZEN_SAVE,
+                                async_save=True))
+    # kill -9 of rank 1's writer during the write of step 3's save
+    with _around_saves(after_save=lambda saver, step: rank == 1 and step == KILLED_SAVE and os.kill(
+            _writer_pid(), signal.SIGKILL)):
+        try:
+            run(train_config(**dense, save=f"{root}/killed", save_interval=1, async_save=True))
+            killed = None
+        except CheckpointError as err:
+            killed = str(err)
+    after_kill = run(train_config(**dense, load=f"{root}/killed"))
+    return plain, every, resumed, threaded, seen, pipe, killed, after_kill
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +113,25 @@ def runs(tmp_path_factory):
 
 def test_saving_every_step_in_the_background_changes_nothing_and_resumes_exactly(runs):
     root, results = runs
-    for plain, every, resumed, *_ in results:
+    for plain, every, resumed, threaded, *_ in results:
         assert every.losses == plain.losses and every.grad_norms == plain.grad_norms
+        assert threaded.losses == plain.losses and threaded.grad_norms == plain.grad_norms
         assert resumed.losses == plain.losses[2:] and resumed.grad_norms == plain.grad_norms[2:]
-    assert all(_visible(f"{root}/every", s) for s in range(1, 5))      # the last save completed before exit
+    for name in ("every", "thread"):
+        assert all(_visible(f"{root}/{name}", s) for s in range(1, 5))      # the last save completed before exit
 
 
 def test_a_save_is_not_visible_before_every_rank_has_written_it(runs):
     root, results = runs
-    seen = results[0][3]                 # rank 0's view at the boundaries of steps 1..5
-    # step 3's boundary: rank 0's files and manifest are durable, rank 1's writer is frozen -> not visible
-    assert seen[FROZEN_SAVE] == (True, False), seen
-    assert _visible(f"{root}/frozen", FROZEN_SAVE) and _visible(f"{root}/frozen", 4) and _visible(f"{root}/frozen", 5)
+    # the boundary of step 3: rank 0's files and manifest are durable, rank 1's writer is frozen -> not visible
+    assert results[0][4] == [(True, False)], results[0][4]
+    assert all(_visible(f"{root}/frozen", s) for s in (FROZEN_SAVE, 4, 5))
+
+
+def test_a_killed_writer_stops_the_run_and_the_previous_save_resumes_exactly(runs):
+    root, results = runs
+    for plain, *_, killed, after_kill in results:
+        assert killed is not None and f"the background save of step {KILLED_SAVE}" in killed, killed
+        assert "rank 1" in killed or "died (killed by SIGKILL)" in killed, killed
+        assert after_kill.losses == plain.losses[KILLED_SAVE - 1:], (after_kill.losses, plain.losses)
+    assert not _visible(f"{root}/killed", KILLED_SAVE)

@@ -1,9 +1,11 @@
 """--async-save: the step does not wait for its checkpoint's files.
 
 At the step boundary each rank runs DeepSpeed's save with its checkpoint engine capturing instead of writing:
-every file's state is copied to host memory (mtds.checkpoint.snapshot) into the usual staging folder's names.
-A background thread of the rank then writes those files, fsyncs them and writes the rank's manifest, as the
-synchronous save does, while training goes on. A save becomes the checkpoint ``--load`` finds only once every
+every file's state is copied to host memory (mtds.checkpoint.snapshot) under the usual staging folder's names.
+A background writer then writes those files, fsyncs them and writes the rank's manifest, as the synchronous
+save does, while training goes on: on CPU a writer process of the rank (mtds.checkpoint.writer_process; the
+snapshot in shared memory), on CUDA a thread of the rank (the snapshot in pinned memory, which a process cannot
+share; the copies are non-blocking and the thread waits for them). A save becomes the checkpoint ``--load`` finds only once every
 rank's files are durable: at each later step boundary the ranks ask each other in one small all-reduce whether
 their writes are done (nobody waits for a write there); once all are, rank 0 commits (meta, marker, rename,
 ``latest``, prune: mtds.checkpoint.commit). A crash before that leaves the ``.partial`` folder, which nothing
@@ -13,13 +15,11 @@ One save in flight at most, so host memory holds one snapshot per rank: a save a
 one is still being written first waits for it (and says how long). The run's last save, and the save a
 SIGTERM asks for, complete before the run returns (:meth:`AsyncSaver.finish`).
 
-Why a thread and not a process: the write is file I/O and ``torch.save``'s serialisation, which release the
-GIL for the bulk of the bytes; a process would need the snapshot in shared memory and a second interpreter
-per rank (imports of torch, seconds of start-up and memory). docs/benchmarks.md has the measured step times.
+Why a process on CPU: measured, ``torch.save`` in a thread holds the training thread's GIL for most of the write
+(the save cost 80 % of a synchronous one); in a process, 6 % (docs/benchmarks.md).
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,16 +28,14 @@ import torch
 import torch.distributed as dist
 
 from mtds.checkpoint.commit import write_manifest
-from mtds.checkpoint.durable import crc32_of, fsync_file
 from mtds.checkpoint.snapshot import copies_done_event, nbytes
 from mtds.checkpoint import lifecycle
 
 
-def write_file(save, state, path: str) -> tuple[int, int]:
-    """Write one captured file with the engine's own ``save`` and make it durable: (size, CRC-32)."""
-    save(state, path)
-    fsync_file(path)
-    return os.path.getsize(path), crc32_of(path)
+def write_job(files, staging_dir: str, rank: int, rng: dict, save) -> dict:
+    """The writer thread's job: each captured file, then the manifest (mtds.checkpoint.writer_process.write_job)."""
+    from mtds.checkpoint.writer_process import write_job as write
+    return write(files, staging_dir, rank, rng, save, write_manifest)
 
 
 @dataclass
@@ -52,6 +50,8 @@ class _Write:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     write_s: float = 0.0
+    job: int | None = None            # the writer process's job number (CPU)
+    writer: object = None             # ... and that process (a new one may have replaced it since)
 
 
 class AsyncSaver:
@@ -68,6 +68,12 @@ class AsyncSaver:
         self.committed: list[int] = []        # steps committed by this saver, in order
         self.capture_s: list[float] = []      # time the training thread spent per save (snapshot)
         self.waited_s: list[float] = []       # time a save waited for the previous one's write
+        self.use_process = device.type == "cpu" and self.writer == "process"
+        if self.use_process:
+            from mtds.checkpoint.writer_process import writer
+            writer()                          # started now: its imports overlap the first steps
+
+    writer = "process"                        # on CPU ("thread": the benchmark's comparison)
 
     def save(self, step: int, extra: dict) -> None:
         """Snapshot this step's checkpoint and start writing it in the background."""
@@ -81,27 +87,30 @@ class AsyncSaver:
             self.log(f"checkpoint: the save of step {step} waited {waited:.2f} s for the save of step {previous} "
                      f"to be written (one save in flight at most)")
         start = time.perf_counter()
+        from mtds.checkpoint.snapshot import Packed, to_host
         _, staging_dir, files, rng = lifecycle.capture(self.engine, self.directory, step, extra, self.groups,
+                                                       Packed if self.use_process else to_host,
                                                        model_cfg=self.model_cfg, rng_tracker=self.rng_tracker)
-        self.pending = _Write(step=step, staging_dir=staging_dir, files=files, rng=rng, event=copies_done_event(),
-                              started=time.perf_counter(), bytes=sum(nbytes(state) for _, state in files))
-        self._thread = threading.Thread(target=self._write, args=(self.pending,), daemon=True,
-                                        name=f"mtds-async-save-{step}")
-        self._thread.start()
+        w = self.pending = _Write(step=step, staging_dir=staging_dir, files=files, rng=rng,
+                                  event=None if self.use_process else copies_done_event(), started=time.perf_counter(),
+                                  bytes=sum(nbytes(state) for _, state in files))
+        if self.use_process:
+            from mtds.checkpoint.writer_process import writer
+            w.writer = writer()
+            w.job = w.writer.submit(files, staging_dir, dist.get_rank(), rng)
+            w.files = []                      # the writer holds the shared buffers now
+        else:
+            self._thread = threading.Thread(target=self._write, args=(w,), daemon=True,
+                                            name=f"mtds-async-save-{step}")
+            self._thread.start()
         self.capture_s.append(time.perf_counter() - start)
 
     def _write(self, w: _Write) -> None:
+        """The writer thread (CUDA)."""
         try:
             if w.event is not None:
                 w.event.synchronize()
-            durable = lifecycle._durable(self.engine)
-            staging_abs = os.path.abspath(w.staging_dir)
-            written = {}
-            for i, (path, state) in enumerate(w.files):
-                written[os.path.relpath(os.path.abspath(path), staging_abs)] = write_file(
-                    durable._inner.save, state, path)
-                w.files[i] = None            # its host copy can go
-            write_manifest(w.staging_dir, dist.get_rank(), written, w.rng)
+            write_job(w.files, w.staging_dir, dist.get_rank(), w.rng, lifecycle._durable(self.engine)._inner.save)
         except BaseException as err:     # reported at the next poll, by every rank
             text = str(err).strip()
             w.error = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
@@ -110,7 +119,26 @@ class AsyncSaver:
             w.write_s = time.perf_counter() - w.started
             w.done.set()
 
+    def _finished(self, w: _Write, block: bool) -> bool:
+        """Whether this rank's write of ``w`` is over (``block``: wait for it)."""
+        if w.done.is_set():
+            return True
+        if not self.use_process:
+            if block and self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            return w.done.is_set()
+        answer = w.writer.answer(w.job, block)
+        if answer is None:
+            return False
+        w.error = answer[1]
+        w.write_s = time.perf_counter() - w.started
+        w.done.set()
+        return True
+
     def _join(self) -> None:
+        if self.pending is not None:
+            self._finished(self.pending, block=True)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -121,8 +149,8 @@ class AsyncSaver:
         if self.pending is None:
             return
         w = self.pending
-        flags = torch.tensor([0 if w.done.is_set() else 1, 1 if w.error else 0], dtype=torch.int64,
-                             device=self.device)
+        done = self._finished(w, block=False)
+        flags = torch.tensor([0 if done else 1, 1 if w.error else 0], dtype=torch.int64, device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if int(flags[0]) == 0:

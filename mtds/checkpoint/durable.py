@@ -51,17 +51,17 @@ class DurableCheckpointEngine:
     def __init__(self, inner):
         self._inner = inner
         self.written: dict[str, tuple[int, int]] = {}
-        # --async-save: while a list, save() takes a host copy of each file's state here instead of writing
-        # it (mtds.checkpoint.async_save writes them later, off the training thread)
+        # --async-save: while a list, save() takes a host copy of each file's state here (made by
+        # ``snapshot``) instead of writing it (mtds.checkpoint.async_save writes them later, off the training thread)
         self.captured: list[tuple[str, object]] | None = None
+        self.snapshot = None
 
     def __getattr__(self, name):           # create/commit/makedirs/... unchanged
         return getattr(self._inner, name)
 
     def save(self, state_dict, path: str):
         if self.captured is not None:
-            from mtds.checkpoint.snapshot import to_host
-            self.captured.append((path, to_host(state_dict)))
+            self.captured.append((path, self.snapshot(state_dict)))
             return None
         return self.write(state_dict, path)
 

@@ -142,15 +142,15 @@ def client_state(engine, step: int, extra: dict, groups: ParallelGroups, model_c
     return state
 
 
-def capture(engine, directory: str, step: int, extra: dict, groups: ParallelGroups, *,
+def capture(engine, directory: str, step: int, extra: dict, groups: ParallelGroups, snapshot, *,
             model_cfg: ModelConfig | None = None, rng_tracker=None):
     """--async-save's half of :func:`save` on the training thread: the staging folder, then DeepSpeed's save with
-    every file's state copied to host memory instead of written; returns (tag, staging folder, [(path, host
+    every file's state copied to host memory by ``snapshot(state)`` instead of written; returns (tag, staging folder, [(path, host
     state)], this rank's RNG states) for :mod:`mtds.checkpoint.async_save` to write."""
     tag, staging_dir = _begin(directory, step)
     durable = _durable(engine)
     durable.written.clear()
-    durable.captured = []
+    durable.captured, durable.snapshot = [], snapshot
     try:
         engine.save_checkpoint(directory, tag=tag + STAGING_SUFFIX,
                                client_state=client_state(engine, step, extra, groups, model_cfg), save_latest=False)
