@@ -1,7 +1,7 @@
 """What a checkpoint costs the training loop: synchronous save vs --async-save (one process, CPU).
 
-Three runs of the same job (gpt2-small, fp32, Adam, 12 steps): no save; a synchronous save at step 6; an
-asynchronous one at step 6. A probe hook, last in the step's hooks, stamps the end of every step (after the
+Four runs of the same job (gpt2-small, fp32, Adam, 12 steps): no save; a synchronous save at step 6; an
+asynchronous one at step 6 with the writer process, and with a writer thread. A probe hook, last in the step's hooks, stamps the end of every step (after the
 save hook), so an iteration's time includes its save. The save's cost to training is the sum of iterations 1-11
 minus the no-save run's, counted over steps 6-11 (the save's step and the steps its background write overlaps;
 step 12's save and the last write at exit are not counted); each mode runs ``--repeat`` times, alternating, and
@@ -17,6 +17,9 @@ import json
 import shutil
 import tempfile
 import time
+
+
+MODES = ("none", "sync", "async", "async-thread")     # async: the writer process (CPU's); async-thread: a thread
 
 
 class _Stamps:
@@ -42,7 +45,10 @@ def _run(model: str, steps: int, mode: str, root: str, seq: int) -> dict:
     hooks_module.step_hooks = lambda *a, **k: original(*a, **k) + [stamps]
     ds = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "zero_optimization": {"stage": 0}}
-    kw = {} if mode == "none" else dict(save=f"{root}/{mode}", save_interval=steps // 2, async_save=mode == "async")
+    kw = {} if mode == "none" else dict(save=f"{root}/{mode}", save_interval=steps // 2,
+                                        async_save=mode.startswith("async"))
+    from mtds.checkpoint.async_save import AsyncSaver
+    AsyncSaver.writer = "thread" if mode == "async-thread" else "process"
     try:
         start = time.perf_counter()
         run(TrainConfig(deepspeed_config=ds, model=model, steps=steps, seq_length=seq, eval_split=0.0,
@@ -50,6 +56,7 @@ def _run(model: str, steps: int, mode: str, root: str, seq: int) -> dict:
         total = time.perf_counter() - start
     finally:
         hooks_module.step_hooks = original
+        AsyncSaver.writer = "process"
     iters = [b - a for a, b in zip(stamps.ends, stamps.ends[1:])]
     return {"mode": mode, "iters": iters, "total_s": total}
 
@@ -65,7 +72,7 @@ def main(argv=None) -> None:
     runs: dict = {}
     try:
         for _ in range(args.repeat):
-            for m in ("none", "sync", "async"):
+            for m in MODES:
                 shutil.rmtree(f"{root}/{m}", ignore_errors=True)
                 iters = _run(args.model, args.steps, m, root, args.seq)["iters"]
                 runs[m] = {"iters": [min(a, b) for a, b in zip(runs[m]["iters"], iters)] if m in runs else iters}
@@ -75,14 +82,16 @@ def main(argv=None) -> None:
     window = slice(half - 1, args.steps - 1)
     base = sum(runs["none"]["iters"][window])
     out = {"model": args.model, "steps": args.steps, "save_at": half, "repeat": args.repeat}
-    for m in ("sync", "async"):
+    for m in MODES[1:]:
         out[f"{m}_cost_s"] = sum(runs[m]["iters"][window]) - base
     out["save_step_sync_s"] = runs["sync"]["iters"][half - 1]
     out["save_step_async_s"] = runs["async"]["iters"][half - 1]
     out["step_s_no_save"] = runs["none"]["iters"][half - 1]
-    out["async_fraction_of_sync"] = out["async_cost_s"] / out["sync_cost_s"] if out["sync_cost_s"] > 0 else None
+    for m in ("async", "async-thread"):
+        out[f"{m}_fraction_of_sync"] = out[f"{m}_cost_s"] / out["sync_cost_s"] if out["sync_cost_s"] > 0 else None
     during = slice(half, args.steps - 1)
     out["steps_during_write_s"] = [round(x, 3) for x in runs["async"]["iters"][during]]
+    out["steps_during_write_thread_s"] = [round(x, 3) for x in runs["async-thread"]["iters"][during]]
     out["same_steps_no_save_s"] = [round(x, 3) for x in runs["none"]["iters"][during]]
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}, indent=1))
 

@@ -87,6 +87,7 @@ def _worker(root):
     def before_poll(saver):
         boundaries[0] += 1
         if boundaries[0] == FROZEN_SAVE + 1 and rank == 0:
+            saver._finished(saver.pending, block=True)      # rank 0's own write is done (a local wait)
             seen.append((os.path.isfile(rank_manifest(frozen, 0)), _visible(f"{root}/frozen", FROZEN_SAVE)))
         if boundaries[0] == RELEASE_AT and rank == 1:
             os.kill(_writer_pid(), signal.SIGCONT)

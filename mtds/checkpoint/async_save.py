@@ -15,8 +15,9 @@ One save in flight at most, so host memory holds one snapshot per rank: a save a
 one is still being written first waits for it (and says how long). The run's last save, and the save a
 SIGTERM asks for, complete before the run returns (:meth:`AsyncSaver.finish`).
 
-Why a process on CPU: measured, ``torch.save`` in a thread holds the training thread's GIL for most of the write
-(the save cost 80 % of a synchronous one); in a process, 6 % (docs/benchmarks.md).
+Why a process on CPU: ``torch.save`` in a thread holds the training thread's GIL for most of the write (a
+pure-Python loop beside it ran at 0.2-0.3 of its speed; beside a writer process, at full speed). What a save costs
+the step end to end is in docs/benchmarks.md.
 """
 from __future__ import annotations
 

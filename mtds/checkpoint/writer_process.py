@@ -1,12 +1,12 @@
 """The background writer of --async-save on CPU: a process of its own per training process, so that serialising
 and writing a checkpoint never holds the training thread's GIL.
 
-Measured (docs/benchmarks.md): with the writer a thread of the rank, ``torch.save`` held the GIL for most of the
-write -- a pure-Python loop beside it ran at 0.2-0.3 of its speed, the step after an async save took 4.6x its
-time -- and the save cost 80 % of the synchronous one. A process does not share the GIL.
+Measured: with the writer a thread of the rank, ``torch.save`` held the GIL for most of the write -- a pure-Python
+loop beside it ran at 0.2-0.3 of its speed; beside a writer process, at full speed. A process does not share the
+GIL (end-to-end numbers, and where the process loses on a busy 2-core machine: docs/benchmarks.md).
 
-The process (``python -m mtds.checkpoint.writer_process``: a fresh interpreter, not a fork, whose copy-on-write
-pages would grow with every weight the trainer updates) is started once per training process and reused by
+The process (a fresh interpreter running :func:`serve`, not a fork, whose copy-on-write pages would grow with
+every weight the trainer updates) is started once per training process and reused by
 every run in it. Each captured file is one anonymous shared-memory buffer (``memfd``; mtds.checkpoint.snapshot)
 whose descriptor goes over a Unix socket with the job; the writer rebuilds the file's state with each tensor in
 its own storage (so the file holds what the synchronous save writes), ``torch.save``s, fsyncs and CRCs it,
