@@ -58,8 +58,8 @@ class _Lines:
         for line in stream:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
-    def first_after(self, t: float, needle: str) -> float | None:
-        return next((when for when, line in list(self.lines) if when >= t and needle in line), None)
+    def first_after(self, t: float, needle: str, before: float = float("inf")) -> float | None:
+        return next((when for when, line in list(self.lines) if t <= when < before and needle in line), None)
 
     def text(self) -> str:
         self._thread.join(timeout=5)
@@ -142,10 +142,11 @@ def run_with_faults(work: str, seed: int, kinds: list[str], *, steps: int = 14, 
         text = out.text()
         with open(os.path.join(work, "out.txt"), "w") as f:     # each line with its time since the launch
             f.write("\n".join(f"{when - start:8.2f} {line}" for when, line in out.lines))
-    for fault in faults:
-        detect = out.first_after(fault.at, "error:")
-        loaded = out.first_after(fault.at, "resumed from")
-        init = out.first_after(fault.at + fault.parts.get("restart", 0.0), "mtds: layout")
+    for fault, after in zip(faults, [f.at for f in faults[1:]] + [float("inf")]):
+        detect = out.first_after(fault.at, "error:", after)
+        # no complete checkpoint yet: the attempt starts from scratch ("start" is then its first step's start)
+        loaded = out.first_after(fault.at, "resumed from", after)
+        init = out.first_after(fault.at + fault.parts.get("restart", 0.0), "mtds: layout", after)
         if detect is not None:
             fault.parts["detect"] = detect - fault.at
         if init is not None:
