@@ -99,7 +99,7 @@ def _wait(cond, launcher, deadline, what):
 
 
 def run_with_faults(work: str, seed: int, kinds: list[str], *, steps: int = 14, max_restarts: int = 3,
-                    heartbeat_s: float = 3.0, extra=(), timeout: float = 300.0) -> RestartRun:
+                    heartbeat_s: float = 8.0, extra=(), timeout: float = 400.0) -> RestartRun:
     """One torchrun job of ``steps`` steps with the faults ``kinds`` (in order, each at a random step after the
     previous attempt trained at least one step, on a random rank)."""
     rng = random.Random(seed)
