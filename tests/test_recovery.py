@@ -33,7 +33,6 @@ def test_three_faults_under_max_restarts_3_end_with_the_uninterrupted_losses(tmp
     for k, line in enumerate(run.error_lines, start=1):
         assert f"restart {k} of 3" in line, run.error_lines
     assert "has not been heard from" in run.error_lines[1], run.error_lines     # the SIGSTOP: the heartbeat
-    assert all(f.named for f in run.faults), where         # torchrun's report: the killed rank, exit code -9
     # the same job uninterrupted, on warm pooled ranks (the same flags as train.py parses them)
     argv = ["--deepspeed_config", f"{work}/ds.json", "--model", f"{work}/config.json", "--tp", "2",
             "--seq-length", "32", "--eval-split", "0", "--steps", str(STEPS), "--no-progress"]

@@ -8,7 +8,8 @@ into its parts from timestamped output:
   init     -> the new attempt's process group exists (its "mtds: layout" line: mostly importing torch and DeepSpeed)
   start    -> it has loaded its checkpoint ("resumed from" line: data, model, engine, checkpoint load)
   step     -> its first trained step is logged
-(each measured from the fault). ``named``: for a kill -9, torchrun's report names the rank and exit code -9.
+(each measured from the fault). ``named``: for a kill -9, torchrun's log names the rank and exit code -9 (only
+when it sees that death before the survivor's exit: it logs the first failure of a round).
 """
 from __future__ import annotations
 
