@@ -44,6 +44,8 @@ OUT_OF_RANGE = {
     "heartbeat_timeout_s": (["--heartbeat-timeout", "-1"],
                             "--heartbeat-timeout must be >= 0 seconds (0: off), got -1.0"),
     "build_lock_timeout_s": (["--build-lock-timeout", "-5"], "--build-lock-timeout must be > 0 seconds, got -5.0"),
+    "straggler_interval": (["--straggler-interval", "0"], "--straggler-interval must be >= 1, got 0"),
+    "straggler_factor": (["--straggler-factor", "1"], "--straggler-factor must be > 1, got 1.0"),
     "clip_grad": (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
     "weight_decay": (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),
 }

@@ -1,6 +1,7 @@
-"""Faults with real processes under a real launcher (torchrun), CI-sized: one kill -9 while training and
-one while saving (``python -m lab.faults --tries 10`` runs more), SIGTERM + SIGINT with an exact
-restart, a NaN stop, a rendezvous that cannot complete and a stale torch-extensions build lock."""
+"""Faults with real processes under a real launcher (torchrun), CI-sized: one kill -9 while a synchronous save is
+written (``python -m lab.faults --tries 10`` runs more; kill -9 while training, with torchrun's own restart, is
+tests/test_recovery.py's), SIGTERM + SIGINT with an exact restart, a NaN stop, a rendezvous that cannot complete
+and a stale torch-extensions build lock."""
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from lab.testing import free_port, needs_ranks, spawn
 from tests.training_helpers import ds_config, train_config
 
 
-@pytest.mark.parametrize("mode, seed", [("train", 3), ("save", 1)])
+@pytest.mark.parametrize("mode, seed", [("save", 1)])
 def test_kill_9_of_one_rank(tmp_path, mode, seed):
     needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     r = run_try(str(tmp_path), seed, mode)

@@ -51,11 +51,22 @@ class DurableCheckpointEngine:
     def __init__(self, inner):
         self._inner = inner
         self.written: dict[str, tuple[int, int]] = {}
+        # --async-save: while a list, save() takes a host copy of each file's state here (made by
+        # ``snapshot``) instead of writing it (mtds.checkpoint.async_save writes them later, off the training thread)
+        self.captured: list[tuple[str, object]] | None = None
+        self.snapshot = None
 
     def __getattr__(self, name):           # create/commit/makedirs/... unchanged
         return getattr(self._inner, name)
 
     def save(self, state_dict, path: str):
+        if self.captured is not None:
+            self.captured.append((path, self.snapshot(state_dict)))
+            return None
+        return self.write(state_dict, path)
+
+    def write(self, state_dict, path: str):
+        """Write, fsync and record one file (the engine's own save, on any thread)."""
         result = self._inner.save(state_dict, path)
         fsync_file(path)
         self.written[os.path.abspath(path)] = (os.path.getsize(path), crc32_of(path))

@@ -93,14 +93,40 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
          keep_last: int = 0) -> str:
     """Save ``DIR/global_stepN`` so that it is complete or absent (see mtds.checkpoint.complete), then
     move ``latest`` and prune to the newest ``keep_last`` complete checkpoints (0: keep all)."""
-    layout = groups.layout
-    rank, world = dist.get_rank(), dist.get_world_size()
+    tag, staging_dir = _begin(directory, step)
+    durable = _durable(engine)
+    durable.written.clear()
+    engine.save_checkpoint(directory, tag=tag + STAGING_SUFFIX, client_state=client_state(engine, step, extra, groups,
+                                                                                          model_cfg),
+                           save_latest=False)
+    staging_abs = os.path.abspath(staging_dir)
+    files = {os.path.relpath(path, staging_abs): info for path, info in durable.written.items()}
+    write_manifest(staging_dir, dist.get_rank(), files, rng_state(rng_tracker))
+    dist.barrier()                  # every rank's files and manifest are on disk
+    error = [None]
+    if dist.get_rank() == 0:
+        error[0] = commit_on_rank0(engine, directory, step, groups, model_cfg=model_cfg, tokenizer=tokenizer,
+                                   keep_last=keep_last)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(error[0])
+    return os.path.join(directory, tag)
+
+
+def _begin(directory: str, step: int) -> tuple[str, str]:
+    """(tag, staging folder) of a new save; rank 0 clears a staging folder a crashed save left, then a barrier."""
     tag = tag_for(step)
     staging_dir = os.path.join(directory, tag + STAGING_SUFFIX)
-    if rank == 0:
+    if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(staging_dir, ignore_errors=True)     # left by a save that crashed: never complete
     dist.barrier()
+    return tag, staging_dir
+
+
+def client_state(engine, step: int, extra: dict, groups: ParallelGroups, model_cfg: ModelConfig | None) -> dict:
+    """What mtds adds to DeepSpeed's files (``client_state``)."""
+    layout = groups.layout
     state = {
         "mtds_step": step,
         "mtds_layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep},
@@ -113,31 +139,46 @@ def save(engine, directory: str, step: int, extra: dict, groups: ParallelGroups,
         # DeepSpeed's ds_to_universal reads these patterns from the checkpoint to merge TP slices. (Its MoE save
         # reserves the key; MoE checkpoints are converted by mtds: mtds.checkpoint.reshard_experts.)
         state[UNIVERSAL_CHECKPOINT_INFO] = universal_info(model_cfg, layout.tp)
+    return state
+
+
+def capture(engine, directory: str, step: int, extra: dict, groups: ParallelGroups, snapshot, *,
+            model_cfg: ModelConfig | None = None, rng_tracker=None):
+    """--async-save's half of :func:`save` on the training thread: the staging folder, then DeepSpeed's save with
+    every file's state copied to host memory by ``snapshot(state)`` instead of written; returns (tag, staging folder, [(path, host
+    state)], this rank's RNG states) for :mod:`mtds.checkpoint.async_save` to write."""
+    tag, staging_dir = _begin(directory, step)
     durable = _durable(engine)
     durable.written.clear()
-    engine.save_checkpoint(directory, tag=tag + STAGING_SUFFIX, client_state=state, save_latest=False)
-    staging_abs = os.path.abspath(staging_dir)
-    files = {os.path.relpath(path, staging_abs): info for path, info in durable.written.items()}
-    write_manifest(staging_dir, rank, files, rng_state(rng_tracker))
-    dist.barrier()                  # every rank's files and manifest are on disk
-    error = [None]
-    if rank == 0:
-        try:
-            meta = None if model_cfg is None else CheckpointMeta(
-                # dp: DeepSpeed's data-parallel ranks, d·c (ZeRO partitions, rank files); c itself is not
-                # recorded: nothing saved depends on how a sequence was split
-                model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp_cp, ep=layout.ep, step=step,
-                zero_stage=_zero_stage(engine), precision=_precision(engine), tokenizer=_default_tokenizer(tokenizer),
-                pipeline=layout.pp > 1, module_order=_module_order(engine))
-            commit(directory, tag, staging_dir, Marker(step=step, world_size=world), meta)
-            if keep_last:
-                prune(directory, keep_last)
-        except OSError as err:
-            error[0] = f"could not save checkpoint {tag} in {directory!r}: {err}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(error[0])
-    return os.path.join(directory, tag)
+    durable.captured, durable.snapshot = [], snapshot
+    try:
+        engine.save_checkpoint(directory, tag=tag + STAGING_SUFFIX,
+                               client_state=client_state(engine, step, extra, groups, model_cfg), save_latest=False)
+        files = durable.captured
+    finally:
+        durable.captured = None
+    return tag, staging_dir, files, rng_state(rng_tracker)
+
+
+def commit_on_rank0(engine, directory: str, step: int, groups: ParallelGroups, *, model_cfg: ModelConfig | None,
+                    tokenizer: str | None, keep_last: int) -> str | None:
+    """Rank 0, once every rank's files and manifest are durable: meta, marker, rename, ``latest``, prune. The
+    error line, or None."""
+    layout, tag = groups.layout, tag_for(step)
+    staging_dir = os.path.join(directory, tag + STAGING_SUFFIX)
+    try:
+        meta = None if model_cfg is None else CheckpointMeta(
+            # dp: DeepSpeed's data-parallel ranks, d·c (ZeRO partitions, rank files); c itself is not
+            # recorded: nothing saved depends on how a sequence was split
+            model=model_cfg.to_dict(), tp=layout.tp, pp=layout.pp, dp=layout.dp_cp, ep=layout.ep, step=step,
+            zero_stage=_zero_stage(engine), precision=_precision(engine), tokenizer=_default_tokenizer(tokenizer),
+            pipeline=layout.pp > 1, module_order=_module_order(engine))
+        commit(directory, tag, staging_dir, Marker(step=step, world_size=dist.get_world_size()), meta)
+        if keep_last:
+            prune(directory, keep_last)
+    except OSError as err:
+        return f"could not save checkpoint {tag} in {directory!r}: {err}"
+    return None
 
 
 def _one_line(err: BaseException) -> str:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -270,6 +271,18 @@ _local = threading.local()
 _NESTED = object()
 
 
+class CollectiveClock:
+    """Seconds the traced collectives took on this process (outermost calls, while a tracer is active): the
+    time a rank spent in communication and waiting for its peers, where the call blocks (gloo; NCCL and
+    non-blocking p2p return at launch, so there it is launch time). The straggler report (mtds.observe.stragglers)
+    subtracts it from the step time to get the rank's own work."""
+    seconds = 0.0
+
+
+clock = CollectiveClock()
+_now = time.perf_counter
+
+
 def _count(sinks: list, key: tuple, nbytes: int, bus: int = 0) -> None:
     for counts in sinks:
         entry = counts.get(key)
@@ -341,10 +354,12 @@ def _wrap_tensor(kind: str, group_pos: int, payload_pos: int, original):
             _add_to_outer(outer, kind, group_pos, payload_pos, args, kwargs)
             return result
         _local.inner = _NESTED
+        start = _now()
         try:
             result = original(*args, **kwargs)
         finally:
             _local.inner = None
+            clock.seconds += _now() - start
         payload = args[payload_pos] if len(args) > payload_pos else _argument(args, kwargs, None, _KWARG_NAMES)
         nbytes = payload.nbytes if isinstance(payload, Tensor) else _nbytes(payload)   # numel x element size
         group = args[group_pos] if len(args) > group_pos else kwargs.get("group")
@@ -373,10 +388,12 @@ def _wrap_inner(kind: str, group_pos: int, payload_pos: None, original):
         if getattr(_local, "inner", None) is not None:
             return original(*args, **kwargs)
         _local.inner = inner = [0, 0]
+        start = _now()
         try:
             result = original(*args, **kwargs)
         finally:
             _local.inner = None
+            clock.seconds += _now() - start
         group = _argument(args, kwargs, group_pos, ("group",))
         _count(sinks, (kind, group, read_peer(args, kwargs) if read_peer else None), inner[0], inner[1])
         return result

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from mtds.rules import context, deepspeed, experts, layout, schedule
+from mtds.rules import checkpoint, context, deepspeed, experts, layout, schedule
 from mtds.rules.job import Job, ModelFacts
 from mtds.rules.problem import CANNOT, NOT_BUILT, JobRefused, Problem
 
@@ -79,6 +79,8 @@ RULES: tuple[Rule, ...] = (
          "MoE on a pipeline other than 1f1b training, or with document resets",
          kind=NOT_BUILT),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
+    Rule("async-save-needs-save", checkpoint.async_save_needs_save, "--async-save, --save",
+         "a background save with no checkpoint directory"),
 )
 
 # Rules of the stage partition (blocks per virtual stage), which start-up settles once the rules above hold: the

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
+import socket
 import sys
 import threading
 import time
 
 import torch.distributed as dist
 
+from mtds.safety.restarts import restart_note
 from mtds.safety.store import rendezvous_store
 
 
@@ -65,6 +68,7 @@ class Heartbeat:
         self._count, self._last = 0, {}          # watched rank -> (value, when it last changed)
         self._started: set[int] = set()          # ranks whose key exists (checked once)
         self._store.set(self._key(rank), "0")
+        self._store.set(self._prefix + f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
 
     def _key(self, rank) -> str:
         return self._prefix + str(rank)
@@ -110,11 +114,29 @@ class Heartbeat:
                         f"ranks stop instead of waiting for it in a collective: fix that error, then restart from "
                         f"the last complete checkpoint (--load)")
             elif now - self._last[r][1] >= self.timeout_s:
-                return self._raise_alarm(
+                message = self._raise_alarm(
                     f"rank {r} has not been heard from for {now - self._last[r][1]:.0f} s (dead or frozen; noticed "
-                    f"by rank {self.rank}); the other ranks stop instead of waiting for --dist-timeout: restart "
-                    f"from the last complete checkpoint (--load)")
+                    f"by rank {self.rank}); the other ranks stop instead of waiting for --dist-timeout: "
+                    f"{restart_note()}")
+                self._end_frozen(r)
+                return message
         return None
+
+    def _end_frozen(self, rank: int) -> None:
+        """Under torchrun, SIGKILL a silent rank of this host: its agent would send a frozen (SIGSTOPped)
+        process SIGTERM, which it never handles, and SIGKILL only 30 s later -- the restart waits for that. A
+        rank on another host is left to its own agent."""
+        if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+            return
+        key = self._prefix + f"pid/{rank}"
+        try:
+            if not self._store.check([key]):
+                return
+            host, pid = self._store.get(key).decode().rsplit(":", 1)
+            if host == socket.gethostname():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):       # gone already, or not ours to signal
+            pass
 
     def _raise_alarm(self, message: str) -> str:
         # The first alarm wins (compare_set on an absent key): every rank then stops with the same line.

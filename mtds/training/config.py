@@ -228,6 +228,12 @@ class TrainConfig:
     save_interval: int = opt(
         0, "--save-interval", section=LOGS, at_least=0, note=" (0: save at the end only)",
         help="save every N steps (and at the end) [0]")
+    async_save: bool = opt(
+        False, "--async-save", section=LOGS, action="store_true",
+        help="save checkpoints without stopping training: each rank copies its state to host memory at the "
+             "step boundary and a background thread writes it; the checkpoint becomes the one --load finds once "
+             "every rank's files are durable (checked at later step boundaries); one save in flight at most, "
+             "the last one (and a SIGTERM's) complete before exit")
     keep_last: int = opt(
         0, "--keep-last", section=LOGS, at_least=0, note=" (0 keeps every checkpoint)", metavar="K",
         help="after each complete save delete all but the newest K complete checkpoints [0: keep all]")
@@ -273,6 +279,17 @@ class TrainConfig:
     save_on_signal: bool = opt(                 # SIGTERM/SIGINT: finish the step, save (with --save), exit 0
         True, "--no-save-on-signal", section=LOGS, action="store_false",
         help="on SIGTERM/SIGINT stop after the current step without saving (default: save with --save)")
+    log_straggler: bool = opt(
+        False, "--log-straggler", section=LOGS, action="store_true",
+        help="every --straggler-interval steps gather each rank's step time split into compute and waiting in "
+             "collectives, and name a rank whose compute exceeds --straggler-factor x the median rank's (log, "
+             "JSONL, TensorBoard)")
+    straggler_interval: int = opt(
+        10, "--straggler-interval", section=LOGS, at_least=1, metavar="N",
+        help="with --log-straggler: steps per straggler report [10]")
+    straggler_factor: float = opt(
+        1.5, "--straggler-factor", section=LOGS, above=1, metavar="F",
+        help="with --log-straggler: a rank computing more than F x the median rank's time per step is named [1.5]")
     heartbeat_timeout_s: float = opt(
         30.0, "--heartbeat-timeout", section=LOGS, at_least=0, note=" seconds (0: off)", metavar="S",
         help="stop (exit 1, naming the rank) when a peer rank is silent this long: dead or frozen where no "

@@ -49,11 +49,24 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[torch.device, str]:
         for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                              ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
             os.environ.setdefault(key, default)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            _init_on_attempt_store(backend, timeout_s)
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     if backend == "gloo":
         # Ranks share the cores: one BLAS thread each unless the user said otherwise.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     return device, backend
+
+
+def _init_on_attempt_store(backend: str, timeout_s: float) -> None:
+    """The default process group on torchrun's store, under this restart's own prefix. torchrun's static
+    rendezvous (``--master-port``) keeps one store for all restarts and hands it to the workers unprefixed:
+    a restarted group found the gloo addresses of the dead attempt's processes there and every rank failed
+    with "connectFullMesh … Connection refused" (mtds.safety.store)."""
+    from mtds.safety.store import rendezvous_store
+    store = rendezvous_store(timeout_s)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class CommandLineError(ValueError):
@@ -86,19 +99,7 @@ def report_error(message: str, *, same_on_every_rank: bool = True) -> None:
     line = f"error: {message}"
     if not _first_rank(same_on_every_rank) and _first_rank_said_it():
         return
-    print(line, file=sys.stderr, flush=True)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        import json
-        import time
-        # torchrun's own format (torch.distributed.elastic ErrorHandler.record_exception): the report shows
-        # py_callstack as the failure's "traceback"
-        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-        try:
-            with open(path, "w") as f:
-                json.dump(data, f)
-        except OSError:
-            pass
+    _say(line)
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
         try:
             from mtds.safety.store import rendezvous_store
@@ -135,13 +136,45 @@ def run_and_exit(work, user_errors, debug: bool = False) -> None:
     except CommandLineError as err:     # before anything imports the modules user_errors() names
         code = _bad_input(err, debug)
     except Exception as err:
-        if not isinstance(err, user_errors() if callable(user_errors) else user_errors):
+        from mtds.safety.restarts import peer_lost
+        if peer_lost(err) and not debug:
+            code = _lost_a_peer(err)
+        elif not isinstance(err, user_errors() if callable(user_errors) else user_errors):
             import traceback
             traceback.print_exc()
             code = 1
         else:
             code = _bad_input(err, debug)
     shutdown(code)
+
+
+def _lost_a_peer(err: Exception) -> int:
+    """Another rank died (kill -9, a crash): this rank's collective failed. One line, from this rank (each
+    survivor says it: the peer that died says nothing), into torchrun's error file too; exit 1 at once, so the
+    launcher can restart the group."""
+    from mtds.safety.restarts import PEER_LOST, restart_note
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    cause = next(marker for marker in PEER_LOST if marker in str(err))
+    _say(f"error: rank {rank} lost a peer rank in a collective ({type(err).__name__}: {cause}): it died or was "
+         f"killed (the launcher's report names it); {restart_note()}")
+    return 1
+
+
+def _say(line: str) -> None:
+    """``line`` to stderr and into torchrun's error file (its report's root cause then shows it)."""
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+        # torchrun's own format (torch.distributed.elastic ErrorHandler.record_exception): the report shows
+        # py_callstack as the failure's "traceback"
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
 
 
 def _bad_input(err: Exception, debug: bool) -> int:

@@ -162,6 +162,49 @@ class ExpertBiasHook(Hook):
         update_expert_biases(self.blocks, self.rate, self.dp_group)
 
 
+class StragglerHook(Hook):
+    """--log-straggler: every --straggler-interval steps, each rank's mean step time split into compute and
+    wait (mtds.observe.stragglers) gathered over the world; a rank slower than --straggler-factor x the median
+    is named in the log, and the record (JSONL, TensorBoard) carries the slowest rank's ratio."""
+
+    def __init__(self, built: BuiltRun, result: RunResult):
+        from mtds.observe.comm_trace import clock
+        self.built, self.result, self.clock = built, result, clock
+        self.step_s = self.wait_s = 0.0
+        self.steps, self.first, self.wait_at_start = 0, None, 0.0
+
+    def before_step(self, step):
+        self.wait_at_start = self.clock.seconds
+        if self.first is None:
+            self.first = step
+
+    def after_step(self, step, record):
+        self.step_s += record["step_time_s"]
+        self.wait_s += self.clock.seconds - self.wait_at_start
+        self.steps += 1
+        if step % self.built.cfg.straggler_interval:
+            return None
+        from mtds.observe.stragglers import describe, find_stragglers
+        mine = torch.tensor([self.step_s / self.steps, self.wait_s / self.steps], dtype=torch.float64,
+                            device=self.built.world.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        step_s, wait_s = zip(*(t.tolist() for t in every))
+        compute_s = [max(0.0, s - w) for s, w in zip(step_s, wait_s)]
+        found = find_stragglers(compute_s, self.built.cfg.straggler_factor)
+        median = sorted(compute_s)[len(compute_s) // 2]
+        slowest = max(range(len(compute_s)), key=compute_s.__getitem__)
+        record.update(straggler_slowest_rank=slowest, straggler_ratio=compute_s[slowest] / median if median else 1.0,
+                      straggler_compute_s=compute_s[slowest], straggler_median_compute_s=median,
+                      stragglers=[s.rank for s in found])
+        self.result.stragglers.append((step, [s.rank for s in found]))
+        if found:
+            self.built.logger.info(describe(found, self.first, step, list(wait_s)))
+        self.step_s = self.wait_s = 0.0
+        self.steps, self.first = 0, None
+        return None
+
+
 class LogHook(Hook):
     """The step's record to the console, JSONL, TensorBoard and progress bar (reporting rank only)."""
 
@@ -234,28 +277,44 @@ class EvalHook(Hook):
 
 
 class SaveHook(Hook):
-    """--save: a checkpoint every --save-interval steps and at the end (once per step at most)."""
+    """--save: a checkpoint every --save-interval steps and at the end (once per step at most). With
+    --async-save the step only snapshots it (mtds.checkpoint.async_save): each step boundary first asks whether
+    the save in flight is written everywhere (and commits it), and the run's end waits for the last one."""
 
     def __init__(self, built: BuiltRun):
         self.built = built
         self.saved_at = None
+        self.background = None
+        if built.cfg.async_save:
+            from mtds.checkpoint.async_save import AsyncSaver
+            self.background = AsyncSaver(built.engine, built.cfg.save, built.world.groups, built.world.device,
+                                         model_cfg=built.world.model_cfg, tokenizer=built.cfg.tokenizer,
+                                         rng_tracker=built.world.rng, keep_last=built.cfg.keep_last,
+                                         log=built.logger.info)
 
     def save(self, step: int) -> None:
         if self.saved_at == step:
             return
         b = self.built
-        ckpt.save(b.engine, b.cfg.save, step, {"data": b.stream.state_dict()}, b.world.groups,
-                  model_cfg=b.world.model_cfg, tokenizer=b.cfg.tokenizer, rng_tracker=b.world.rng,
-                  keep_last=b.cfg.keep_last)
+        extra = {"data": b.stream.state_dict()}
+        if self.background is not None:
+            self.background.save(step, extra)
+        else:
+            ckpt.save(b.engine, b.cfg.save, step, extra, b.world.groups, model_cfg=b.world.model_cfg,
+                      tokenizer=b.cfg.tokenizer, rng_tracker=b.world.rng, keep_last=b.cfg.keep_last)
         self.saved_at = step
 
     def after_step(self, step, record):
+        if self.background is not None:
+            self.background.poll()
         if self.built.cfg.save_interval and step % self.built.cfg.save_interval == 0:
             self.save(step)
 
     def at_end(self, step, completed):
         if completed:
             self.save(step)
+        if self.background is not None:     # the last save (and a signal's) is complete before the run returns
+            self.background.finish()
 
 
 class SignalStopHook(Hook):
@@ -296,6 +355,8 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
         if built.world.model_cfg.moe_router_bias_update_rate:
             hooks.append(ExpertBiasHook(moe_blocks(built.model), built.world.model_cfg.moe_router_bias_update_rate,
                                         groups.dp_cp_group))
+    if cfg.log_straggler and built.world.size > 1:
+        hooks.append(StragglerHook(built, result))
     hooks.append(LogHook(built.logger))
     agreed = NonFiniteHook(built, stop)
     hooks.append(agreed)

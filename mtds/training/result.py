@@ -18,4 +18,5 @@ class RunResult:
     layers: list[int] = field(default_factory=list)   # global layer indices this rank built (mtds.model.stages)
     final_step: int = 0
     stopped_by: str | None = None                     # SIGTERM / SIGINT when the run stopped early
+    stragglers: list = field(default_factory=list)    # --log-straggler: (report step, ranks named) per report
     profile: dict | None = None                       # --profile-step: mtds.observe.step_profile.summarize's summary

@@ -51,7 +51,7 @@ def setup_world(cfg: TrainConfig, heartbeat: Heartbeat) -> World:
     """Distributed init (with the tracer first), the job admitted by the rulebook, heartbeat, process groups, RNG
     streams."""
     # The tracer wraps torch.distributed before DeepSpeed starts and caches the collectives it uses.
-    tracer = CommTracer().install() if cfg.trace_comm else None
+    tracer = CommTracer().install() if cfg.trace_comm or cfg.log_straggler else None   # the straggler report reads its clock
     try:
         device, backend = init_distributed(cfg.dist_timeout_s)
     except RuntimeError as err:     # torch's DistStoreError and timeouts while the ranks gather
