@@ -174,11 +174,15 @@ def test_eval_cli_under_torchrun(tmp_path):
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
     from lab.testing import free_port
+    from mtds.local_ranks.rank_setup import PORT_IN_USE
     for source, t, p in ((["--ckpt", str(tmp_path / "ck")], 1, 2),):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(free_port()), "-m", "mtds.eval", *source, "--tp", str(t),
-                               "--pp", str(p), "--data", str(data)],
-                              capture_output=True, text=True, env=env, timeout=300)
+        for _ in range(3):      # the free port can be taken before torchrun binds it (another process's socket)
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                   "--master_port", str(free_port()), "-m", "mtds.eval", *source, "--tp", str(t),
+                                   "--pp", str(p), "--data", str(data)],
+                                  capture_output=True, text=True, env=env, timeout=300)
+            if PORT_IN_USE not in proc.stderr:
+                break
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
         assert abs(result["loss"] - ref_loss) < TOL and result["tokens"] == ref_tokens, (result, ref_loss)
