@@ -23,6 +23,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from lab.code_strings import rewrite_module
+
 # One spelling of both test models, in Megatron-LM's flag names (the args a torch_dist checkpoint carries).
 GPT2_ARGS = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
                  untie_embeddings_and_output_weights=False, add_bias_linear=True, add_qkv_bias=False,
@@ -102,21 +104,7 @@ def _rewrite_cuda_strings() -> None:
     import importlib
     for name in ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
                  "megatron.core.utils"):
-        module = importlib.import_module(name)
-        for obj in list(vars(module).values()):
-            if getattr(obj, "__module__", None) != module.__name__:
-                continue
-            fns = [obj] if callable(obj) and hasattr(obj, "__code__") else \
-                [getattr(a, "__func__", a) for a in vars(obj).values()] if isinstance(obj, type) else []
-            for fn in fns:
-                fn = getattr(fn, "__wrapped__", fn)
-                if hasattr(fn, "__code__"):
-                    fn.__code__ = _swap(fn.__code__)
-
-
-def _swap(code):
-    consts = tuple("cpu" if c == "cuda" else _swap(c) if hasattr(c, "co_consts") else c for c in code.co_consts)
-    return code.replace(co_consts=consts) if consts != code.co_consts else code
+        rewrite_module(importlib.import_module(name))
 
 
 def build(args: argparse.Namespace, tp: int, pp: int, seed: int = 1234):

@@ -27,6 +27,8 @@ import os
 import sys
 import types
 
+from lab.code_strings import rewrite_module
+
 # Megatron-LM's launch scripts set this; its validate_args asks for it with TP/SP overlap checks.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
@@ -53,22 +55,7 @@ def _pre_import_shims() -> None:
         sys.modules[m.__name__] = m
 
 
-def _swap(code):
-    consts = tuple("cpu" if c == "cuda" else "torch.FloatTensor" if c == "torch.cuda.FloatTensor"
-                   else _swap(c) if hasattr(c, "co_consts") else c for c in code.co_consts)
-    return code.replace(co_consts=consts) if consts != code.co_consts else code
-
-
-def _rewrite(module) -> None:
-    for obj in list(vars(module).values()):
-        if getattr(obj, "__module__", None) != module.__name__:
-            continue
-        fns = [obj] if callable(obj) and hasattr(obj, "__code__") else \
-            [getattr(a, "__func__", a) for a in vars(obj).values()] if isinstance(obj, type) else []
-        for fn in fns:
-            fn = getattr(fn, "__wrapped__", fn)
-            if hasattr(fn, "__code__"):
-                fn.__code__ = _swap(fn.__code__)
+_TO_CPU = {"cuda": "cpu", "torch.cuda.FloatTensor": "torch.FloatTensor"}
 
 
 def _cpu_shims() -> None:
@@ -98,7 +85,7 @@ def _cpu_shims() -> None:
                  "megatron.core.pipeline_parallel.p2p_communication", "megatron.core.transformer.utils",
                  "megatron.core.utils", "megatron.core.distributed.param_and_grad_buffer",
                  "megatron.training.checkpointing", "megatron.training.utils"):
-        _rewrite(importlib.import_module(name))
+        rewrite_module(importlib.import_module(name), _TO_CPU)
 
 
 def _parse(argv: list[str]):
