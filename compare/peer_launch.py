@@ -168,7 +168,7 @@ def launch_peer_on_cluster(cluster, scheme: Scheme, *, model: str, steps: int, s
     on the node's shaped link; each rank reads its node's link counters around every step."""
     from mtds.cluster.cluster import DEVICE
     from mtds.cluster.launch import DEFAULT_PORT
-    from mtds.cluster.netns import kill_pids
+    from mtds.cluster.launch import wait_for_nodes
     why = peer_missing(scheme.kind)
     if why:
         raise RuntimeError(why)
@@ -186,15 +186,7 @@ def launch_peer_on_cluster(cluster, scheme: Scheme, *, model: str, steps: int, s
         with open(logs[-1], "w") as f:
             procs.append(cluster.popen(i, ["env", *[f"{k}={v}" for k, v in env.items() if k.isidentifier()], *cmd],
                                        stdout=f, stderr=subprocess.STDOUT, cwd=REPO))
-    deadline, failed_at = time.monotonic() + timeout, None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now - failed_at > 20):
-            kill_pids([p.pid for p in procs if p.poll() is None])
-            break
-        time.sleep(0.1)
+    wait_for_nodes(procs, timeout)
     bad = [(i, p.poll()) for i, p in enumerate(procs) if p.poll() != 0]
     if bad:
         with open(logs[bad[0][0]], errors="replace") as f:

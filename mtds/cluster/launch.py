@@ -93,15 +93,7 @@ def launch(cluster: Cluster, script: list[str], *, out_dir: str, module: bool = 
             procs.append(cluster.popen(i, ["env", *[f"{k}={v}" for k, v in full_env.items()], *cmd],
                                        stdout=f, stderr=subprocess.STDOUT, cwd=cwd))
         runs.append(NodeRun(i, line, log, None))
-    deadline, failed_at = time.monotonic() + timeout, None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now - failed_at > 20):
-            kill_pids([p.pid for p in procs if p.poll() is None])
-            break
-        time.sleep(0.1)
+    wait_for_nodes(procs, timeout)
     for run, proc in zip(runs, procs):
         run.returncode = proc.poll()
     return runs
@@ -116,3 +108,17 @@ def failure_summary(runs: list[NodeRun], lines: int = 25) -> str:
         tail = "".join(f.readlines()[-lines:])
     codes = ", ".join(f"node {r.node}: {'timeout' if r.returncode is None else r.returncode}" for r in bad)
     return f"{codes}; last output of node {bad[0].node}:\n{tail}"
+
+
+def wait_for_nodes(procs, timeout: float, grace: float = 20.0) -> None:
+    """Wait for every node's launcher; past ``timeout``, or ``grace`` seconds after one node failed (the others
+    would wait for it in a collective), kill the ones still running."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > grace):
+            kill_pids([p.pid for p in procs if p.poll() is None])
+            break
+        time.sleep(0.1)
