@@ -49,19 +49,28 @@ SEEDS = {"mixtral": 1, "qwen3_moe": 0, "qwen3_moe_step": 0}
 
 
 def _hf(name):
-    """transformers' model with every weight random and O(1) router logits (the init's 0.02 leaves the
-    experts' probabilities within 1e-3 of each other, too near a tie to compare routings)."""
     import transformers as T
-    torch.manual_seed(SEEDS[name])
-    model = T.AutoModelForCausalLM.from_config(CASES[name](T), attn_implementation="eager").float()
+    return random_moe(CASES[name](T), SEEDS[name])
+
+
+def random_moe(config, seed: int):
+    """transformers' model with every weight random and O(1) router logits (the init's 0.02 leaves the
+    experts' probabilities within 1e-3 of each other, too near a tie to compare routings); an expert-choice
+    bias buffer (DeepSeek-V3's) random too: it moves the choice, not the weights."""
+    import transformers as T
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif pname.endswith("gate.weight"):
+            elif pname.endswith("gate.weight"):      # the router's and a shared expert's gate
                 p.copy_(0.5 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for pname, b in model.named_buffers():
+            if pname.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     return model
 
 

@@ -20,7 +20,7 @@ import torch
 from mtds.hf import hf_config_dict, load_hf_into_model, model_config_from_hf, model_to_hf_state
 from mtds.model import GPTModel
 from tests.test_moe import MARGIN, REL_TOL, TRAIN_LR, VOCAB, _ids, _min_margin, _parity, _rel, _shape, \
-    grads_in_hf_names
+    grads_in_hf_names, random_moe
 
 CASES = {
     # block 0 MoE (4 experts, top-2, not renormalised, a gated shared expert of width 80), block 1 dense
@@ -45,22 +45,8 @@ BIAS = "e_score_correction_bias"
 
 
 def _hf(name):
-    """transformers' model with random O(1) weights and O(1) router logits (as tests/test_moe.py's)."""
     import transformers as T
-    torch.manual_seed(SEEDS[name])
-    model = T.AutoModelForCausalLM.from_config(CASES[name](T), attn_implementation="eager").float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif pname.endswith(("gate.weight", "shared_expert_gate.weight")):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-        for pname, b in model.named_buffers():
-            if pname.endswith(BIAS):      # DeepSeek-V3's bias moves the choice, not the weights
-                b.copy_(0.1 * torch.randn_like(b))
-    return model
+    return random_moe(CASES[name](T), SEEDS[name])
 
 
 @pytest.mark.parametrize("name", list(CASES))
