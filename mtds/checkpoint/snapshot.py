@@ -68,6 +68,20 @@ class _Slot:
         return _Slot, (self.index,)
 
 
+def _map_leaves(obj, leaf):
+    """``obj`` with dicts (their own type kept), lists and plain tuples rebuilt and ``leaf`` applied to the rest."""
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _map_leaves(v, leaf)
+        return out
+    if isinstance(obj, list):
+        return [_map_leaves(v, leaf) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_leaves(v, leaf) for v in obj)
+    return leaf(obj)
+
+
 class Packed:
     """One file's state for the writer process: its tensors copied into one shared-memory buffer (one file
     descriptor to hand over, whatever the number of tensors), the rest of the state with slots in their place."""
@@ -79,18 +93,9 @@ class Packed:
             if isinstance(obj, torch.Tensor):
                 tensors.append(obj.detach())
                 return _Slot(len(tensors) - 1)
-            if isinstance(obj, dict):
-                out = copy.copy(obj)
-                for k, v in obj.items():
-                    out[k] = strip(v)
-                return out
-            if isinstance(obj, list):
-                return [strip(v) for v in obj]
-            if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-                return tuple(strip(v) for v in obj)
             return copy.deepcopy(obj)
 
-        self.skeleton = strip(state)
+        self.skeleton = _map_leaves(state, strip)
         self.slots, offset = [], 0
         for t in tensors:
             self.slots.append((offset, t.dtype, tuple(t.shape)))
@@ -129,17 +134,4 @@ class Packed:
         """The state with each tensor in its own storage (what the synchronous save writes)."""
         tensors = [self._view(start, dtype, shape).clone() for start, dtype, shape in self.slots]
 
-        def fill(obj):
-            if isinstance(obj, _Slot):
-                return tensors[obj.index]
-            if isinstance(obj, dict):
-                out = copy.copy(obj)
-                for k, v in obj.items():
-                    out[k] = fill(v)
-                return out
-            if isinstance(obj, list):
-                return [fill(v) for v in obj]
-            if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-                return tuple(fill(v) for v in obj)
-            return obj
-        return fill(self.skeleton)
+        return _map_leaves(self.skeleton, lambda obj: tensors[obj.index] if isinstance(obj, _Slot) else obj)
