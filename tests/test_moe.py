@@ -74,6 +74,23 @@ def random_moe(config, seed: int):
     return model
 
 
+def train_loss_and_grads_match(hf, model, cfg, ids, labels, name, tmp_path, no_grad: tuple[str, ...] = ()):
+    """In training mode: the loss (LM + coef x aux) and every gradient, in transformers' names, within REL_TOL;
+    ``no_grad``: name suffixes without a gradient (buffers). Returns transformers' output."""
+    hf.train(), model.train()
+    out = hf(ids, labels=ids, output_router_logits=True)     # transformers shifts ids itself
+    loss = model(ids, labels)
+    got, want = float(loss.detach()), float(out.loss.detach())
+    assert abs(got - want) / want < REL_TOL, (name, got, want)
+    out.loss.backward()
+    loss.backward()
+    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
+    assert sorted(ours) == sorted(theirs)
+    worst = max(_rel(ours[k], theirs[k]) for k in theirs if not (no_grad and k.endswith(no_grad)))
+    assert worst < REL_TOL, (name, worst)
+    return out
+
+
 def _imported(name, tmp_path):
     """transformers' model, its own files on disk, and mtds's model loaded from them."""
     hf = _hf(name)
@@ -116,19 +133,9 @@ def test_logits_loss_and_grads_match_transformers(name, tmp_path):
         # evaluation: the LM loss only (transformers' default output_router_logits=False), no aux term kept
         lm = hf(ids, labels=ids).loss
         assert abs(float(model(ids, labels)) - float(lm)) / float(lm) < REL_TOL, name
-    hf.train(), model.train()
-    out = hf(ids, labels=ids, output_router_logits=True)     # transformers shifts ids itself
-    loss = model(ids, labels)
+    out = train_loss_and_grads_match(hf, model, cfg, ids, labels, name, tmp_path)
     aux = cfg.router_aux_loss_coef * out.aux_loss
     assert aux > 1e-3 * out.loss, (name, float(aux), float(out.loss))   # the term is there to see
-    got, want = float(loss.detach()), float(out.loss.detach())
-    assert abs(got - want) / want < REL_TOL, (name, got, want)
-    out.loss.backward()
-    loss.backward()
-    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
-    assert sorted(ours) == sorted(theirs)
-    worst = max(_rel(ours[k], theirs[k]) for k in theirs)
-    assert worst < REL_TOL, (name, worst)
 
 
 def test_recomputed_training_then_evaluation(tmp_path):

@@ -20,7 +20,7 @@ import torch
 from mtds.hf import hf_config_dict, load_hf_into_model, model_config_from_hf, model_to_hf_state
 from mtds.model import GPTModel
 from tests.test_moe import MARGIN, REL_TOL, TRAIN_LR, VOCAB, _ids, _min_margin, _parity, _rel, _shape, \
-    grads_in_hf_names, random_moe
+    random_moe, train_loss_and_grads_match
 
 CASES = {
     # block 0 MoE (4 experts, top-2, not renormalised, a gated shared expert of width 80), block 1 dense
@@ -68,17 +68,7 @@ def test_logits_loss_grads_and_export_match_transformers(name, tmp_path):
         if cfg.moe_router_score_function == "softmax":   # sigmoid routing: a flip shows in the logits (0.1 or so)
             assert _min_margin(out.router_logits, cfg.moe_top_k) > MARGIN, name
         assert _rel(model.full_logits(ids), out.logits) < REL_TOL, name
-    hf.train(), model.train()
-    out = hf(ids, labels=ids, output_router_logits=True)
-    loss = model(ids, labels)
-    got, want = float(loss.detach()), float(out.loss.detach())
-    assert abs(got - want) / want < REL_TOL, (name, got, want)
-    out.loss.backward()
-    loss.backward()
-    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
-    assert sorted(ours) == sorted(theirs)
-    worst = max(_rel(ours[k], theirs[k]) for k in theirs if not k.endswith(BIAS))   # a buffer: no gradient
-    assert worst < REL_TOL, (name, worst)
+    train_loss_and_grads_match(hf, model, cfg, ids, labels, name, tmp_path, no_grad=(BIAS,))   # a buffer: no grad
     # the round trip
     disk = load_file(str(tmp_path / "hf" / "model.safetensors"))
     state = model_to_hf_state(model)
