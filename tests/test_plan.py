@@ -202,13 +202,28 @@ def test_fp32_grad_accumulation_memory_and_time():
     assert t_acc > 0 and small - big >= 7 * t_acc * 0.99
 
 
+def _family_config(name):
+    """transformers' config of a dense family (tests/test_hf_cases.py) or an MoE one (tests/test_moe.py,
+    tests/test_moe_families.py: Mixtral, Qwen3-MoE, Qwen2-MoE's shared expert, DeepSeek-V3's latent attention)."""
+    import transformers as T
+
+    from tests.test_hf_cases import hf_config
+    from tests.test_moe import CASES as MOE
+    from tests.test_moe_families import CASES as FAMILIES
+    cases = {**MOE, **FAMILIES}
+    return cases[name](T) if name in cases else hf_config(name)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "gpt2_gelu", "neox", "llama", "llama_tied", "llama_bias",
-                                  "llama_rope_linear", "qwen2", "qwen3", "mistral"])
+                                  "llama_rope_linear", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe_step",
+                                  "qwen2_moe", "deepseek_v3", "deepseek_v3_plain"])
 def test_model_spec_matches_real_models_of_every_family(name):
     """ModelSpec of a GPT-2 / NeoX / Llama (GQA, SwiGLU, untied, RMSNorm, bias-free) / Qwen2 (q/k/v biases
-    only) / Qwen3 (q/k norm, head_dim != h / a) / Mistral config: its parameter count equals the HF model's
-    and mtds's, its per-GPU count at t = 1 equals mtds's model (padded vocabulary) tensor by tensor, and its
-    FLOPs are the step log's count for that config (one function for both)."""
+    only) / Qwen3 (q/k norm, head_dim != h / a) / Mistral / MoE (Mixtral, Qwen3-MoE with dense blocks, Qwen2-MoE's
+    gated shared expert, DeepSeek-V3's latent attention with and without a Q LoRA) config: its parameter count
+    equals the HF model's and mtds's, its per-GPU count at t = 1 equals mtds's model (padded vocabulary) tensor by
+    tensor, what it replicates over TP is what mtds's model does not mark tensor-parallel, and its FLOPs are the
+    step log's count for that config (one function for both)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -216,19 +231,22 @@ def test_model_spec_matches_real_models_of_every_family(name):
     from mtds.hf.registry import model_config_from_hf
     from mtds.model import GPTModel
     from mtds.plan.memory import stage_params
-    from tests.test_hf_cases import hf_config
 
-    hf_cfg = hf_config(name)
+    hf_cfg = _family_config(name)
     cfg = model_config_from_hf(hf_cfg)
     spec = ModelSpec.from_config(cfg, seq=32)
     hf = AutoModelForCausalLM.from_config(hf_cfg)
     assert spec.params == sum(p.numel() for p in hf.parameters())
     torch.manual_seed(0)
-    tensors = sorted(p.numel() for p in GPTModel(cfg).parameters())
+    model = GPTModel(cfg)
+    tensors = sorted(p.numel() for p in model.parameters())
     ours = sum(tensors)
     assert stage_params(spec, Candidate(1, 1, 1, 1), "first") == ours
     from mtds.plan import host_costs
     assert sorted(host_costs.param_tensor_sizes(spec)) == tensors
+    whole = sum(p.numel() for n, p in model.named_parameters()
+                if not getattr(p, "tensor_model_parallel", False) and "position_embeddings" not in n)
+    assert whole == spec.layers * spec.replicated_params_per_layer() + spec.norm_params
     assert spec.hardware_flops(8, "selective") == metrics.model_config_flops(cfg, 8, 32, "selective")
     if name == "gpt2":   # PTD-P's closed form, which leaves out the final layer norm (2h)
         assert spec.params == metrics.gpt_param_count(2, 64, 250, 32) + 2 * 64

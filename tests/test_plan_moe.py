@@ -130,3 +130,28 @@ def test_cli_fixes_ep(capsys, e):
     out = json.loads(capsys.readouterr().out)
     assert (out["tp"], out["dp"], out["ep"], out["not_runnable"]) == (2, 8, e, [])
     assert ("ep_comm" in out["time_breakdown_s"]) == (e > 1)
+
+
+# DeepSeek-V3's shape (arXiv 2412.19437): 61 blocks, the first 3 dense (18432 wide), then 256 routed experts of width
+# 2048, top-8, one shared expert; latent attention with r_q 1536, r_kv 512, qk 128 + RoPE 64, v 128; untied head
+DEEPSEEK_V3 = ModelSpec(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, ffn_hidden=18432, gated_mlp=True,
+                        untied_head=True, rotary=True, qkv_bias=False, linear_bias=False, rmsnorm=True,
+                        num_experts=256, moe_top_k=8, moe_ffn_hidden=2048, moe_layers=58,
+                        moe_positions=tuple(range(3, 61)), moe_shared_ffn=2048, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, name="deepseek-v3")
+
+
+def test_deepseek_v3_parameters_flops_and_context_parallel_bytes():
+    """671B parameters as the paper counts them (its multi-token prediction module aside); a token's forward
+    through the latent attention is the step log's count; under CP the ring carries K and V padded to the
+    larger head dim, a · max(128 + 64, v) wide (tests/test_plan.py checks the small configs tensor by tensor)."""
+    from mtds.plan import cp_comm
+    assert DEEPSEEK_V3.params == pytest.approx(671.0e9, rel=1e-3)
+    proj, core = DEEPSEEK_V3.latent_attention_flops()
+    h, a = 7168, 128
+    assert proj == 2 * (1536 * (h + a * 192) + h * (512 + 64) + 512 * a * (128 + 128) + a * 128 * h)
+    assert core == 2 * 4096 * a * (192 + 128)
+    lay = Candidate(8, 1, 2, 1, cp=4, cp_comm_type="p2p", zero_stage=1, recompute="none")
+    assert cp_comm.p2p_hop_bytes(DEEPSEEK_V3, lay, WORK32) == 2 * 1 * 1024 * a * 192 / 8 * 4
+    wide_v = replace(DEEPSEEK_V3, v_head_dim=256)       # the query/key heads padded to the value's 256
+    assert cp_comm.p2p_hop_bytes(wide_v, lay, WORK32) == 2 * 1 * 1024 * a * 256 / 8 * 4

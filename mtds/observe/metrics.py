@@ -134,12 +134,21 @@ def moe_active_ffn_width(layers: int, ffn: float, moe_layers: int, num_experts: 
 
 
 def latent_attention_flops(cfg, seq: int) -> tuple[float, float]:
+    """Multi-head latent attention's forward FLOPs per token and layer of an ``mtds.hf.resolve.ModelConfig``:
+    :func:`latent_attention_flops_of_sizes` of its sizes."""
+    return latent_attention_flops_of_sizes(cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+                                           cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, seq)
+
+
+def latent_attention_flops_of_sizes(hidden: int, heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                                    qk_head_dim: int, qk_pos_emb_head_dim: int, v_head_dim: int,
+                                    seq: int) -> tuple[float, float]:
     """Multi-head latent attention's forward FLOPs per token and layer: (its projections: q (or q down and up),
     kv down, kv up, out; the core: scores over (no-RoPE + RoPE) dims and x V over the value dims)."""
-    h, H = float(cfg.hidden_size), float(cfg.num_heads)
-    qk, v, r_kv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    q = h * H * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + H * qk)
-    projections = 2 * (q + h * (r_kv + cfg.qk_pos_emb_head_dim) + r_kv * H * (cfg.qk_head_dim + v) + H * v * h)
+    h, H = float(hidden), float(heads)
+    qk, v, r_kv = qk_head_dim + qk_pos_emb_head_dim, v_head_dim, kv_lora_rank
+    q = h * H * qk if q_lora_rank is None else q_lora_rank * (h + H * qk)
+    projections = 2 * (q + h * (r_kv + qk_pos_emb_head_dim) + r_kv * H * (qk_head_dim + v) + H * v * h)
     return projections, 2.0 * seq * H * (qk + v)
 
 

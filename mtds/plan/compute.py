@@ -80,7 +80,10 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
     router [bs x h]@[h x E] and the experts. With balanced load a rank's E/e experts get b s k rows in all
     (b s k e / E each): per expert [rows x h]@[h x 2F/t] and [rows x F/t]@[F/t x h], batched over the E/e
     local experts (one grouped GEMM per projection); SwiGLU's 6 bytes x rows F / t element-wise. The
-    all-to-all's permutations are not counted.
+    all-to-all's permutations are not counted. A shared expert (width S) adds [bs x h]@[h x 2S/t] and
+    [bs x S/t]@[S/t x h] in each MoE block.
+    Latent attention (ModelSpec.latent): its projections' GEMMs (:func:`latent_linear_time`) replace QKV and the
+    output projection; the scores run over the qk + RoPE dims, x V over the value dims.
     """
     s, h, a, f = model.seq, model.hidden, model.heads, model.ffn
     w = work.bytes_per_value
@@ -102,13 +105,24 @@ def _layer_forward(model: ModelSpec, t: int, b: int, sequence_parallel: bool, wo
         moe_mlp = (gemm_time(tokens, big_e, h, cluster, elem_bytes=w)
                    + gemm_time(rows, 2 * fe / t, h, cluster, batch=experts, elem_bytes=w)
                    + gemm_time(rows, h, fe / t, cluster, batch=experts, elem_bytes=w))
+        if model.moe_shared_ffn:
+            fs = model.moe_shared_ffn
+            moe_mlp += (gemm_time(tokens, 2 * fs / t, h, cluster, elem_bytes=w)
+                        + gemm_time(tokens, h, fs / t, cluster, elem_bytes=w))
+            ffn_ops_shared = 6.0 * tokens * fs / t
+        else:
+            ffn_ops_shared = 0.0
         dense_mlp = (1.0 - moe) * dense_mlp + moe * moe_mlp
-        ffn_ops = (1.0 - moe) * ffn_ops + moe * 6.0 * tokens * model.moe_top_k * fe / t
-    linear = (gemm_time(tokens, (q + 2 * kv) / t, h, cluster, elem_bytes=w)
-              + gemm_time(tokens, h, q / t, cluster, elem_bytes=w)
-              + dense_mlp)
+        ffn_ops = (1.0 - moe) * ffn_ops + moe * (6.0 * tokens * model.moe_top_k * fe / t + ffn_ops_shared)
+    if model.latent:
+        attention_linear = latent_linear_time(model, tokens, t, cluster, w)
+    else:
+        attention_linear = (gemm_time(tokens, (q + 2 * kv) / t, h, cluster, elem_bytes=w)
+                            + gemm_time(tokens, h, q / t, cluster, elem_bytes=w))
+    linear = attention_linear + dense_mlp
+    hv = model.v_width / a          # the value head dim (= hd but for latent attention)
     attn_gemm = (gemm_time(sl, s, hd, cluster, batch=heads_local, elem_bytes=w)
-                 + gemm_time(sl, hd, s, cluster, batch=heads_local, elem_bytes=w))
+                 + gemm_time(sl, hv, s, cluster, batch=heads_local, elem_bytes=w))
     scale = w / 2.0
     hidden_ops = 22.0 * tokens * h / (t if sequence_parallel else 1)
     transposes = 4.0 * tokens * (2 * q + 2 * kv) / t
@@ -177,3 +191,17 @@ def optimizer_time(n_params_local: float, cluster: Cluster, n_tensors: float = 0
     if measured is not None:
         return measured
     return elementwise_time(28.0 * n_params_local, cluster)
+
+
+def latent_linear_time(model: ModelSpec, tokens: float, t: int, cluster: Cluster, w: float) -> float:
+    """Latent attention's projections for ``tokens`` rows: Q (or its down- and up-projection), the K/V
+    down-projection (r_kv + RoPE wide, replicated), the K/V up-projection and the output projection (split t
+    ways with the heads)."""
+    h, a = model.hidden, model.heads
+    qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+    r_q, r_kv = model.q_lora_rank, model.kv_lora_rank
+    q = gemm_time(tokens, a * qk / t, h, cluster, elem_bytes=w) if r_q is None else \
+        gemm_time(tokens, r_q, h, cluster, elem_bytes=w) + gemm_time(tokens, a * qk / t, r_q, cluster, elem_bytes=w)
+    return (q + gemm_time(tokens, r_kv + model.qk_pos_emb_head_dim, h, cluster, elem_bytes=w)
+            + gemm_time(tokens, a * (model.qk_head_dim + model.v_head_dim) / t, r_kv, cluster, elem_bytes=w)
+            + gemm_time(tokens, h, model.context_width / t, cluster, elem_bytes=w))

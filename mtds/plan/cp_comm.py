@@ -36,7 +36,7 @@ def _local_heads_bytes(model: ModelSpec, layout: Candidate, work: Workload, widt
 
 def p2p_hop_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> float:
     """One forward ring hop: K and V of the rank's s/c tokens, 2 b (s/c) (h_kv/t) e w bytes."""
-    return 2.0 * _local_heads_bytes(model, layout, work, model.kv_width)
+    return 2.0 * _local_heads_bytes(model, layout, work, model.cp_widths[1])
 
 
 def p2p_forward_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> float:
@@ -46,8 +46,8 @@ def p2p_forward_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> fl
 
 def a2a_tensor_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> tuple[float, float, float, float]:
     """The 4 tensors the forward's all-to-alls exchange (q, k, v, output), whole per rank: b (s/c) heads/t e w."""
-    q = _local_heads_bytes(model, layout, work, model.q_width)
-    kv = _local_heads_bytes(model, layout, work, model.kv_width)
+    q = _local_heads_bytes(model, layout, work, model.cp_widths[0])
+    kv = _local_heads_bytes(model, layout, work, model.cp_widths[1])
     return q, kv, kv, q
 
 

@@ -89,26 +89,55 @@ def engine_overhead(model: ModelSpec, zero_stage: int, microbatches: int, cluste
 
 
 def param_tensor_sizes(model: ModelSpec, tp: int = 1) -> list[float]:
-    """Elements of every parameter tensor of one rank's whole model (GPT family; p = 1)."""
-    h, f, t = model.hidden, model.ffn, tp
+    """Elements of every parameter tensor of one rank's whole model (p = 1, e = 1): the blocks' tensors as mtds
+    builds them (an MoE block's experts as two grouped tensors), the embeddings, the final norm."""
+    h, t = model.hidden, tp
     norm = [h] if model.rmsnorm else [h, h]
-    qkv = (model.q_width + 2 * model.kv_width) / t
-    fc1 = f * (model.mlp_matrices - 1) / t
-    block = [*norm, h * qkv, model.q_width / t * h, *norm, h * fc1, f / t * h]
-    if model.qkv_bias:
-        block.append(qkv)
-    if model.has_out_proj_bias:
-        block.append(h)
-    if model.linear_bias:
-        block += [fc1, h]
-    if model.qk_norm:   # q and k norms, head_dim wide
-        head = model.q_width / model.heads
-        block += [head] * (2 if model.rmsnorm else 4)
-    out = block * model.layers + [model.padded_vocab(t) * h / t] + list(norm)
+    moe = set(model.facts().moe_blocks)
+    out = []
+    for i in range(model.layers):
+        out += [*norm, *_attention_tensors(model, t), *norm]
+        out += _moe_tensors(model, t) if i in moe else _mlp_tensors(model, model.ffn, t, model.linear_bias)
+    out += [model.padded_vocab(t) * h / t] + list(norm)
     if not model.rotary:
         out.append(model.seq * h)
     if model.untied_head:
         out.append(model.padded_vocab(t) * h / t)
+    return out
+
+
+def _attention_tensors(model: ModelSpec, t: int) -> list[float]:
+    h = model.hidden
+    if model.latent:       # ModelSpec.latent_params: the up- and output projections split, the rest whole
+        a, qk = model.heads, model.qk_head_dim + model.qk_pos_emb_head_dim
+        norm = 1 if model.rmsnorm else 2
+        r_q, r_kv = model.q_lora_rank, model.kv_lora_rank
+        q = [a * qk / t * h] if r_q is None else [r_q * h, *[r_q] * norm, a * qk / t * r_q]
+        return [*q, (r_kv + model.qk_pos_emb_head_dim) * h, *[r_kv] * norm,
+                a * (model.qk_head_dim + model.v_head_dim) / t * r_kv, h * a * model.v_head_dim / t]
+    qkv = (model.q_width + 2 * model.kv_width) / t
+    out = [h * qkv, model.q_width / t * h]
+    if model.qkv_bias:
+        out.append(qkv)
+    if model.has_out_proj_bias:
+        out.append(h)
+    if model.qk_norm:   # q and k norms, head_dim wide
+        out += [model.q_width / model.heads] * (2 if model.rmsnorm else 4)
+    return out
+
+
+def _mlp_tensors(model: ModelSpec, f: float, t: int, bias: bool) -> list[float]:
+    h = model.hidden
+    fc1 = f * (model.mlp_matrices - 1) / t
+    return [h * fc1, f / t * h] + ([fc1, h] if bias else [])
+
+
+def _moe_tensors(model: ModelSpec, t: int) -> list[float]:
+    """Router, the experts' gate/up and down (one grouped tensor each), the shared expert and its gate."""
+    h, e, f = model.hidden, model.num_experts, model.moe_ffn
+    out = [e * h, e * 2 * f / t * h, e * h * f / t]
+    if model.moe_shared_ffn:
+        out += ([h] if model.moe_shared_gate else []) + [2 * model.moe_shared_ffn / t * h, h * model.moe_shared_ffn / t]
     return out
 
 

@@ -136,7 +136,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Candidate, work: Worklo
     if stored and layout.recompute == "selective" and attention == "math":
         attn = 0.0
     if layout.cp > 1 and layout.cp_comm_type == "a2a":
-        attn += 2.0 * model.q_width / (h * t)
+        attn += 2.0 * model.cp_widths[0] / (h * t)
     return scale * sbh * (linear + attn)
 
 
@@ -150,7 +150,7 @@ def cp_transient_bytes(model: ModelSpec, layout: Candidate, work: Workload) -> f
     replace the local ones: same size)."""
     if layout.cp == 1 or layout.cp_comm_type != "p2p":
         return 0.0
-    kv_width = model.kv_width / layout.tp        # (h_kv / t) e
+    kv_width = model.cp_widths[1] / layout.tp        # (h_kv / t) e
     block = 2.0 * layout.microbatch * layout.local_seq(model.seq) * kv_width
     return 2.0 * block * work.bytes_per_value
 

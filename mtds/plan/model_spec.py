@@ -28,7 +28,16 @@ class ModelSpec:
     ``moe_layers`` of the l blocks (None: all of them) route each token to ``moe_top_k`` k of E bias-free SwiGLU
     experts of width ``moe_ffn_hidden`` F (None: f), three h x F matrices each, through an h x E router; the
     other blocks keep the dense MLP. Which blocks are MoE is not kept, only how many: the planner spreads them
-    evenly over the pipeline stages (per-layer sizes below are averages over the l blocks).
+    evenly over the pipeline stages (per-layer sizes below are averages over the l blocks). ``moe_shared_ffn``
+    S > 0 adds a shared expert beside the routed ones in every MoE block (a SwiGLU MLP of width S, split t ways
+    like the dense MLP; Qwen2-MoE, DeepSeek-V3), ``moe_shared_gate`` its h x 1 sigmoid gate (Qwen2-MoE).
+
+    Multi-head latent attention (DeepSeek-V3; ``kv_lora_rank`` r_kv > 0): per head a query/key of
+    ``qk_head_dim`` + ``qk_pos_emb_head_dim`` (the RoPE part) and a value of ``v_head_dim``; Q straight from h
+    (``q_lora_rank`` None) or through a rank-r_q down-projection and its norm; K/V through one h x (r_kv + RoPE)
+    down-projection (the RoPE key shared by all heads), a norm, and an r_kv x a(qk + v) up-projection. Under TP
+    the up-projections and the output projection split with the heads; the down-projections and their norms are
+    replicated (docs/moe.md), as mtds builds them.
     """
 
     layers: int
@@ -58,6 +67,13 @@ class ModelSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     sliding_window: int | None = None
+    moe_shared_ffn: int = 0              # 0: no shared expert
+    moe_shared_gate: bool = False
+    q_lora_rank: int | None = None       # latent attention (kv_lora_rank > 0) only: None = a full-rank Q
+    kv_lora_rank: int = 0                # 0: the attention is the QKV one above
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
@@ -69,7 +85,8 @@ class ModelSpec:
                    rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
                    rmsnorm=cfg.normalization == "rmsnorm", head_dim=cfg.kv_channels,
                    out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm, attention_dropout=cfg.attention_dropout,
-                   hidden_dropout=cfg.hidden_dropout, sliding_window=cfg.sliding_window, **_moe_fields(cfg))
+                   hidden_dropout=cfg.hidden_dropout, sliding_window=cfg.sliding_window, **_moe_fields(cfg),
+                   **_latent_fields(cfg))
 
     @property
     def ffn(self) -> int:
@@ -97,6 +114,8 @@ class ModelSpec:
         return ModelFacts(num_layers=self.layers, hidden_size=self.hidden, num_heads=self.heads,
                           kv_heads=self.kv_heads or self.heads, ffn_size=self.ffn, num_experts=self.num_experts,
                           moe_ffn_size=self.moe_ffn if self.num_experts else 0, moe_blocks=moe,
+                          shared_expert_ffn_size=self.moe_shared_ffn if self.num_experts else 0,
+                          latent_attention=self.latent,
                           attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
                           sliding_window=self.sliding_window)
 
@@ -104,6 +123,29 @@ class ModelSpec:
     def moe_fraction(self) -> float:
         """Share of the blocks that are MoE: per-layer averages weight the MoE block by it."""
         return self.moe_blocks / self.layers
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of the QKV one."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def shared_expert_params(self) -> float:
+        """One MoE block's shared expert: 3 h S (SwiGLU; split t ways) — its gate (h, replicated) aside."""
+        return 3.0 * self.hidden * self.moe_shared_ffn if self.num_experts else 0.0
+
+    def latent_params(self) -> tuple[float, float]:
+        """(split with the heads, replicated) parameters of one latent attention: Q (or its up-projection), the
+        K/V up-projection and the output projection; the down-projections and their norms."""
+        h, a = self.hidden, self.heads
+        qk = self.qk_head_dim + self.qk_pos_emb_head_dim
+        norm = 1 if self.rmsnorm else 2
+        split = (h if self.q_lora_rank is None else self.q_lora_rank) * a * qk \
+            + self.kv_lora_rank * a * (self.qk_head_dim + self.v_head_dim) + a * self.v_head_dim * h
+        whole = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + norm * self.kv_lora_rank
+        if self.q_lora_rank is not None:
+            whole += h * self.q_lora_rank + norm * self.q_lora_rank
+        return float(split), float(whole)
 
     def expert_params_per_layer(self) -> float:
         """Expert parameters of one layer, averaged over the l blocks: E x 3 h F per MoE block (bias-free SwiGLU).
@@ -116,18 +158,42 @@ class ModelSpec:
         router): the step log's count (metrics.active_ffn_width), f for a dense model."""
         if not self.moe_blocks:
             return float(self.ffn)
+        shared = self.moe_shared_ffn + (1 / 3 if self.moe_shared_gate else 0)
         return metrics.moe_active_ffn_width(self.layers, self.ffn, self.moe_blocks, self.num_experts,
-                                            self.moe_top_k, self.moe_ffn)
+                                            self.moe_top_k, self.moe_ffn, shared)
 
     @property
     def q_width(self) -> float:
-        """Width of Q (and of the attention context): h, or a * head_dim where that is set."""
+        """Width of Q (and of the attention context): h, or a * head_dim where that is set; latent attention:
+        a (qk + RoPE dims) for Q and K."""
+        if self.latent:
+            return float(self.heads * (self.qk_head_dim + self.qk_pos_emb_head_dim))
         return self.heads * self.head_dim if self.head_dim else self.hidden
 
     @property
     def kv_width(self) -> float:
-        """Width of K (and of V): h for multi-head attention, h * kv_heads / heads for GQA."""
+        """Width of K (and of V): h for multi-head attention, h * kv_heads / heads for GQA; latent attention:
+        K's (V's is :attr:`v_width`)."""
         return self.q_width * (self.kv_heads or self.heads) / self.heads
+
+    @property
+    def v_width(self) -> float:
+        """Width of V and of the attention's output (the output projection's input)."""
+        return float(self.heads * self.v_head_dim) if self.latent else self.kv_width
+
+    @property
+    def cp_widths(self) -> tuple[float, float]:
+        """(Q, K = V) widths context parallelism exchanges: latent attention's value and query/key heads are
+        zero-padded to the larger of the two dims (mtds.cp), so each is a · max(qk + RoPE, v)."""
+        if not self.latent:
+            return self.q_width, self.kv_width
+        width = float(self.heads * max(self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim))
+        return width, width
+
+    @property
+    def context_width(self) -> float:
+        """Width of the attention's output, the output projection's input."""
+        return float(self.heads * self.v_head_dim) if self.latent else self.q_width
 
     @property
     def has_out_proj_bias(self) -> bool:
@@ -166,17 +232,22 @@ class ModelSpec:
         and the column-parallel MLP biases (f each for fc1 and, gated, the gate)."""
         h, f = self.hidden, self.ffn
         dense = 1.0 - self.moe_fraction        # MoE blocks have experts (expert_params_per_layer) instead
+        shared = self.moe_fraction * self.shared_expert_params
+        mlp_bias = (self.mlp_matrices - 1) * f * dense if self.linear_bias else 0.0
+        if self.latent:
+            return self.latent_params()[0] + dense * self.mlp_matrices * h * f + mlp_bias + shared
         qkv = self.q_width + 2 * self.kv_width
-        bias = (qkv if self.qkv_bias else 0.0) + ((self.mlp_matrices - 1) * f * dense if self.linear_bias else 0.0)
-        return h * qkv + self.q_width * h + dense * self.mlp_matrices * h * f + bias
+        bias = (qkv if self.qkv_bias else 0.0) + mlp_bias
+        return h * qkv + self.q_width * h + dense * self.mlp_matrices * h * f + bias + shared
 
     def replicated_params_per_layer(self) -> float:
         """Parameters of one layer every TP rank holds whole: two norms, the row-parallel biases
         (projection and fc2, h each), the q/k norms and, in MoE blocks, the h x E router."""
         dense = 1.0 - self.moe_fraction
         biases = (self.hidden if self.has_out_proj_bias else 0) + (self.hidden * dense if self.linear_bias else 0)
-        router = self.moe_fraction * self.hidden * self.num_experts
-        return 2 * self.norm_params + biases + self.qk_norm_params + router
+        router = self.moe_fraction * self.hidden * (self.num_experts + (1 if self.moe_shared_gate else 0))
+        latent = self.latent_params()[1] if self.latent else 0.0
+        return 2 * self.norm_params + biases + self.qk_norm_params + router + latent
 
     def params_per_layer(self) -> float:
         """Sharded + replicated (= 12h^2 + 13h for the GPT shape: QKV 3h^2+3h, projection h^2+h,
@@ -195,15 +266,25 @@ class ModelSpec:
         return metrics.training_flops_per_iteration(batch, self.seq, self.layers, self.hidden, self.vocab,
                                                     ffn_hidden=self.active_ffn, num_heads=self.heads,
                                                     num_kv_heads=self.kv_heads, gated_mlp=self.gated_mlp,
-                                                    head_dim=self.head_dim, recompute=recompute)
+                                                    head_dim=self.head_dim, recompute=recompute,
+                                                    attention=self.latent_attention_flops())
+
+    def latent_attention_flops(self) -> tuple[float, float] | None:
+        """Latent attention's (projections, core) forward FLOPs per token and layer: the step log's count."""
+        if not self.latent:
+            return None
+        return metrics.latent_attention_flops_of_sizes(self.hidden, self.heads, self.q_lora_rank, self.kv_lora_rank,
+                                                       self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim,
+                                                       self.seq)
 
     def __str__(self) -> str:
         tag = f"{self.name} " if self.name else ""
         extra = "".join([f" kv={self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else "",
                          " swiglu" if self.gated_mlp else "", f" d={self.head_dim}" if self.head_dim else "",
                          " qk-norm" if self.qk_norm else "",
+                         f" mla r_q={self.q_lora_rank} r_kv={self.kv_lora_rank}" if self.latent else "",
                          f" moe E={self.num_experts} k={self.moe_top_k} F={self.moe_ffn} x{self.moe_blocks}"
-                         if self.moe_blocks else ""])
+                         if self.moe_blocks else "", f" shared={self.moe_shared_ffn}" if self.moe_shared_ffn else ""])
         return (f"{tag}l={self.layers} h={self.hidden} a={self.heads} V={self.vocab} s={self.seq}{extra} "
                 f"({self.params / 1e9:.1f}B params)")
 
@@ -215,7 +296,17 @@ def _moe_fields(cfg) -> dict:
         return {}
     positions = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i + 1))
     return {"num_experts": experts, "moe_top_k": cfg.moe_top_k, "moe_ffn_hidden": cfg.moe_ffn_size,
-            "moe_layers": len(positions), "moe_positions": positions}
+            "moe_layers": len(positions), "moe_positions": positions,
+            "moe_shared_ffn": cfg.moe_shared_expert_intermediate_size or 0,
+            "moe_shared_gate": bool(cfg.moe_shared_expert_gate)}
+
+
+def _latent_fields(cfg) -> dict:
+    """The multi-head latent attention sizes of a ModelConfig (none where it has the QKV attention)."""
+    if not getattr(cfg, "multi_latent_attention", False):
+        return {}
+    return {"q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank, "qk_head_dim": cfg.qk_head_dim,
+            "qk_pos_emb_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim}
 
 
 def resolve_model(name_or_path, *, seq: int | None = None, **overrides) -> ModelSpec:
