@@ -21,6 +21,13 @@ import torch
 from mtds.model.aux_loss import RouterStats
 
 
+def beside(num_experts: int) -> tuple:
+    """What travels beside the boundary activation between stages, for an engine that sends tensor by tensor
+    (mtds.pipe.p2p): (shape, dtype, has a gradient) of ``counts`` and of ``probs``, in the tuple's order.
+    Sent in their own dtypes: a bf16 or fp16 wire would round P (and its gradient) and, past 256, C."""
+    return (((num_experts + 1,), torch.int64, False), ((num_experts + 1,), torch.float32, True))
+
+
 def start(num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Nothing routed yet. ``probs`` is a leaf that requires grad: DeepSpeed's pipeline runs backward on every
     floating-point output of a stage, which a stage with no MoE block would otherwise leave without one."""
