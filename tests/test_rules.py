@@ -58,8 +58,8 @@ RULE_CASES = {
                         "DeepSpeed 0.20.1 is outside the range mtds's pipeline schedules are built on"),
     "expert-parallel-zero": (Job(MOE, 2, ep=2, precision="bf16"),
                              "--expert-model-parallel-size 2 with bf16 needs ZeRO-1 or 2"),
-    "moe-pipeline": (Job(MOE, 2, pp=2, pipeline_schedule="zb-h1"),
-                     "MoE models with --pp 2 need --pipeline-schedule 1f1b"),
+    "moe-pipeline": (Job(MOE, 2, pp=2, reset_position_ids=True),
+                     "MoE models with --pp 2 and packed-document resets"),
     "expert-width": (Job(dataclasses.replace(MOE, moe_ffn_size=98), 4, tp=4),
                      "tensor parallel size 4 does not divide the expert FFN size 98"),
     "async-save-needs-save": (Job(DENSE, 1, async_save=True), "--async-save without --save"),
@@ -84,7 +84,10 @@ def test_every_rule_has_its_line():
 def test_eval_takes_moe_pipelines_and_converters_the_shards():
     # evaluation carries no router statistics (the LM loss only): any p, any schedule flag left at its default
     assert rules.problems(Job(MOE, 2, pp=2, purpose=rules.EVAL)) == []
-    assert rules.problems(Job(MOE, 2, pp=2)) == []          # training carries the router statistics on 1f1b
+    # training carries the router statistics on every schedule (tests/test_moe_schedules.py)
+    for schedule in ("1f1b", "interleaved", "zb-h1", "dualpipev"):
+        v = 2 if schedule == "interleaved" else 1
+        assert rules.problems(Job(MOE, 4, pp=2, ep=2, pipeline_schedule=schedule, virtual_stages=v)) == [], schedule
     with pytest.raises(rules.JobRefused, match="does not divide the expert FFN size 98"):
         rules.check_shards(dataclasses.replace(MOE, moe_ffn_size=98), tp=4, pp=1)
     rules.check_shards(DENSE, tp=2, pp=2)

@@ -86,15 +86,19 @@ def loss_backward(engine, loss: torch.Tensor) -> None:
     DeepSpeedEngine.backward(engine, loss)
 
 
-def stage_backward(engine, outputs: torch.Tensor, grad: torch.Tensor) -> None:
+def stage_backward(engine, outputs, grad) -> None:
     """A non-loss stage's backward as DeepSpeed's ``PipelineEngine`` runs it: under the BF16 optimizer
     low-precision grads are cleared before and added to the fp32 ones after; the engine-backward flag
-    tells DeepSpeed's hooks a backward is in flight."""
+    tells DeepSpeed's hooks a backward is in flight. ``outputs`` a tuple: ``grad`` holds the gradients of
+    its floating-point tensors, in order (as DeepSpeed's engine pairs them)."""
     if engine.using_bf16_optimizer:
         engine.optimizer.clear_lp_grads()
     engine._running_engine_backward = True
     try:
-        outputs.backward(gradient=grad)
+        if isinstance(outputs, tuple):
+            torch.autograd.backward([t for t in outputs if t.is_floating_point()], grad_tensors=list(grad))
+        else:
+            outputs.backward(gradient=grad)
     finally:
         engine._running_engine_backward = False
     if engine.using_bf16_optimizer and not bf16_immediate_grad_update(engine):

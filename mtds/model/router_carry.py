@@ -5,7 +5,8 @@ aux = E · Σ_e (C_e / R) · (P_e / R) with C_e the assignments to expert e, P_e
 and R the rows routed, each summed over all blocks. On a pipeline the blocks sit on several stages, so from
 the embedding on the activation is the tuple (hidden, counts, probs): ``counts`` int64 [E + 1] (C, then R;
 no gradient, so DeepSpeed's pipeline sends it without one) and ``probs`` float32 [E] (P, with its
-gradient). Each MoE block adds its statistics; the last stage's loss adds coef · aux. ``probs`` has one more element, [E]: the sum over the blocks of each
+gradient); DeepSpeed's 1F1B and DualPipeV engines send the tuple, mtds's own engine (interleaved, zb-h1) sends
+the two beside the activation (:func:`beside`, mtds.pipe.p2p). Each MoE block adds its statistics; the last stage's loss adds coef · aux. ``probs`` has one more element, [E]: the sum over the blocks of each
 block's router z-loss (its mean over tokens of logsumexp(logits)², 0 without ``--moe-z-loss-coeff``), whose
 gradient (the coefficient) reaches every block's router the same way. The backward then
 carries d aux / d P = coef · E · C / R² from the last stage to every block's router through the stages'
@@ -19,6 +20,13 @@ from __future__ import annotations
 import torch
 
 from mtds.model.aux_loss import RouterStats
+
+
+def beside(num_experts: int) -> tuple:
+    """What travels beside the boundary activation between stages, for an engine that sends tensor by tensor
+    (mtds.pipe.p2p): (shape, dtype, has a gradient) of ``counts`` and of ``probs``, in the tuple's order.
+    Sent in their own dtypes: a bf16 or fp16 wire would round P (and its gradient) and, past 256, C."""
+    return (((num_experts + 1,), torch.int64, False), ((num_experts + 1,), torch.float32, True))
 
 
 def start(num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:

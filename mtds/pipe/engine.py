@@ -38,11 +38,12 @@ from mtds.pipe.schedules import check_microbatches, has_weight_pass
 class ScheduledPipelineEngine(PipelineEngine):
     """Built like DeepSpeed builds a ``PipelineEngine`` (see :func:`build_scheduled_engine`), plus:
     ``schedule`` (a name in ``mtds.pipe.schedules.SCHEDULES``), ``groups`` (mtds ``ParallelGroups``),
-    ``boundary_shape`` (activation shape between stages for one micro-batch)."""
+    ``boundary_shape`` (activation shape between stages for one micro-batch), ``beside`` (the tensors that
+    travel with it: ``mtds.pipe.p2p.StageP2P``)."""
 
     DEEPSPEED_OVERRIDES = ("train_batch", "eval_batch", "is_first_stage", "is_last_stage")
 
-    def __init__(self, *args, schedule: str, groups, boundary_shape, **kwargs):
+    def __init__(self, *args, schedule: str, groups, boundary_shape, beside: tuple = (), **kwargs):
         self._active_chunk = None   # None: DeepSpeed's own (rank) sense of first/last stage, used in __init__
         super().__init__(*args, **kwargs)
         self.schedule = schedule
@@ -63,7 +64,8 @@ class ScheduledPipelineEngine(PipelineEngine):
                     self.p2p_groups[name] = group
         dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.half if self.fp16_enabled() else torch.float32
         self.p2p = StageP2P(self.grid, groups=self.p2p_groups, shape=boundary_shape, dtype=dtype, device=self.device,
-                            tp_group=groups.tp_group, tp_size=groups.layout.tp, scatter_gather=scatter)
+                            tp_group=groups.tp_group, tp_size=groups.layout.tp, scatter_gather=scatter,
+                            beside=beside)
         self.timeline = None       # a mtds.observe.timeline.TimelineRecorder, when the user asked for one
         self.weight_grads = None   # ZB-H1: the TP linears' deferred weight gradients, run by W actions
         if has_weight_pass(schedule):
@@ -187,7 +189,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                 with self._span("recv", chunk, micro):
                     inputs = self.p2p.take(item.needs)
                 if not torch.is_grad_enabled():
-                    inputs = inputs.detach()
+                    inputs = tuple(t.detach() for t in inputs) if isinstance(inputs, tuple) else inputs.detach()
             if last:
                 self._labels[micro] = ds.next_batch(self)[1].to(self.device)
             with self._span("F", chunk, micro):
@@ -230,7 +232,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                     ds.stage_backward(self, self._outputs.pop((chunk, micro)), grad)
             inputs = self._inputs.pop((chunk, micro), None)
             if not first:
-                self._outbox[item.makes] = inputs.grad
+                self._outbox[item.makes] = _input_grad(inputs)
 
     def _weight_step(self, item: Compute) -> None:
         """ZB-H1's W: the weight/bias GEMMs the TP linears queued during this micro-batch's B, in order,
@@ -242,9 +244,17 @@ class ScheduledPipelineEngine(PipelineEngine):
         micro_batch_done(self)      # ZeRO-2 at p > 1, per micro-batch (no-op otherwise)
 
 
+def _input_grad(inputs):
+    """What backward sends upstream: the input's gradient, or for a tuple input (tensors beside the
+    activation, :mod:`mtds.pipe.p2p`) the gradients of its floating-point tensors."""
+    if isinstance(inputs, tuple):
+        return tuple(t.grad for t in inputs if t.is_floating_point())
+    return inputs.grad
+
+
 def build_scheduled_engine(model, *, config: dict, model_parameters, lr_scheduler, schedule: str, groups,
-                           boundary_shape):
+                           boundary_shape, beside: tuple = ()):
     """A :class:`ScheduledPipelineEngine`, built as ``deepspeed.initialize`` builds a ``PipelineEngine``."""
     return ds.build_pipeline_engine(ScheduledPipelineEngine, model, config=config, model_parameters=model_parameters,
                                     lr_scheduler=lr_scheduler, schedule=schedule, groups=groups,
-                                    boundary_shape=boundary_shape)
+                                    boundary_shape=boundary_shape, beside=beside)

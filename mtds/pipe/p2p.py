@@ -17,6 +17,12 @@ Tags (activation or gradient) only matter to gloo; NCCL matches in issue order p
 Scatter/gather (PTD-P §4.1): with tensor parallelism the boundary activation (and its gradient) is the
 same on every TP rank, so each TP rank sends only its 1/t slice and the receiver all-gathers the slices
 over the TP group. Off with sequence parallelism: the activation is already one slice per TP rank.
+
+Tensors beside the activation (``beside``; an MoE model's router statistics, :mod:`mtds.model.router_carry`):
+the stage output is then a tuple (activation, *beside) and its input gradient a tuple (activation's, those of
+the beside tensors that have one). Each goes as its own transfer, right after the activation's, on the same
+group, to the same peer, in its own dtype and whole: a message stays a run of transfers on one group, so the
+order argument above is unchanged.
 """
 from __future__ import annotations
 
@@ -32,11 +38,13 @@ class StageP2P:
     """Sends/receives of one pipeline rank. ``grid``: DeepSpeed's PipelineParallelGrid (stage → global
     rank); ``groups``: ``exchange.group_names`` → this rank's process group of that name, each over the
     pipeline's ranks; ``shape``/``dtype``: the boundary activation of one micro-batch;
-    ``tp_group``/``tp_size``: for scatter/gather (``scatter_gather`` False: whole tensors)."""
+    ``tp_group``/``tp_size``: for scatter/gather (``scatter_gather`` False: whole tensors); ``beside``:
+    (shape, dtype, has a gradient) of each tensor that travels after the activation (see the module docstring)."""
 
     def __init__(self, grid, *, groups: dict, shape, dtype, device, tp_group=None, tp_size: int = 1,
-                 scatter_gather: bool = False):
+                 scatter_gather: bool = False, beside: tuple = ()):
         self.grid, self.groups = grid, groups
+        self.beside = tuple((tuple(s), t, g) for s, t, g in beside)
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.tp_group, self.tp_size = tp_group, tp_size
         self.scatter_gather = scatter_gather and tp_size > 1
@@ -47,7 +55,7 @@ class StageP2P:
             raise ValueError(f"scatter/gather needs the stage boundary ({numel} elements) divisible by tp={tp_size}")
         self.numel = numel
         self.pending: list[tuple] = []   # (work handle, tensor kept alive until the send completes)
-        self.inbox: dict = {}            # Message -> (receive buffer, work handle), until a compute takes it
+        self.inbox: dict = {}            # Message -> [(receive buffer, work handle)], until a compute takes it
 
     # -- public ------------------------------------------------------------------------------------------
     def post(self, post: Post, outbox: dict) -> None:
@@ -59,25 +67,32 @@ class StageP2P:
         group = self.groups[transfer.group]
         tag = ACTIVATION_TAG if transfer.message.kind == ACT else GRADIENT_TAG
         peer = self.grid.stage_to_global(transfer.peer)
+        act = transfer.message.kind == ACT
         if transfer.op == "send":
-            tensor = self._payload(outbox.pop(transfer.message))
-            self.pending.append((dist.isend(tensor, peer, group=group, tag=tag), tensor))
+            tensors = self._payloads(outbox.pop(transfer.message), act)
+            self.pending += [(dist.isend(t, peer, group=group, tag=tag), t) for t in tensors]
             return
         if transfer.message in self.inbox:
             raise RuntimeError(f"{transfer.message} received twice in one step")
-        buffer = torch.empty(self._part(), dtype=self.dtype, device=self.device)
-        self.inbox[transfer.message] = (buffer, dist.irecv(buffer, peer, group=group, tag=tag))
+        buffers = [torch.empty(self._part(), dtype=self.dtype, device=self.device)]
+        buffers += [torch.empty(s, dtype=t, device=self.device) for s, t, grad in self.beside if act or grad]
+        self.inbox[transfer.message] = [(b, dist.irecv(b, peer, group=group, tag=tag)) for b in buffers]
 
-    def take(self, message: Message) -> torch.Tensor:
-        """The received ``message``, waited for (and all-gathered over TP with scatter/gather)."""
-        buffer, work = self.inbox.pop(message)
-        work.wait()
+    def take(self, message: Message):
+        """The received ``message``, waited for (and all-gathered over TP with scatter/gather): a tensor, or
+        with ``beside`` a tuple (see the module docstring); activations require a gradient."""
+        received = self.inbox.pop(message)
+        for _, work in received:
+            work.wait()
+        buffer = received[0][0]
         if self.scatter_gather:
             full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             dist.all_gather(list(full.chunk(self.tp_size)), buffer, group=self.tp_group)
             buffer = full
-        tensor = buffer.view(self.shape)
-        return tensor.requires_grad_() if message.kind == ACT else tensor
+        tensors = [buffer.view(self.shape)] + [b for b, _ in received[1:]]
+        if message.kind == ACT:
+            tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+        return tensors[0] if not self.beside else tuple(tensors)
 
     def wait_sends(self) -> None:
         if self.inbox:
@@ -89,6 +104,21 @@ class StageP2P:
     # -- the wire ---------------------------------------------------------------------------------------
     def _part(self) -> int:
         return self.numel // self.tp_size if self.scatter_gather else self.numel
+
+    def _payloads(self, made, act: bool) -> list:
+        """The tensors on the wire for a stage output (``act``) or input gradient ``made``."""
+        if not self.beside:
+            return [self._payload(made)]
+        specs = [spec for spec in self.beside if act or spec[2]]
+        if not isinstance(made, (tuple, list)) or len(made) != 1 + len(specs):
+            raise RuntimeError(f"stage boundary should be a tensor and {len(specs)} beside it, got {type(made)}")
+        out = [self._payload(made[0])]
+        for tensor, (shape, dtype, _) in zip(made[1:], specs):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise RuntimeError(f"a tensor beside the stage boundary is {tuple(tensor.shape)} {tensor.dtype}, "
+                                   f"expected {shape} {dtype}")
+            out.append(tensor.detach().contiguous())
+        return out
 
     def _payload(self, tensor: torch.Tensor) -> torch.Tensor:
         if tuple(tensor.shape) != self.shape:

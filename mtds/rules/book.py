@@ -75,8 +75,8 @@ RULES: tuple[Rule, ...] = (
          "mtds's own engines and DualPipeV outside the DeepSpeed range they are built on", kind=NOT_BUILT),
     Rule("expert-parallel-zero", experts.expert_parallel_zero, "--expert-model-parallel-size, ZeRO stage, "
          "precision", "expert parallelism with ZeRO-3, or in 16 bits at ZeRO-0", kind=NOT_BUILT),
-    Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, --pipeline-schedule, document resets",
-         "MoE on a pipeline other than 1f1b training, or with document resets",
+    Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, document resets",
+         "MoE training on a pipeline with document resets",
          kind=NOT_BUILT),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
     Rule("async-save-needs-save", checkpoint.async_save_needs_save, "--async-save, --save",

@@ -50,14 +50,13 @@ def expert_parallel_zero(job: Job) -> str | None:
 
 def moe_pipeline(job: Job) -> str | None:
     """transformers' aux loss pools the expert counts of every MoE block of the forward (mtds.model.aux_loss):
-    on a pipeline they travel with the activations, as a tuple, which only DeepSpeed's 1F1B engine sends.
-    Evaluation (mtds-eval) carries no statistics (its loss is the LM loss): one tensor, at any p."""
+    on a pipeline they travel with the activations, as a tuple, on every schedule (mtds.pipe.p2p sends the
+    tensors beside the activation on interleaved and zb-h1; DeepSpeed's 1F1B and DualPipeV engines send tuples).
+    The packed-document ids would be a second passenger, not built. Evaluation (mtds-eval) carries no
+    statistics (its loss is the LM loss): one tensor, at any p."""
     if not job.model.num_experts or job.pp == 1 or job.purpose == EVAL:
         return None
     p = job.pp
-    if job.pipeline_schedule != "1f1b":
-        return f"MoE models with --pp {p} need --pipeline-schedule 1f1b: the router statistics travel beside " \
-               f"the activation, and this schedule sends one tensor between stages"
     if job.documents:
         return f"MoE models with --pp {p} and packed-document resets (--reset-position-ids, " \
                f"--reset-attention-mask) are not built: both travel beside the activation; use --pp 1 or leave " \

@@ -1,0 +1,54 @@
+"""MoE models with expert parallelism on the pipeline schedules beyond 1F1B: the router statistics travel
+beside the activation (mtds.model.router_carry) on mtds's own engine (interleaved v = 2, zb-h1: mtds.pipe.p2p
+sends them as their own transfers) and on DeepSpeed's DualPipeV engine (which sends tuples), so transformers'
+pooled load-balancing loss is the same sums as under 1F1B. Checked against 1F1B at the same layout, in one
+pooled 4-rank body: Mixtral (every block MoE) and Qwen3-MoE (blocks 3-4 dense: some virtual stages carry the
+statistics through without adding any), (1,2,2) E = 2, fp32 ZeRO-1, 10 clipped AdamW steps.
+
+Tolerance 1e-6 relative on losses and pre-clip grad norms: the same sums in the same order per parameter, but
+the global norm's squares are added in another order when a rank holds other layers (interleaved, DualPipeV),
+and DualPipeV's tied embedding accumulates its two uses in one buffer (tests/test_pipe_parity.py measures
+these at ulps); a wrong aux term moves the loss by ~1e-3 (coefficient 0.02)."""
+import dataclasses
+
+from tests.training_helpers import ds_config, max_rel_diff, run_layouts, train_config
+
+TOL = 1e-6
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
+# m = 8 / (1 x d 2) = 4 micro-batches per step: DualPipeV's minimum at p = 2
+BATCH = dict(train_batch_size=8, train_micro_batch_size_per_gpu=1)
+
+
+def _models():
+    from tests.test_moe import _qwen3_moe_four_blocks, _training_model
+    mixtral = dataclasses.replace(_training_model("mixtral"), num_layers=4)
+    return {"mixtral": mixtral, "qwen3_moe": _qwen3_moe_four_blocks()}
+
+
+def _config(model, schedule):
+    from tests.test_moe import TRAIN_LR
+    return train_config(model=model, pp=2, expert_model_parallel_size=2, pipeline_schedule=schedule,
+                        virtual_stages=2 if schedule == "interleaved" else 1, pipeline_balance="uniform",
+                        seq_length=16, lr=TRAIN_LR, min_lr=TRAIN_LR / 10,
+                        deepspeed_config=ds_config(zero=1, **BATCH))
+
+
+def test_moe_on_every_schedule_equals_1f1b():
+    models = _models()
+    configs = [_config(model, schedule) for model in models.values() for schedule in SCHEDULES]
+    per_rank = run_layouts(4, configs)
+    results = per_rank[0]       # rank 0: the loss stage of DualPipeV; every rank reports the same numbers
+    for rank in per_rank:
+        for got, want in zip(rank, results):
+            assert got.grad_norms == want.grad_norms, "the clipping norm differs across ranks"
+    for k, name in enumerate(models):
+        runs = dict(zip(SCHEDULES, results[k * len(SCHEDULES):(k + 1) * len(SCHEDULES)]))
+        base = runs["1f1b"]
+        assert base.layout == "(tp=1, pp=2, dp=2, ep=2)" and len(base.losses) == 10, base
+        for schedule in SCHEDULES[1:]:
+            got = runs[schedule]
+            loss, norm = max_rel_diff(got.losses, base.losses), max_rel_diff(got.grad_norms, base.grad_norms)
+            assert loss < TOL and norm < TOL, \
+                f"{name} {schedule} vs 1f1b: max rel diff loss {loss:.1e} norm {norm:.1e}\n{got.losses}\n" \
+                f"{base.losses}\n{got.grad_norms}\n{base.grad_norms}"
+            print(f"{name} {schedule} vs 1f1b: loss {loss:.1e} norm {norm:.1e}")
