@@ -298,6 +298,46 @@ def test_four_ranks(tmp_path):
     assert max_rel_diff(got.losses, results[2].losses) > 1e-4, (got.losses, results[2].losses)
 
 
+def _moe_block_cp2(z_coef: float = 0.1) -> float:
+    """One Qwen3-MoE block (aux coefficient 1, z-loss ``z_coef``) at c = 2 against c = 1 on the same weights:
+    the statistics (the aux and z terms of the whole sequence), this rank's output, and the gradients as the
+    d·c mean takes them (each rank's output term weighed c, as its LM loss is: the input's gradient / c, the
+    weights' summed over the pair / c). Largest relative difference."""
+    import torch.distributed as dist
+    from mtds.cp.context import ContextParallel
+    from mtds.model.aux_loss import collect_aux_loss
+    from mtds.model.moe import MoEBlock
+    from tests.test_moe import _training_model as moe_model
+    group, c = dist.group.WORLD, dist.get_world_size()
+    ctx = ContextParallel(group, c, dist.get_rank())
+    cfg = dataclasses.replace(moe_model("qwen3_moe"), router_aux_loss_coef=1.0, moe_z_loss_coeff=z_coef)
+    torch.manual_seed(0)
+    whole, split = MoEBlock(cfg).train(), MoEBlock(cfg, cp_group=group).train()
+    with torch.no_grad():
+        whole.router.weight.mul_(25)      # O(1) logits
+    split.load_state_dict(whole.state_dict())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 16, cfg.hidden_size, generator=g, requires_grad=True)
+    w = torch.randn(2, 16, cfg.hidden_size, generator=g)
+    y = whole(x)
+    terms = collect_aux_loss([whole], 1.0, True, z_coef)
+    (y.mul(w).sum() + terms).backward()
+    xs = ctx.split(x.detach()).requires_grad_()
+    ys = split(xs)
+    split_terms = collect_aux_loss([split], 1.0, True, z_coef)
+    (c * ys.mul(ctx.split(w)).sum() + split_terms).backward()
+    worst = max(_rel(split_terms.detach(), terms.detach()), _rel(ys, ctx.split(y.detach())),
+                _rel(xs.grad / c, ctx.split(x.grad)))
+    for p, q in zip(split.parameters(), whole.parameters()):
+        dist.all_reduce(p.grad, group=group)
+        worst = max(worst, _rel(p.grad / c, q.grad))
+    return worst
+
+
+def _cp_body(configs, bias_runs):
+    return _moe_block_cp2(), *_runs_recording_biases(configs, bias_runs)
+
+
 def test_context_parallel_two_ranks():
     """MoE models at c = 2 (d = 1) against transformers, 10 clipped AdamW steps fp32, loss and pre-clip grad norm
     within 1e-5 (the ring's and the all-to-all's sums in another order; measured ~2e-7): Qwen3-MoE with the aux
@@ -306,7 +346,8 @@ def test_context_parallel_two_ranks():
     Ulysses, and over the ring with its 8 experts split over the pair (e = 2: expert parallelism folds over
     d·c, the context-parallel peers exchange tokens) and the aux-loss-free bias update, whose loads are the
     whole sequence's: losses and norms as transformers updated by hand, and the biases after every step bit for
-    bit on both ranks."""
+    bit on both ranks. Before them, one Qwen3-MoE block with the aux loss and the router z-loss at c = 2 against
+    c = 1 (value, output, gradients within 1e-5)."""
     from tests.dist import spawn
     from tests.test_moe import _training_model as moe_model
     from tests.training_helpers import ds_config, max_rel_diff, train_config
@@ -319,7 +360,11 @@ def test_context_parallel_two_ranks():
                train_config(model=deepseek, context_parallel_size=2, expert_model_parallel_size=2,
                             deepspeed_config=ds_config(zero=1), moe_router_enable_expert_bias=True,
                             moe_router_bias_update_rate=BIAS_RATE, **lr)]
-    per_rank = spawn(_runs_recording_biases, 2, configs, [3], timeout=600)
+    per_rank = spawn(_cp_body, 2, configs, [3], timeout=600)
+    block = max(r[0] for r in per_rank)
+    print(f"one MoE block with aux and z-loss, c = 2 against 1: max rel diff {block:.1e}")
+    assert block < REL_TOL, block
+    per_rank = [r[1:] for r in per_rank]
     results = per_rank[-1][0]
     assert [r.layout for r in results] == ["(tp=1, pp=1, dp=1, cp=2)"] * 3 + ["(tp=1, pp=1, dp=1, cp=2, ep=2)"]
     _parity(results[:3], [("qwen3_moe", qwen)] * 2 + [("deepseek_v3", deepseek)], "c = 2 p2p, a2a; a2a")
