@@ -56,8 +56,6 @@ ZERO12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 M, A = (), None   # a method without arguments; an attribute
 
 CAPABILITIES = (
-    Capability("compile DeepSpeed's decorated functions at their first call", (
-        Target("deepspeed.runtime.compiler", "compile", M),)),
     Capability("build a pipeline engine as deepspeed.initialize does", (
         Target("deepspeed.runtime.zero.partition_parameters", "shutdown_init_context", M),
         Target("deepspeed.runtime.zero.partition_parameters", "restore_init_context", M),

@@ -5,7 +5,8 @@ rank at start-up, for functions a run without Muon never calls. :func:`defer_com
 decorator compile at the function's first call instead: the same compiled function, later. Decorators already
 applied (modules imported before) are left as they are.
 
-Checked against DeepSpeed 0.19.8 (``compile()`` returning ``torch.compile``).
+Checked against DeepSpeed 0.19.8 (``compile()`` returning ``torch.compile``). Not a capability: where a
+DeepSpeed lacks ``compiler.compile`` nothing is deferred and nothing else changes.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def defer_compile_decorators() -> None:
     """Replace ``deepspeed.runtime.compiler.compile`` (idempotent)."""
     import torch
     from deepspeed.runtime import compiler
-    if getattr(compiler.compile, "mtds_deferred", False) or not hasattr(torch, "compile"):
+    current = getattr(compiler, "compile", None)
+    if current is None or getattr(current, "mtds_deferred", False) or not hasattr(torch, "compile"):
         return
     compiler.compile = _deferred(torch.compile)
