@@ -40,7 +40,14 @@ CASES["deepseek_v3"] = lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK},
 CASES["deepseek_v3_plain"] = lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK}, q_lora_rank=None, n_group=1,
                                                           topk_group=1, first_k_dense_replace=0,
                                                           rope_interleave=False, norm_topk_prob=False)
-SEEDS = {"qwen2_moe": 2, "deepseek_v3": 0, "deepseek_v3_plain": 0}
+# every block MoE; blocks alternate sliding (window 4 < seq 16) and full attention; sinks; biases on attention,
+# router and experts; a clamp of 0.5 that bites on the experts' O(1) pre-activations; YaRN
+_GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+CASES["gpt_oss"] = lambda T: T.GptOssConfig(**_shape(num_local_experts=4, head_dim=16, sliding_window=4,
+                                                     swiglu_limit=0.5, router_aux_loss_coef=0.02),
+                                            rope_parameters=_GPT_OSS_YARN)
+SEEDS = {"qwen2_moe": 2, "deepseek_v3": 0, "deepseek_v3_plain": 0, "gpt_oss": 2}
 BIAS = "e_score_correction_bias"
 
 
@@ -235,6 +242,10 @@ def test_four_ranks(tmp_path):
                                  deepspeed_config=ds_config(zero=0), **lr),
                     train_config(model=cfg, tp=2, pp=2, sequence_parallel=True, **lr)]
     deepseek = models[1][1]
+    # GPT-OSS at one layout: sinks split with the heads, expert biases split with the experts (e = 2) and over TP
+    gpt_oss = _training_model("gpt_oss")
+    configs.append(train_config(model=gpt_oss, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
+                                deepspeed_config=ds_config(zero=0), **lr))
     # without --sequence-parallel: latent attention's replicated down-projections on the replicated input
     configs.append(train_config(model=deepseek, tp=2, expert_model_parallel_size=2,
                                 deepspeed_config=ds_config(zero=1), moe_router_enable_expert_bias=True,
@@ -243,7 +254,7 @@ def test_four_ranks(tmp_path):
     # resumed at step 5: the biases come back from the checkpoint (a persistent buffer of the module's state)
     configs.append(dataclasses.replace(configs[-1], save=None, load=str(tmp_path / "ck" / "global_step5")))
     hf_dirs = {}
-    for name in names:
+    for name in names + ["gpt_oss"]:
         hf_dirs[name] = str(tmp_path / name)
         _hf(name).save_pretrained(hf_dirs[name])
     per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 2, len(configs) - 1], timeout=600)
@@ -251,6 +262,8 @@ def test_four_ranks(tmp_path):
     print("logits at (2,1,2) e = 2, max rel diff:", logits, "latent attention c = 2 vs 1 (v head dim):", cp)
     assert [r.layout for r in results[:4]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names)
     _parity(results[:4], [m for m in models for _ in range(2)], "(2,1,2)e2+sp (2,2,1)+sp")
+    assert results[4].layout == "(tp=2, pp=1, dp=2, ep=2)"
+    _parity(results[4:5], [("gpt_oss", gpt_oss)], "(2,1,2)e2+sp")
     # the bias update: the same losses and norms as transformers trained with the update by hand, and after every
     # step the same biases, bit for bit, on every rank and in the reference (integer loads, the same signs)
     ref, history = _reference_with_bias_update(deepseek, BIAS_RATE)

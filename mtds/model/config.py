@@ -18,9 +18,12 @@ from mtds.rules.job import ModelFacts
 
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+# quick_geglu: GLU with quick_gelu, gate·sigmoid(1.702·gate) (GPT-OSS's experts; Megatron-core's name)
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu", "quick_geglu")
+GLU_ACTIVATIONS = ("swiglu", "quick_geglu")
+SOFTMAX_TYPES = ("vanilla", "learnable")
 ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe",
-                 "qwen2_moe", "deepseek_v3")
+                 "qwen2_moe", "deepseek_v3", "gpt_oss")
 # RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
@@ -53,6 +56,8 @@ class ModelConfig:
     out_proj_bias: bool | None = None        # bias of the attention out-proj; None -> same as linear_bias
     qk_norm: bool = False                    # Qwen3: a norm over each head's q and k (head_dim weights) before RoPE
     sliding_window: int | None = None        # Mistral: a query sees only the last sliding_window keys; None -> all
+    window_attn_skip_freq: int | None = None  # GPT-OSS: every N-th block (1-based) attends fully, the rest slide
+    softmax_type: str = "vanilla"            # "learnable": a learned logit per head in every softmax's sum (sinks)
     parallel_residual: bool = False          # NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     tie_word_embeddings: bool = True
     hidden_dropout: float = 0.0
@@ -91,6 +96,10 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0            # router z-loss weight (--moe-z-loss-coeff)
     moe_expert_capacity_factor: float | None = None   # None: dropless (--moe-expert-capacity-factor)
     moe_token_drop_policy: str = "probs"     # which assignments past the capacity drop: probs | position
+    # GPT-OSS's experts (Megatron-core's names): (clamp(up) + offset) · act(clamp(gate)), the gate clamped above,
+    # up on both sides; with linear_bias the experts and the router carry biases (Megatron's add_bias_linear)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings",
@@ -123,6 +132,7 @@ class ModelConfig:
         object.__setattr__(self, "rope_scaling_params", _frozen_params(self.rope_scaling_params))
         _check_moe(self)
         _check_mla(self)
+        _check_gpt_oss(self)
         if self.rope_scaling is not None:
             _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
             if self.position_embedding != "rotary":
@@ -191,6 +201,16 @@ class ModelConfig:
                           attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
                           sliding_window=self.sliding_window)
 
+    def attention_window(self, layer_number: int) -> int | None:
+        """The sliding window of block ``layer_number`` (1..L), None where it attends fully."""
+        if self.window_attn_skip_freq is not None and layer_number % self.window_attn_skip_freq == 0:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_sinks(self) -> bool:
+        return self.softmax_type == "learnable"
+
     @property
     def rotary_dim(self) -> int:
         if self.multi_latent_attention:     # the decoupled RoPE dims of each head
@@ -241,7 +261,8 @@ def _check_moe(cfg: ModelConfig) -> None:
                              "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
                              "moe_router_group_topk", "moe_router_topk_scaling_factor",
                              "moe_router_bias_update_rate",
-                             "moe_expert_capacity_factor", "moe_token_drop_policy")
+                             "moe_expert_capacity_factor", "moe_token_drop_policy", "glu_linear_offset",
+                             "activation_func_clamp_value")
                  if getattr(cfg, f) != dense[f].default]
         if moved:
             raise ValueError(f"MoE fields {moved} set on a dense model (num_experts = 0)")
@@ -287,12 +308,34 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ValueError(f"moe_router_bias_update_rate must be >= 0, got {cfg.moe_router_bias_update_rate}")
     if cfg.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got {cfg.moe_token_drop_policy!r}")
-    if cfg.activation != "swiglu" or cfg.linear_bias:
-        raise ValueError("experts are built as SwiGLU without biases (Mixtral, Qwen3-MoE): "
-                         f"activation={cfg.activation!r} linear_bias={cfg.linear_bias} is not")
+    if cfg.activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"experts are built as gated MLPs ({', '.join(GLU_ACTIVATIONS)}): "
+                         f"activation={cfg.activation!r} is not")
+    dense_blocks = [i for i in range(1, cfg.num_layers + 1) if not cfg.is_moe_layer(i)]
+    if dense_blocks and (cfg.activation != "swiglu" or cfg.activation_func_clamp_value is not None
+                         or cfg.glu_linear_offset):
+        raise ValueError(f"activation {cfg.activation!r} with its clamp and offset is built for the experts only "
+                         f"(GPT-OSS): blocks {dense_blocks} are dense")
+    clamp = cfg.activation_func_clamp_value
+    if clamp is not None and not (isinstance(clamp, (int, float)) and 0 < clamp < float("inf")):
+        raise ValueError(f"activation_func_clamp_value must be a positive finite number or None, got {clamp!r}")
+    if cfg.linear_bias and cfg.moe_shared_expert_intermediate_size is not None:
+        raise ValueError("expert biases (linear_bias) with a shared expert are not built")
     if not any(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1)):
         raise ValueError(f"num_experts {cfg.num_experts} but no block is MoE (decoder_sparse_step "
                          f"{cfg.decoder_sparse_step}, mlp_only_layers {list(cfg.mlp_only_layers)})")
+
+
+def _check_gpt_oss(cfg: ModelConfig) -> None:
+    """Attention sinks and alternating windows: valid values, and a window where the alternation asks for one."""
+    _check_choice("softmax_type", cfg.softmax_type, SOFTMAX_TYPES)
+    freq = cfg.window_attn_skip_freq
+    if freq is not None and (not isinstance(freq, int) or isinstance(freq, bool) or freq < 2
+                             or cfg.sliding_window is None):
+        raise ValueError(f"window_attn_skip_freq {freq!r} must be an int >= 2 with a sliding_window (every N-th "
+                         f"block attends fully, the others slide)")
+    if cfg.multi_latent_attention and cfg.attention_sinks:
+        raise ValueError("attention sinks (softmax_type 'learnable') with multi_latent_attention are not built")
 
 
 def _check_mla(cfg: ModelConfig) -> None:

@@ -54,6 +54,8 @@ class MoEBlock(nn.Module):
         self.router = TopKRouter(cfg)
         if self.sequence_parallel:
             mark_sequence_parallel(self.router.weight)
+            if self.router.bias is not None:
+                mark_sequence_parallel(self.router.bias)
         self.experts = TensorParallelExperts(cfg, tp_group=tp_group, ep_group=ep_group)
         self.dispatcher = LocalDispatcher(cfg.num_experts) if ep_group is None else \
             AllToAllDispatcher(cfg.num_experts, ep_group)
@@ -96,7 +98,8 @@ class MoEBlock(nn.Module):
     def _forward_sequence_slices(self, hidden: torch.Tensor) -> torch.Tensor:
         b, s_local, h = hidden.shape
         group = self.group
-        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group), batch=b)
+        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group), batch=b,
+                            bias=shared_by_sequence_shards(self.router.bias, group))
         if self.training:
             self.stats = _summed_over_slices(RouterStats.of(local), group)
         local = local.dispatched(self.router.weight.shape[0])   # each slice's capacity drops, as Megatron's
