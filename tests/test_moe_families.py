@@ -1,6 +1,8 @@
 """The MoE families beyond Mixtral / Qwen3-MoE (docs/moe.md) against transformers, fp32: Qwen2-MoE (a shared
-expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts) and DeepSeek-V3 (multi-head latent
-attention; sigmoid routing with the expert bias, groups, scaling; shared experts; dense first blocks). Per family:
+expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts), DeepSeek-V3 (multi-head latent
+attention; sigmoid routing with the expert bias, groups, scaling; shared experts; dense first blocks) and GPT-OSS
+(attention sinks, alternating windows, biases on attention, router and experts, the clamped quick-GeGLU; its
+4-rank part: logits at t = 2, e = 2 and training at (2,1,2) e = 2 with --sequence-parallel only). Per family:
 evaluation logits, the training loss (LM + aux) and every gradient in one process; the export round trip bit for
 bit (also through mtds-convert at t = 2, p = 2); and one pooled 4-rank body: logits at t = 2 with e = 2 from
 transformers' files, then 10 clipped AdamW steps against transformers (loss and pre-clip grad norm within 1e-5)
@@ -319,6 +321,12 @@ def test_shared_expert_flops_and_width_rule():
     (lambda T: {"model_type": "deepseek_v32"}, ("'deepseek_v32'", "sparse attention indexer")),
     (lambda T: T.Qwen2MoeConfig(**_shape(num_experts=4, use_sliding_window=True, sliding_window=8)),
      ("qwen2_moe", "use_sliding_window")),
+    (lambda T: {**CASES["gpt_oss"](T).to_dict(), "quantization_config": {"quant_method": "mxfp4"}},
+     ("quantization_config 'mxfp4'", "dequantize")),
+    (lambda T: {**CASES["gpt_oss"](T).to_dict(), "swiglu_alpha": 1.0}, ("swiglu_alpha 1.0",)),
+    (lambda T: {**CASES["gpt_oss"](T).to_dict(), "num_hidden_layers": 3,
+                "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+     ("layer_types", "every N-th block full")),
 ])
 def test_unbuilt_configs_are_refused(config, needles):
     """What these families' configs may ask for that mtds does not compute: one line naming it."""

@@ -51,6 +51,10 @@ EQUIVALENTS = {
                       "routed_scaling_factor, e_score_correction_bias; docs/moe.md)"
        for flag in ("--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
                     "--moe-router-topk-scaling-factor")},
+    **{flag: _MODEL + "; GPT-OSS's attention sinks, alternating windows and clamped quick-GeGLU experts come from "
+                      "its HF config (sinks, layer_types, sliding_window, swiglu_limit; docs/moe.md)"
+       for flag in ("--softmax-type", "--window-size", "--window-attn-skip-freq", "--glu-linear-offset",
+                    "--activation-func-clamp-value", "--quick-geglu")},
     "--moe-router-load-balancing-type": "mtds adds transformers' load-balancing loss (router_aux_loss_coef of the HF "
                                         "config; none for DeepSeek-V3, which balances by --moe-router-enable-expert-"
                                         "bias); Megatron's seq_aux_loss is not built (docs/moe.md)",
