@@ -50,6 +50,45 @@ def test_z_loss_matches_by_hand_on_transformers_logits(tmp_path):
         assert abs(float(model(ids, labels)) - float(lm)) / float(lm) < 1e-5
 
 
+SEQ_COEF = 0.1
+
+
+def test_seq_aux_loss_matches_by_hand_on_transformers_logits(tmp_path):
+    """--moe-router-load-balancing-type seq_aux_loss (Megatron-core's sequence_load_balancing_loss_func) in place
+    of transformers' aux term: C · Σ_blocks mean_sequences Σ_e f_e P_e, f_e = the sequence's top-k assignments
+    to e · E / (s k), P_e = e's softmax probability averaged over the sequence, written here from transformers'
+    own router logits ([b·s, E], sequence-major) and added to transformers' LM loss: mtds's training loss equals
+    it and every gradient equals autograd's of it (1e-5 relative)."""
+    import torch.nn.functional as F
+    from mtds.model import GPTModel
+    from mtds.hf import load_hf_into_model
+    hf, cfg, _ = _imported("mixtral", tmp_path / "hf")
+    cfg = dataclasses.replace(cfg, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=SEQ_COEF)
+    model = GPTModel(cfg)
+    load_hf_into_model(model, str(tmp_path / "hf"))
+    ids, labels = _ids()
+    hf.train(), model.train()
+    out = hf(ids, output_router_logits=True)
+    b, s = ids.shape
+    E, k = cfg.num_experts, cfg.moe_top_k
+    seq = 0
+    for logits in out.router_logits:
+        probs = torch.softmax(logits.float(), dim=-1).view(b, s, E)
+        chosen = torch.zeros(b, s, E).scatter_(2, probs.topk(k, dim=-1).indices, 1.0)
+        seq = seq + (chosen.sum(dim=1) * E / (s * k) * probs.mean(dim=1)).sum(dim=-1).mean()
+    lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), ids[:, 1:].reshape(-1))
+    want = lm + SEQ_COEF * seq
+    assert SEQ_COEF * seq > 0.01 * lm, (float(seq.detach()), float(lm.detach()))      # the term is there to see
+    loss = model(ids, labels)
+    got = float(loss.detach())
+    assert abs(got - float(want.detach())) / float(want.detach()) < 1e-5, (got, float(want.detach()))
+    want.backward()
+    loss.backward()
+    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
+    worst = max(_rel(ours[name], theirs[name]) for name in theirs)
+    assert worst < 1e-5, worst
+
+
 def test_hf_reference_refuses_the_router_options():
     """The HF reference (the suite's and gpucheck's parity loop) is transformers' dropless model without a
     z-loss: asked for either option it stops in one line instead of comparing against another model."""
@@ -57,7 +96,8 @@ def test_hf_reference_refuses_the_router_options():
 
     from mtds.gpucheck.hf_reference import hf_with_mtds_weights
     cfg = _training_model("mixtral")
-    for kw in (dict(moe_z_loss_coeff=1e-3), dict(moe_expert_capacity_factor=1.25)):
+    for kw in (dict(moe_z_loss_coeff=1e-3), dict(moe_expert_capacity_factor=1.25),
+               dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2)):
         with pytest.raises(ValueError) as err:
             hf_with_mtds_weights(dataclasses.replace(cfg, **kw), 0)
         assert "\n" not in str(err.value) and "dropless" in str(err.value)

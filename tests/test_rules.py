@@ -31,6 +31,8 @@ RULE_CASES = {
     "grid": (Job(DENSE, 1, tp=2, pp=2), "world size 1 is not divisible by tp*pp = 2*2 = 4"),
     "router-flags": (Job(DENSE, 1, moe_capacity=True),
                      "--moe-expert-capacity-factor needs a mixture-of-experts model"),
+    "seq-aux-loss": (Job(MOE, 2, pp=2, moe_seq_aux=True),
+                     "--moe-router-load-balancing-type seq_aux_loss with --pp 2 is not built yet"),
     "model-shards": (Job(DENSE, 3, tp=3), "tensor parallel size 3 does not divide the 4 attention heads: "
                                           "choose --tp from 1, 2, 4"),
     "experts-split": (Job(dataclasses.replace(MOE, num_experts=3), 2, ep=2),

@@ -33,10 +33,10 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
     qkv = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
     out_proj = ["weight", "bias"] if cfg.has_out_proj_bias else ["weight"]
     qk_norm = [f"attention.{x}_norm.{n}" for x in "qk" for n in norm] if cfg.qk_norm else []
+    # the sinks are the attention module's own parameter: listed before its submodules' (parameters() order)
     sinks = ["attention.sinks"] if cfg.attention_sinks else []
-    attention = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
-                 + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + sinks
-                 + [f"post_attention_norm.{n}" for n in norm])
+    attention = ([f"input_norm.{n}" for n in norm] + sinks + [f"attention.qkv.{n}" for n in qkv]
+                 + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm])
     if cfg.multi_latent_attention:                                        # mtds.model.latent_attention
         mla = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
         mla += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]

@@ -96,6 +96,10 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0            # router z-loss weight (--moe-z-loss-coeff)
     moe_expert_capacity_factor: float | None = None   # None: dropless (--moe-expert-capacity-factor)
     moe_token_drop_policy: str = "probs"     # which assignments past the capacity drop: probs | position
+    # aux_loss: transformers' load-balancing loss x router_aux_loss_coef; seq_aux_loss: Megatron-core's per-sequence
+    # one x moe_aux_loss_coeff instead (--moe-router-load-balancing-type, --moe-aux-loss-coeff; mtds.model.aux_loss)
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
     # GPT-OSS's experts (Megatron-core's names): (clamp(up) + offset) · act(clamp(gate)), the gate clamped above,
     # up on both sides; with linear_bias the experts and the router carry biases (Megatron's add_bias_linear)
     glu_linear_offset: float = 0.0
@@ -262,7 +266,7 @@ def _check_moe(cfg: ModelConfig) -> None:
                              "moe_router_group_topk", "moe_router_topk_scaling_factor",
                              "moe_router_bias_update_rate",
                              "moe_expert_capacity_factor", "moe_token_drop_policy", "glu_linear_offset",
-                             "activation_func_clamp_value")
+                             "activation_func_clamp_value", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
                  if getattr(cfg, f) != dense[f].default]
         if moved:
             raise ValueError(f"MoE fields {moved} set on a dense model (num_experts = 0)")
@@ -306,6 +310,13 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ValueError("moe_router_bias_update_rate needs moe_router_enable_expert_bias")
     if not cfg.moe_router_bias_update_rate >= 0:
         raise ValueError(f"moe_router_bias_update_rate must be >= 0, got {cfg.moe_router_bias_update_rate}")
+    if cfg.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss"):
+        raise ValueError(f"moe_router_load_balancing_type must be aux_loss or seq_aux_loss, got "
+                         f"{cfg.moe_router_load_balancing_type!r}")
+    seq_aux = cfg.moe_router_load_balancing_type == "seq_aux_loss"
+    if not cfg.moe_aux_loss_coeff >= 0 or (cfg.moe_aux_loss_coeff and not seq_aux):
+        raise ValueError(f"moe_aux_loss_coeff {cfg.moe_aux_loss_coeff} must be >= 0, and is read with "
+                         f"moe_router_load_balancing_type seq_aux_loss only")
     if cfg.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got {cfg.moe_token_drop_policy!r}")
     if cfg.activation not in GLU_ACTIVATIONS:
@@ -380,7 +391,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 # Fields that describe training, not the weights: a checkpoint or HF config may differ in them.
 NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std", "router_aux_loss_coef", "moe_z_loss_coeff",
-               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_bias_update_rate")
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_bias_update_rate",
+               "moe_router_load_balancing_type", "moe_aux_loss_coeff")
 
 
 def differing_weight_fields(expected: ModelConfig, found: ModelConfig) -> list[str]:
