@@ -190,18 +190,22 @@ def test_capacity_block_against_dropless():
     assert _rel(got, want) < 1e-6, _rel(got, want)
 
 
-def _sp_z_value(group):
+def _sp_z_value(group, **cfg_kw):
     """The z-loss value of one block under sequence parallelism (each rank routes its slice) against t = 1:
-    the mean over the whole sequence on every rank, not over this rank's slice (relative difference)."""
+    the mean over the whole sequence on every rank, not over this rank's slice (relative difference); with
+    ``cfg_kw`` seq_aux_loss, that block's seq_aux_loss value the same way."""
     import torch.distributed as dist
+    from mtds.model.aux_loss import sequence_aux_loss
     from mtds.model.moe import MoEBlock
-    cfg = dataclasses.replace(_training_model("qwen3_moe"), moe_z_loss_coeff=Z_COEF)
+    cfg = dataclasses.replace(_training_model("qwen3_moe"), moe_z_loss_coeff=Z_COEF, **cfg_kw)
     torch.manual_seed(0)
     dense, split = MoEBlock(cfg).train(), MoEBlock(cfg, tp_group=group, sequence_parallel=True).train()
     with torch.no_grad():
         split.router.weight.copy_(dense.router.weight.mul_(25))   # O(1) logits
     x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     dense(x), split(x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous())
+    if cfg_kw:
+        return _rel(sequence_aux_loss(split.stats).detach(), sequence_aux_loss(dense.stats).detach())
     return _rel(split.stats.z_mean().detach(), dense.stats.z_mean().detach())
 
 
@@ -209,8 +213,10 @@ def _two_rank_body(configs):
     import torch.distributed as dist
     from mtds.training import run
     from tests.test_moe import _block_against_t1
+    seq = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=SEQ_COEF)
     sp = max(_block_against_t1("qwen3_moe", dist.group.WORLD, True, moe_z_loss_coeff=Z_COEF),
-             _sp_z_value(dist.group.WORLD))
+             _sp_z_value(dist.group.WORLD),
+             _block_against_t1("qwen3_moe", dist.group.WORLD, True, **seq), _sp_z_value(dist.group.WORLD, **seq))
     return sp, [run(cfg) for cfg in configs]
 
 
@@ -221,7 +227,8 @@ def test_router_options_across_layouts(tmp_path):
     micro-batches are (1,1,1)'s, as test_moe's parity shows): losses and pre-clip grad norms within 1e-6;
     the logged moe_z_loss equal too. Before them, in the same 2-rank body: one Qwen3-MoE block at t = 2 with
     --sequence-parallel against t = 1 with the z-loss in the loss (each rank's slice: the mean over the whole
-    sequence), output, every gradient and the block's z-loss value within 1e-5."""
+    sequence), output, every gradient and the block's z-loss value within 1e-5; the same with seq_aux_loss in
+    place of transformers' term (each sequence's sums over the slices)."""
     import json
 
     from tests.dist import spawn
