@@ -339,8 +339,9 @@ def _block_against_t1(name, group, sequence_parallel, **cfg_kw):
     outs = []
     for layer_, inp, weights in ((dense, x, w), (split, x_split.contiguous(), w_split)):
         y = layer_(inp)
+        seq = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "seq_aux_loss" else None
         loss = y.mul(weights).sum() + collect_aux_loss(moe_blocks(layer_), cfg.router_aux_loss_coef, True,
-                                                       cfg.moe_z_loss_coeff)
+                                                       cfg.moe_z_loss_coeff, seq)
         loss.backward()
         outs.append(y)
     want = outs[0].chunk(t, dim=1)[rank] if sequence_parallel else outs[0]

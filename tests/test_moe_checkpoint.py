@@ -427,7 +427,7 @@ def _split_over_tp(tag: str, root: str, t: int = 2) -> None:
     from mtds.checkpoint.meta import CheckpointMeta
     from mtds.checkpoint.names import parse
     from mtds.checkpoint.safe_load import safe_load
-    from mtds.checkpoint.shard_spec import shard
+    from mtds.checkpoint.shard_spec import layer_names, shard
     cfg, staging = _training_model("mixtral"), os.path.join(root, "staging")
     module = safe_load(mp_rank_file(tag, 0))["module"]
     os.makedirs(staging)
@@ -435,11 +435,12 @@ def _split_over_tp(tag: str, root: str, t: int = 2) -> None:
         torch.save({"module": {k: shard(cfg, *parse(cfg, k), v, t, r).clone() for k, v in module.items()}},
                    mp_rank_file(staging, r))
     blocks = [i for i in range(1, cfg.num_layers + 1) if cfg.is_moe_layer(i)]
+    names = layer_names(cfg)      # the stacked tensors this model has (GPT-OSS's expert biases too)
     for g in range(cfg.num_experts):
         state = safe_load(expert_file(tag, g, 0))
         for r in range(t):     # shard_spec splits the stacked [E, ...] tensor: expert g's slice alone as [1, ...]
             torch.save({file_key(cfg, i, n, g): shard(cfg, i, n, state[file_key(cfg, i, n, g)][None], t, r)[0].clone()
-                        for i in blocks for n in STACKED}, expert_file(staging, g, r))
+                        for i in blocks for n in STACKED if n in names[i]}, expert_file(staging, g, r))
     write_manifest(staging, 0, describe_files(staging, sorted(os.listdir(staging))))
     commit(root, os.path.basename(tag), staging, Marker(step=STEPS, world_size=1),
            dataclasses.replace(CheckpointMeta.load(tag), tp=t))

@@ -1,6 +1,8 @@
 """The MoE families beyond Mixtral / Qwen3-MoE (docs/moe.md) against transformers, fp32: Qwen2-MoE (a shared
-expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts) and DeepSeek-V3 (multi-head latent
-attention; sigmoid routing with the expert bias, groups, scaling; shared experts; dense first blocks). Per family:
+expert scaled by sigmoid(shared_expert_gate(x)) beside the routed experts), DeepSeek-V3 (multi-head latent
+attention; sigmoid routing with the expert bias, groups, scaling; shared experts; dense first blocks) and GPT-OSS
+(attention sinks, alternating windows, biases on attention, router and experts, the clamped quick-GeGLU; its
+4-rank part: logits at t = 2, e = 2 and training at (2,1,2) e = 2 with --sequence-parallel only). Per family:
 evaluation logits, the training loss (LM + aux) and every gradient in one process; the export round trip bit for
 bit (also through mtds-convert at t = 2, p = 2); and one pooled 4-rank body: logits at t = 2 with e = 2 from
 transformers' files, then 10 clipped AdamW steps against transformers (loss and pre-clip grad norm within 1e-5)
@@ -43,7 +45,14 @@ CASES["deepseek_v3"] = lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK},
 CASES["deepseek_v3_plain"] = lambda T: T.DeepseekV3Config(**{**_shape(), **_DEEPSEEK}, q_lora_rank=None, n_group=1,
                                                           topk_group=1, first_k_dense_replace=0,
                                                           rope_interleave=False, norm_topk_prob=False)
-SEEDS = {"qwen2_moe": 2, "deepseek_v3": 0, "deepseek_v3_plain": 0}
+# every block MoE; blocks alternate sliding (window 4 < seq 16) and full attention; sinks; biases on attention,
+# router and experts; a clamp of 0.5 that bites on the experts' O(1) pre-activations; YaRN
+_GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+CASES["gpt_oss"] = lambda T: T.GptOssConfig(**_shape(num_local_experts=4, head_dim=16, sliding_window=4,
+                                                     swiglu_limit=0.5, router_aux_loss_coef=0.02),
+                                            rope_parameters=_GPT_OSS_YARN)
+SEEDS = {"qwen2_moe": 2, "deepseek_v3": 0, "deepseek_v3_plain": 0, "gpt_oss": 2}
 BIAS = "e_score_correction_bias"
 
 
@@ -249,6 +258,10 @@ def test_four_ranks(tmp_path):
     from tests.test_moe import _training_model as moe_model
     configs.append(train_config(model=moe_model("qwen3_moe"), tp=2, sequence_parallel=True, context_parallel_size=2,
                                 expert_model_parallel_size=2, deepspeed_config=ds_config(zero=1), **lr))
+    # GPT-OSS at one layout: sinks split with the heads, expert biases split with the experts (e = 2) and over TP
+    gpt_oss = _training_model("gpt_oss")
+    configs.append(train_config(model=gpt_oss, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
+                                deepspeed_config=ds_config(zero=0), **lr))
     # without --sequence-parallel: latent attention's replicated down-projections on the replicated input
     configs.append(train_config(model=deepseek, tp=2, expert_model_parallel_size=2,
                                 deepspeed_config=ds_config(zero=1), moe_router_enable_expert_bias=True,
@@ -257,16 +270,16 @@ def test_four_ranks(tmp_path):
     # resumed at step 5: the biases come back from the checkpoint (a persistent buffer of the module's state)
     configs.append(dataclasses.replace(configs[-1], save=None, load=str(tmp_path / "ck" / "global_step5")))
     hf_dirs = {}
-    for name in names:
+    for name in names + ["gpt_oss"]:
         hf_dirs[name] = str(tmp_path / name)
         _hf(name).save_pretrained(hf_dirs[name])
     per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 2, len(configs) - 1], timeout=600)
     (logits, cp), results, _ = per_rank[-1]
     print("logits at (2,1,2) e = 2, max rel diff:", logits, "latent attention c = 2 vs 1 (v head dim):", cp)
-    assert [r.layout for r in results[:5]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names) + \
-        ["(tp=2, pp=1, dp=1, cp=2, ep=2)"]
-    _parity(results[:5], [m for m in models for _ in range(2)] + [("qwen3_moe", configs[4].model)],
-            "(2,1,2)e2+sp (2,2,1)+sp; (2,1,1)c2e2+sp")
+    assert [r.layout for r in results[:6]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names) + \
+        ["(tp=2, pp=1, dp=1, cp=2, ep=2)", "(tp=2, pp=1, dp=2, ep=2)"]
+    _parity(results[:6], [m for m in models for _ in range(2)] + [("qwen3_moe", configs[4].model), ("gpt_oss", gpt_oss)],
+            "(2,1,2)e2+sp (2,2,1)+sp; (2,1,1)c2e2+sp; gpt_oss (2,1,2)e2+sp")
     # the bias update: the same losses and norms as transformers trained with the update by hand, and after every
     # step the same biases, bit for bit, on every rank and in the reference (integer loads, the same signs)
     ref, history = _reference_with_bias_update(deepseek, BIAS_RATE)
@@ -403,6 +416,12 @@ def test_shared_expert_flops_and_width_rule():
     (lambda T: {"model_type": "deepseek_v32"}, ("'deepseek_v32'", "sparse attention indexer")),
     (lambda T: T.Qwen2MoeConfig(**_shape(num_experts=4, use_sliding_window=True, sliding_window=8)),
      ("qwen2_moe", "use_sliding_window")),
+    (lambda T: {**CASES["gpt_oss"](T).to_dict(), "quantization_config": {"quant_method": "mxfp4"}},
+     ("quantization_config 'mxfp4'", "dequantize")),
+    (lambda T: {**CASES["gpt_oss"](T).to_dict(), "swiglu_alpha": 1.0}, ("swiglu_alpha 1.0",)),
+    (lambda T: {**CASES["gpt_oss"](T).to_dict(), "num_hidden_layers": 3,
+                "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+     ("layer_types", "every N-th block full")),
 ])
 def test_unbuilt_configs_are_refused(config, needles):
     """What these families' configs may ask for that mtds does not compute: one line naming it."""

@@ -50,6 +50,45 @@ def test_z_loss_matches_by_hand_on_transformers_logits(tmp_path):
         assert abs(float(model(ids, labels)) - float(lm)) / float(lm) < 1e-5
 
 
+SEQ_COEF = 0.1
+
+
+def test_seq_aux_loss_matches_by_hand_on_transformers_logits(tmp_path):
+    """--moe-router-load-balancing-type seq_aux_loss (Megatron-core's sequence_load_balancing_loss_func) in place
+    of transformers' aux term: C · Σ_blocks mean_sequences Σ_e f_e P_e, f_e = the sequence's top-k assignments
+    to e · E / (s k), P_e = e's softmax probability averaged over the sequence, written here from transformers'
+    own router logits ([b·s, E], sequence-major) and added to transformers' LM loss: mtds's training loss equals
+    it and every gradient equals autograd's of it (1e-5 relative)."""
+    import torch.nn.functional as F
+    from mtds.model import GPTModel
+    from mtds.hf import load_hf_into_model
+    hf, cfg, _ = _imported("mixtral", tmp_path / "hf")
+    cfg = dataclasses.replace(cfg, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=SEQ_COEF)
+    model = GPTModel(cfg)
+    load_hf_into_model(model, str(tmp_path / "hf"))
+    ids, labels = _ids()
+    hf.train(), model.train()
+    out = hf(ids, output_router_logits=True)
+    b, s = ids.shape
+    E, k = cfg.num_experts, cfg.moe_top_k
+    seq = 0
+    for logits in out.router_logits:
+        probs = torch.softmax(logits.float(), dim=-1).view(b, s, E)
+        chosen = torch.zeros(b, s, E).scatter_(2, probs.topk(k, dim=-1).indices, 1.0)
+        seq = seq + (chosen.sum(dim=1) * E / (s * k) * probs.mean(dim=1)).sum(dim=-1).mean()
+    lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), ids[:, 1:].reshape(-1))
+    want = lm + SEQ_COEF * seq
+    assert SEQ_COEF * seq > 0.01 * lm, (float(seq.detach()), float(lm.detach()))      # the term is there to see
+    loss = model(ids, labels)
+    got = float(loss.detach())
+    assert abs(got - float(want.detach())) / float(want.detach()) < 1e-5, (got, float(want.detach()))
+    want.backward()
+    loss.backward()
+    ours, theirs = grads_in_hf_names(model, cfg, hf, tmp_path / "grads")
+    worst = max(_rel(ours[name], theirs[name]) for name in theirs)
+    assert worst < 1e-5, worst
+
+
 def test_hf_reference_refuses_the_router_options():
     """The HF reference (the suite's and gpucheck's parity loop) is transformers' dropless model without a
     z-loss: asked for either option it stops in one line instead of comparing against another model."""
@@ -57,7 +96,8 @@ def test_hf_reference_refuses_the_router_options():
 
     from mtds.gpucheck.hf_reference import hf_with_mtds_weights
     cfg = _training_model("mixtral")
-    for kw in (dict(moe_z_loss_coeff=1e-3), dict(moe_expert_capacity_factor=1.25)):
+    for kw in (dict(moe_z_loss_coeff=1e-3), dict(moe_expert_capacity_factor=1.25),
+               dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2)):
         with pytest.raises(ValueError) as err:
             hf_with_mtds_weights(dataclasses.replace(cfg, **kw), 0)
         assert "\n" not in str(err.value) and "dropless" in str(err.value)
@@ -150,18 +190,22 @@ def test_capacity_block_against_dropless():
     assert _rel(got, want) < 1e-6, _rel(got, want)
 
 
-def _sp_z_value(group):
+def _sp_z_value(group, **cfg_kw):
     """The z-loss value of one block under sequence parallelism (each rank routes its slice) against t = 1:
-    the mean over the whole sequence on every rank, not over this rank's slice (relative difference)."""
+    the mean over the whole sequence on every rank, not over this rank's slice (relative difference); with
+    ``cfg_kw`` seq_aux_loss, that block's seq_aux_loss value the same way."""
     import torch.distributed as dist
+    from mtds.model.aux_loss import sequence_aux_loss
     from mtds.model.moe import MoEBlock
-    cfg = dataclasses.replace(_training_model("qwen3_moe"), moe_z_loss_coeff=Z_COEF)
+    cfg = dataclasses.replace(_training_model("qwen3_moe"), moe_z_loss_coeff=Z_COEF, **cfg_kw)
     torch.manual_seed(0)
     dense, split = MoEBlock(cfg).train(), MoEBlock(cfg, tp_group=group, sequence_parallel=True).train()
     with torch.no_grad():
         split.router.weight.copy_(dense.router.weight.mul_(25))   # O(1) logits
     x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     dense(x), split(x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous())
+    if cfg_kw:
+        return _rel(sequence_aux_loss(split.stats).detach(), sequence_aux_loss(dense.stats).detach())
     return _rel(split.stats.z_mean().detach(), dense.stats.z_mean().detach())
 
 
@@ -169,8 +213,10 @@ def _two_rank_body(configs):
     import torch.distributed as dist
     from mtds.training import run
     from tests.test_moe import _block_against_t1
+    seq = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=SEQ_COEF)
     sp = max(_block_against_t1("qwen3_moe", dist.group.WORLD, True, moe_z_loss_coeff=Z_COEF),
-             _sp_z_value(dist.group.WORLD))
+             _sp_z_value(dist.group.WORLD),
+             _block_against_t1("qwen3_moe", dist.group.WORLD, True, **seq), _sp_z_value(dist.group.WORLD, **seq))
     return sp, [run(cfg) for cfg in configs]
 
 
@@ -181,7 +227,8 @@ def test_router_options_across_layouts(tmp_path):
     micro-batches are (1,1,1)'s, as test_moe's parity shows): losses and pre-clip grad norms within 1e-6;
     the logged moe_z_loss equal too. Before them, in the same 2-rank body: one Qwen3-MoE block at t = 2 with
     --sequence-parallel against t = 1 with the z-loss in the loss (each rank's slice: the mean over the whole
-    sequence), output, every gradient and the block's z-loss value within 1e-5."""
+    sequence), output, every gradient and the block's z-loss value within 1e-5; the same with seq_aux_loss in
+    place of transformers' term (each sequence's sums over the slices)."""
     import json
 
     from tests.dist import spawn

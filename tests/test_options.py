@@ -21,6 +21,7 @@ OUT_OF_RANGE = {
     "context_parallel_size": (["--context-parallel-size", "0"], "--cp must be >= 1, got 0"),
     "expert_model_parallel_size": (["--expert-model-parallel-size", "0"], "--ep must be >= 1, got 0"),
     "moe_z_loss_coeff": (["--moe-z-loss-coeff", "-0.1"], "--moe-z-loss-coeff must be >= 0, got -0.1"),
+    "moe_aux_loss_coeff": (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be >= 0, got -1.0"),
     "moe_router_bias_update_rate": (["--moe-router-bias-update-rate", "-1"],
                                     "--moe-router-bias-update-rate must be >= 0, got -1.0"),
     "moe_expert_capacity_factor": (["--moe-expert-capacity-factor", "0"],

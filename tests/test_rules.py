@@ -31,6 +31,8 @@ RULE_CASES = {
     "grid": (Job(DENSE, 1, tp=2, pp=2), "world size 1 is not divisible by tp*pp = 2*2 = 4"),
     "router-flags": (Job(DENSE, 1, moe_capacity=True),
                      "--moe-expert-capacity-factor needs a mixture-of-experts model"),
+    "seq-aux-loss": (Job(MOE, 2, pp=2, moe_seq_aux=True),
+                     "--moe-router-load-balancing-type seq_aux_loss with --pp 2 is not built yet"),
     "model-shards": (Job(DENSE, 3, tp=3), "tensor parallel size 3 does not divide the 4 attention heads: "
                                           "choose --tp from 1, 2, 4"),
     "experts-split": (Job(dataclasses.replace(MOE, num_experts=3), 2, ep=2),
@@ -103,7 +105,10 @@ def test_moe_with_context_parallelism():
                       (Job(MOE, 2, cp=2, purpose=rules.EVAL), "mtds-eval of a mixture-of-experts model with --cp 2"),
                       (Job(MOE, 2, cp=2, moe_capacity=True), "--moe-expert-capacity-factor with --cp 2 is not "
                                                                  "built"),
-                      (Job(MOE, 6, cp=3, ep=4), "--expert-model-parallel-size 4 does not divide d·c = 2·3 = 6")):
+                      (Job(MOE, 6, cp=3, ep=4), "--expert-model-parallel-size 4 does not divide d·c = 2·3 = 6"),
+                      (Job(dataclasses.replace(MOE, attention_sinks=True), 2, cp=2), "attention sinks (GPT-OSS) with "
+                                                                                     "--cp 2 are not built"),
+                      (Job(MOE, 2, cp=2, moe_seq_aux=True), "seq_aux_loss with --cp 2 is not built yet")):
         assert [p.message for p in rules.problems(job)] and line in rules.problems(job)[0].message, (job, line)
 
 

@@ -24,7 +24,8 @@ from mtds.checkpoint.names import pipeline_name, sequential_name, TIED_PREFIX
 from mtds.deepspeed_compat.expert_checkpoint import EXPERT_GROUPS, expert_key
 from mtds.model.config import ModelConfig
 
-STACKED = ("mlp.experts.gate_up", "mlp.experts.down")     # mtds.model.experts: [E, ...] per MoE block
+# mtds.model.experts: [E, ...] per MoE block (the biases: GPT-OSS's)
+STACKED = ("mlp.experts.gate_up", "mlp.experts.down", "mlp.experts.gate_up_bias", "mlp.experts.down_bias")
 
 
 def expert_files(tag_dir: str, cfg: ModelConfig, mp_ranks: Iterable[int]) -> list[str]:

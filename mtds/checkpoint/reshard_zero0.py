@@ -65,6 +65,8 @@ def deepspeed_split_keys(cfg: ModelConfig, name: str, split: Split) -> dict:
             # [E, 2F, h], gate|up per expert: the loader views the tensor after slicing the rank's E/e experts
             # (mtds.deepspeed_compat.expert_universal), so the expert count is left to the view (-1)
             shape = (-1, split.segments, cfg.hidden_size)
+        elif name == "mlp.experts.gate_up_bias":
+            shape = (-1, split.segments)
         else:
             shape = (split.segments, *((cfg.hidden_size,) if name.endswith(".weight") else ()))
         return {SUB_PARAM_SHAPE: SubparamShape(patterns=[name], shape=shape, partition_dim=split.dim)}

@@ -33,7 +33,9 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
     qkv = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
     out_proj = ["weight", "bias"] if cfg.has_out_proj_bias else ["weight"]
     qk_norm = [f"attention.{x}_norm.{n}" for x in "qk" for n in norm] if cfg.qk_norm else []
-    attention = ([f"input_norm.{n}" for n in norm] + [f"attention.qkv.{n}" for n in qkv]
+    # the sinks are the attention module's own parameter: listed before its submodules' (parameters() order)
+    sinks = ["attention.sinks"] if cfg.attention_sinks else []
+    attention = ([f"input_norm.{n}" for n in norm] + sinks + [f"attention.qkv.{n}" for n in qkv]
                  + [f"attention.out_proj.{n}" for n in out_proj] + qk_norm + [f"post_attention_norm.{n}" for n in norm])
     if cfg.multi_latent_attention:                                        # mtds.model.latent_attention
         mla = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
@@ -43,6 +45,9 @@ def layer_names(cfg: ModelConfig) -> dict[int, list[str]]:
     moe = ["mlp.router.weight", "mlp.experts.gate_up", "mlp.experts.down"]   # mtds.model.moe
     if cfg.moe_router_enable_expert_bias:     # a persistent fp32 buffer, in the module's state like a weight
         moe.insert(1, "mlp.router.e_score_correction_bias")
+    if cfg.linear_bias:                       # GPT-OSS's router and expert biases
+        moe = ["mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up", "mlp.experts.down",
+               "mlp.experts.gate_up_bias", "mlp.experts.down_bias"]
     if cfg.moe_shared_expert_intermediate_size is not None:               # mtds.model.shared_expert
         moe += ["mlp.shared_expert.fc_in.weight", "mlp.shared_expert.fc_out.weight"]
         moe += ["mlp.shared_expert.gate"] if cfg.moe_shared_expert_gate else []
@@ -64,7 +69,12 @@ def split_of(cfg: ModelConfig, layer: int, name: str) -> Split:
         return Split(0, vocab=True)
     if layer == L + 1 or "norm" in name or name.endswith(("out_proj.bias", "fc_out.bias")):
         return REPLICATED
-    if name in ("attention.q_proj.weight", "attention.q_b_proj.weight", "attention.kv_b_proj.weight"):
+    if name in ("mlp.router.bias", "mlp.experts.down_bias"):
+        return REPLICATED                 # the down bias is added once, after the experts' TP all-reduce
+    if name == "mlp.experts.gate_up_bias":    # [E, 2F]: split like gate_up's rows
+        return Split(1, (cfg.moe_ffn_size, cfg.moe_ffn_size))
+    if name in ("attention.q_proj.weight", "attention.q_b_proj.weight", "attention.kv_b_proj.weight",
+                "attention.sinks"):
         return Split(0)                   # latent attention's per-head up-projections (heads split over TP)
     if name == "attention.o_proj.weight":
         return Split(1)

@@ -39,11 +39,12 @@ def hf_with_mtds_weights(cfg, seed: int):
 
     from mtds.hf import hf_config_from_model_config, model_to_hf_state
     from mtds.model import GPTModel
-    if cfg.moe_z_loss_coeff or cfg.moe_expert_capacity_factor is not None:
+    if cfg.moe_z_loss_coeff or cfg.moe_expert_capacity_factor is not None or \
+            cfg.moe_router_load_balancing_type != "aux_loss":
         # Megatron-core's router options (docs/moe.md) are not in transformers' model: no reference to compare
-        raise ValueError("the HF reference is transformers' dropless MoE without a router z-loss: compare "
-                         "runs with --moe-z-loss-coeff / --moe-expert-capacity-factor against mtds layouts, "
-                         "not against it")
+        raise ValueError("the HF reference is transformers' dropless MoE without a router z-loss and with its own "
+                         "aux loss: compare runs with --moe-z-loss-coeff / --moe-expert-capacity-factor / "
+                         "--moe-router-load-balancing-type seq_aux_loss against mtds layouts, not against it")
     state = model_to_hf_state(GPTModel(cfg, seed=seed))
     if cfg.num_experts:
         return _moe_from_disk(cfg, state)

@@ -65,9 +65,22 @@ SHARED_EXPERT_KEYS = {"qwen2_moe": ("mlp.shared_expert.", "mlp.shared_expert_gat
                       "deepseek_v3": ("mlp.shared_experts.", None)}
 
 
+def fused_moe_rows(i: int, p: str) -> list[WeightMap]:
+    """GPT-OSS's block: the router's weight and bias, and the experts as transformers' 3-D tensors (gate and up
+    interleaved on gate_up_proj's last dim, [E, in, out]) with their biases."""
+    return [WeightMap(i, "mlp.router.weight", (p + "mlp.router.weight",)),
+            WeightMap(i, "mlp.router.bias", (p + "mlp.router.bias",)),
+            WeightMap(i, "mlp.experts.gate_up", (p + "mlp.experts.gate_up_proj",), "interleaved_glu"),
+            WeightMap(i, "mlp.experts.down", (p + "mlp.experts.down_proj",), "transpose"),
+            WeightMap(i, "mlp.experts.gate_up_bias", (p + "mlp.experts.gate_up_proj_bias",), "interleaved_glu"),
+            WeightMap(i, "mlp.experts.down_bias", (p + "mlp.experts.down_proj_bias",))]
+
+
 def moe_rows(cfg: ModelConfig, i: int, p: str) -> list[WeightMap]:
     """An MoE block's rows: the router, and every expert's 2-D tensors stacked into mtds's [E, ...] ones
     (mtds.model.experts): gate|up concatenated per expert, down as is."""
+    if cfg.architecture == "gpt_oss":
+        return fused_moe_rows(i, p)
     router, expert, gate, up, down = MOE_KEYS[cfg.architecture]
     experts = [p + expert.format(e=e) for e in range(cfg.num_experts)]
     ffn = cfg.moe_ffn_size
@@ -118,6 +131,8 @@ def weight_table(cfg: ModelConfig) -> list[WeightMap]:
                  for s in suffixes(cfg.has_out_proj_bias)]
         if cfg.qk_norm:
             rows += [WeightMap(i, f"attention.{x}_norm.weight", (p + f"self_attn.{x}_norm.weight",)) for x in "qk"]
+        if cfg.attention_sinks:
+            rows.append(WeightMap(i, "attention.sinks", (p + "self_attn.sinks",)))
         if cfg.is_moe_layer(i):
             rows += moe_rows(cfg, i, p)
             continue

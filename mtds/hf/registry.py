@@ -1,7 +1,7 @@
 """Registry of per-architecture adapters and the architecture-agnostic entry points that dispatch to them.
 
-Each adapter module (gpt2, neox, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, deepseek_v3)
-provides MODEL_TYPE, HF_ARCHITECTURE, BASE_PREFIX, IGNORED_KEYS, KEY_ALIASES, config_from_hf(dict), config_to_hf(cfg) and weight_table(cfg).
+Each adapter module (gpt2, neox, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, deepseek_v3,
+gpt_oss) provides MODEL_TYPE, HF_ARCHITECTURE, BASE_PREFIX, IGNORED_KEYS, KEY_ALIASES, config_from_hf(dict), config_to_hf(cfg) and weight_table(cfg).
 """
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 
 from mtds.model.config import ModelConfig
 
-from mtds.hf import deepseek_v3, gpt2, llama, mistral, mixtral, neox, qwen2, qwen2_moe, qwen3, qwen3_moe
+from mtds.hf import deepseek_v3, gpt2, gpt_oss, llama, mistral, mixtral, neox, qwen2, qwen2_moe, qwen3, qwen3_moe
 from mtds.hf.common import UnsupportedHFConfig
 from mtds.hf.table import WeightMap, table_to_hf, table_to_layers
 
 ADAPTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, neox, llama, qwen2, qwen3, mistral, mixtral,
-                                                               qwen3_moe, qwen2_moe, deepseek_v3)}
+                                                               qwen3_moe, qwen2_moe, deepseek_v3, gpt_oss)}
 
 # Families users ask for, and what about them a Llama-shaped mtds layer does not compute (docs/hf_interop.md).
 _NOT_YET = {"gemma": "embeddings scaled by sqrt(hidden_size), RMSNorm as (1 + weight), GeGLU MLP",
@@ -26,8 +26,6 @@ _NOT_YET = {"gemma": "embeddings scaled by sqrt(hidden_size), RMSNorm as (1 + we
             "gemma3_text": "Gemma 2's, plus q/k norm and a RoPE base per layer type",
             "phi": "attention and MLP in parallel from one LayerNorm, partial rotary, a biased LM head",
             "phi3": "fused qkv_proj / gate_up_proj and longrope scaling",
-            "gpt_oss": "attention sinks, alternating sliding windows, experts with biases and a clamped SwiGLU, a "
-                       "router with a bias (docs/moe.md)",
             "deepseek_v32": "DeepSeek-V3.2's sparse attention indexer is not built (DeepSeek-V3's attention is: "
                             "deepseek_v3)"}
 

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-TRANSFORMS = ("copy", "transpose", "neox_qkv", "concat", "experts")
+TRANSFORMS = ("copy", "transpose", "neox_qkv", "concat", "experts", "interleaved_glu")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class WeightMap:
     def to_ours(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.transform == "copy":
             return tensors[0]
-        if self.transform == "transpose":        # GPT-2 Conv1D stores [in, out]
-            return tensors[0].t().contiguous()
+        if self.transform == "transpose":        # GPT-2 Conv1D stores [in, out]; GPT-OSS's experts [E, in, out]
+            return tensors[0].transpose(-2, -1).contiguous()
         if self.transform == "neox_qkv":          # HF rows are [head, (q,k,v), head_dim]; ours [(q,k,v), head, d]
             w = tensors[0]
             return w.reshape(self.heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()
@@ -36,13 +36,17 @@ class WeightMap:
         if self.transform == "experts":           # per-expert 2-D keys (e0 pieces, e1 pieces, ...) -> [E, ...]
             n = len(self.sizes)
             return torch.stack([torch.cat(tensors[i:i + n], dim=0) for i in range(0, len(tensors), n)])
+        if self.transform == "interleaved_glu":   # GPT-OSS: gate, up interleaved on the last dim ([E, h, 2F] or
+            w = tensors[0]                        # [E, 2F]) -> [gate | up], weights as [E, 2F, h]
+            w = torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1)
+            return (w.transpose(1, 2) if w.dim() == 3 else w).contiguous()
         raise ValueError(f"unknown transform {self.transform!r}; known: {', '.join(TRANSFORMS)}")
 
     def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         if self.transform == "copy":
             return [tensor]
         if self.transform == "transpose":
-            return [tensor.t().contiguous()]
+            return [tensor.transpose(-2, -1).contiguous()]
         if self.transform == "neox_qkv":
             w = tensor
             return [w.reshape(3, self.heads, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()]
@@ -50,6 +54,10 @@ class WeightMap:
             return [p.contiguous() for p in tensor.split(list(self.sizes), dim=0)]
         if self.transform == "experts":
             return [p.contiguous() for expert in tensor for p in expert.split(list(self.sizes), dim=0)]
+        if self.transform == "interleaved_glu":
+            w = tensor.transpose(1, 2) if tensor.dim() == 3 else tensor
+            gate, up = w.chunk(2, dim=-1)
+            return [torch.stack([gate, up], dim=-1).flatten(-2).contiguous()]
         raise ValueError(f"unknown transform {self.transform!r}; known: {', '.join(TRANSFORMS)}")
 
 

@@ -23,6 +23,7 @@ from mtds.cp import cp_attention
 from mtds.cp.context import ContextParallel
 from mtds.model.config import ModelConfig
 from mtds.tp import ColumnParallelLinear, RowParallelLinear, checkpoint
+from mtds.tp.layers import sharded_parameter
 
 from mtds.model.documents import DocumentMasking, document_mask, document_positions, enabled
 from mtds.model.init import normal_init, output_init
@@ -30,12 +31,13 @@ from mtds.model.norms import make_norm
 from mtds.model.parallel import check_tensor_parallel
 from mtds.model.rotary import apply_rotary, rotary_cos_sin
 from mtds.model.sliding_window import window_bites, window_mask
+from mtds.model.attention_sinks import sink_attention
 
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group=None, rng_tracker=None, sequence_parallel: bool = False,
                  recompute_core: bool = False, documents: DocumentMasking | None = None,
-                 context: ContextParallel | None = None):
+                 context: ContextParallel | None = None, layer_number: int | None = None):
         super().__init__()
         t, _ = check_tensor_parallel(cfg, tp_group)
         self.cfg, self.rng_tracker, self.recompute_core = cfg, rng_tracker, recompute_core
@@ -56,6 +58,15 @@ class SelfAttention(nn.Module):
             heads_group = tp_group if t > 1 else None
             self.q_norm = make_norm(cfg, heads_group, size=d)
             self.k_norm = make_norm(cfg, heads_group, size=d)
+        # GPT-OSS: alternating windows (cfg.attention_window) and a learned sink logit per head, split with the
+        # heads over TP; drawn last, so the projections' init is the same with or without them
+        self.window = cfg.sliding_window if layer_number is None else cfg.attention_window(layer_number)
+        self.sinks = None
+        if cfg.attention_sinks:
+            if context is not None:     # refused before here (mtds.rules.context: MoE models under --cp)
+                raise ValueError("attention sinks with context parallelism are not built")
+            self.sinks = sharded_parameter((cfg.num_heads,), 0, tp_group, normal_init(cfg.init_std), None, None,
+                                           None)
         self._rotary_cache: dict = {}
 
     def _rotary(self, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +121,13 @@ class SelfAttention(nn.Module):
         # sdpa's enable_gqa does without copying K and V per query head.
         gqa = self.local_kv_heads != self.local_heads
         mask = document_mask(segments) if docs is not None and docs.reset_attention_mask else None
-        if window_bites(self.cfg.sliding_window, s):   # [s, s] broadcasts over batch and heads
-            window = window_mask(self.cfg.sliding_window, s, qkv.device)
+        if window_bites(self.window, s):   # [s, s] broadcasts over batch and heads
+            window = window_mask(self.window, s, qkv.device)
             mask = window if mask is None else mask & window
+        if self.sinks is not None:
+            with forked:
+                out = sink_attention(q, k, v, self.sinks, mask, p)
+            return out.transpose(1, 2).reshape(b, s, self.local_heads * d)
         with forked:   # a block-diagonal and/or sliding-window causal mask, or plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                  enable_gqa=gqa)

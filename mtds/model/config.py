@@ -18,9 +18,12 @@ from mtds.rules.job import ModelFacts
 
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+# quick_geglu: GLU with quick_gelu, gate·sigmoid(1.702·gate) (GPT-OSS's experts; Megatron-core's name)
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu", "quick_geglu")
+GLU_ACTIVATIONS = ("swiglu", "quick_geglu")
+SOFTMAX_TYPES = ("vanilla", "learnable")
 ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe",
-                 "qwen2_moe", "deepseek_v3")
+                 "qwen2_moe", "deepseek_v3", "gpt_oss")
 # RoPE frequency schemes for training (transformers' names); "dynamic" rescales per sequence at inference: not here.
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # The parameters each scheme needs (transformers' keys); the rest of rope_scaling_params are optional.
@@ -53,6 +56,8 @@ class ModelConfig:
     out_proj_bias: bool | None = None        # bias of the attention out-proj; None -> same as linear_bias
     qk_norm: bool = False                    # Qwen3: a norm over each head's q and k (head_dim weights) before RoPE
     sliding_window: int | None = None        # Mistral: a query sees only the last sliding_window keys; None -> all
+    window_attn_skip_freq: int | None = None  # GPT-OSS: every N-th block (1-based) attends fully, the rest slide
+    softmax_type: str = "vanilla"            # "learnable": a learned logit per head in every softmax's sum (sinks)
     parallel_residual: bool = False          # NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     tie_word_embeddings: bool = True
     hidden_dropout: float = 0.0
@@ -91,6 +96,14 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0            # router z-loss weight (--moe-z-loss-coeff)
     moe_expert_capacity_factor: float | None = None   # None: dropless (--moe-expert-capacity-factor)
     moe_token_drop_policy: str = "probs"     # which assignments past the capacity drop: probs | position
+    # aux_loss: transformers' load-balancing loss x router_aux_loss_coef; seq_aux_loss: Megatron-core's per-sequence
+    # one x moe_aux_loss_coeff instead (--moe-router-load-balancing-type, --moe-aux-loss-coeff; mtds.model.aux_loss)
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    # GPT-OSS's experts (Megatron-core's names): (clamp(up) + offset) · act(clamp(gate)), the gate clamped above,
+    # up on both sides; with linear_bias the experts and the router carry biases (Megatron's add_bias_linear)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings",
@@ -123,6 +136,7 @@ class ModelConfig:
         object.__setattr__(self, "rope_scaling_params", _frozen_params(self.rope_scaling_params))
         _check_moe(self)
         _check_mla(self)
+        _check_gpt_oss(self)
         if self.rope_scaling is not None:
             _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
             if self.position_embedding != "rotary":
@@ -187,9 +201,19 @@ class ModelConfig:
                           moe_blocks=tuple(i for i in range(self.num_layers) if self.is_moe_layer(i + 1)),
                           shared_expert_ffn_size=self.moe_shared_expert_intermediate_size or 0,
                           expert_bias=self.moe_router_enable_expert_bias,
-                          latent_attention=self.multi_latent_attention,
+                          latent_attention=self.multi_latent_attention, attention_sinks=self.attention_sinks,
                           attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
                           sliding_window=self.sliding_window)
+
+    def attention_window(self, layer_number: int) -> int | None:
+        """The sliding window of block ``layer_number`` (1..L), None where it attends fully."""
+        if self.window_attn_skip_freq is not None and layer_number % self.window_attn_skip_freq == 0:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_sinks(self) -> bool:
+        return self.softmax_type == "learnable"
 
     @property
     def rotary_dim(self) -> int:
@@ -241,7 +265,8 @@ def _check_moe(cfg: ModelConfig) -> None:
                              "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
                              "moe_router_group_topk", "moe_router_topk_scaling_factor",
                              "moe_router_bias_update_rate",
-                             "moe_expert_capacity_factor", "moe_token_drop_policy")
+                             "moe_expert_capacity_factor", "moe_token_drop_policy", "glu_linear_offset",
+                             "activation_func_clamp_value", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
                  if getattr(cfg, f) != dense[f].default]
         if moved:
             raise ValueError(f"MoE fields {moved} set on a dense model (num_experts = 0)")
@@ -285,14 +310,43 @@ def _check_moe(cfg: ModelConfig) -> None:
         raise ValueError("moe_router_bias_update_rate needs moe_router_enable_expert_bias")
     if not cfg.moe_router_bias_update_rate >= 0:
         raise ValueError(f"moe_router_bias_update_rate must be >= 0, got {cfg.moe_router_bias_update_rate}")
+    if cfg.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss"):
+        raise ValueError(f"moe_router_load_balancing_type must be aux_loss or seq_aux_loss, got "
+                         f"{cfg.moe_router_load_balancing_type!r}")
+    seq_aux = cfg.moe_router_load_balancing_type == "seq_aux_loss"
+    if not cfg.moe_aux_loss_coeff >= 0 or (cfg.moe_aux_loss_coeff and not seq_aux):
+        raise ValueError(f"moe_aux_loss_coeff {cfg.moe_aux_loss_coeff} must be >= 0, and is read with "
+                         f"moe_router_load_balancing_type seq_aux_loss only")
     if cfg.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got {cfg.moe_token_drop_policy!r}")
-    if cfg.activation != "swiglu" or cfg.linear_bias:
-        raise ValueError("experts are built as SwiGLU without biases (Mixtral, Qwen3-MoE): "
-                         f"activation={cfg.activation!r} linear_bias={cfg.linear_bias} is not")
+    if cfg.activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"experts are built as gated MLPs ({', '.join(GLU_ACTIVATIONS)}): "
+                         f"activation={cfg.activation!r} is not")
+    dense_blocks = [i for i in range(1, cfg.num_layers + 1) if not cfg.is_moe_layer(i)]
+    if dense_blocks and (cfg.activation != "swiglu" or cfg.activation_func_clamp_value is not None
+                         or cfg.glu_linear_offset):
+        raise ValueError(f"activation {cfg.activation!r} with its clamp and offset is built for the experts only "
+                         f"(GPT-OSS): blocks {dense_blocks} are dense")
+    clamp = cfg.activation_func_clamp_value
+    if clamp is not None and not (isinstance(clamp, (int, float)) and 0 < clamp < float("inf")):
+        raise ValueError(f"activation_func_clamp_value must be a positive finite number or None, got {clamp!r}")
+    if cfg.linear_bias and cfg.moe_shared_expert_intermediate_size is not None:
+        raise ValueError("expert biases (linear_bias) with a shared expert are not built")
     if not any(cfg.is_moe_layer(i) for i in range(1, cfg.num_layers + 1)):
         raise ValueError(f"num_experts {cfg.num_experts} but no block is MoE (decoder_sparse_step "
                          f"{cfg.decoder_sparse_step}, mlp_only_layers {list(cfg.mlp_only_layers)})")
+
+
+def _check_gpt_oss(cfg: ModelConfig) -> None:
+    """Attention sinks and alternating windows: valid values, and a window where the alternation asks for one."""
+    _check_choice("softmax_type", cfg.softmax_type, SOFTMAX_TYPES)
+    freq = cfg.window_attn_skip_freq
+    if freq is not None and (not isinstance(freq, int) or isinstance(freq, bool) or freq < 2
+                             or cfg.sliding_window is None):
+        raise ValueError(f"window_attn_skip_freq {freq!r} must be an int >= 2 with a sliding_window (every N-th "
+                         f"block attends fully, the others slide)")
+    if cfg.multi_latent_attention and cfg.attention_sinks:
+        raise ValueError("attention sinks (softmax_type 'learnable') with multi_latent_attention are not built")
 
 
 def _check_mla(cfg: ModelConfig) -> None:
@@ -337,7 +391,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 # Fields that describe training, not the weights: a checkpoint or HF config may differ in them.
 NOT_WEIGHTS = ("hidden_dropout", "attention_dropout", "init_std", "router_aux_loss_coef", "moe_z_loss_coeff",
-               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_bias_update_rate")
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_bias_update_rate",
+               "moe_router_load_balancing_type", "moe_aux_loss_coeff")
 
 
 def differing_weight_fields(expected: ModelConfig, found: ModelConfig) -> list[str]:

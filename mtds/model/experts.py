@@ -31,6 +31,7 @@ from mtds.model.config import ModelConfig
 from mtds.tp import reduce_from_tensor_parallel_region
 from mtds.tp.layers import sharded_parameter
 
+from mtds.model.glu import gated_activation
 from mtds.model.init import normal_init, output_init
 
 _GROUPED: dict = {}      # (device type, dtype) -> does F.grouped_mm run there
@@ -80,6 +81,15 @@ class TensorParallelExperts(nn.Module):
         self.gate_up = _expert_parameter((E, 2 * ffn, h), 1, tp_group, normal_init(cfg.init_std), (ffn, ffn), rows,
                                          split)
         self.down = _expert_parameter((E, h, ffn), 2, tp_group, output_init(cfg), None, rows, split)
+        self.activation = gated_activation(cfg)
+        # GPT-OSS's biases (linear_bias), zero at init, registered last (the weights' init draws stay the same):
+        # gate|up's split over TP like its rows; down's whole on every TP rank, added once after the all-reduce
+        self.gate_up_bias = self.down_bias = None
+        if cfg.linear_bias:
+            self.gate_up_bias = _expert_parameter((E, 2 * ffn), 1, tp_group, nn.init.zeros_, (ffn, ffn), rows, split)
+            self.down_bias = nn.Parameter(torch.zeros(rows[1] - rows[0], h))
+            if split:
+                self.down_bias.expert_parallel, self.down_bias.expert_rows = True, rows
 
     def grouped(self, rows: torch.Tensor) -> bool:
         """Whether this forward takes the grouped GEMM (see the module docstring)."""
@@ -94,17 +104,26 @@ class TensorParallelExperts(nn.Module):
             return rows.new_zeros(0, rows.shape[-1])
         if self.grouped(rows):
             ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
-            gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            y = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
+            gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends)
+            expert = None
+            if self.gate_up_bias is not None:   # each row's expert, to pick its biases
+                expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
+                                                 torch.tensor(counts, device=rows.device))
+                gate_up = gate_up + self.gate_up_bias.index_select(0, expert)
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = F.grouped_mm(self.activation(gate, up), self.down.transpose(1, 2), offs=ends)
             # one all-reduce for every expert's rows; before the routing weight multiplies them (as below)
-            return reduce_from_tensor_parallel_region(y, self.group)
+            y = reduce_from_tensor_parallel_region(y, self.group)
+            return y if expert is None else y + self.down_bias.index_select(0, expert)
         outputs = []
         for e, x in enumerate(rows.split(counts)):
             if not counts[e]:
                 continue
-            gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e])
+            bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+            gate, up = F.linear(x, self.gate_up[e], bias).chunk(2, dim=-1)
+            y = F.linear(self.activation(gate, up), self.down[e])
             # Reduced per expert, before the routing weight multiplies it: the weight's gradient (and so the
             # router's) then sees the whole output on every rank, not this rank's partial sum.
-            outputs.append(reduce_from_tensor_parallel_region(y, self.group))
+            y = reduce_from_tensor_parallel_region(y, self.group)
+            outputs.append(y if self.down_bias is None else y + self.down_bias[e])
         return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])

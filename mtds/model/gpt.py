@@ -55,8 +55,9 @@ class GPTModel(nn.Module):
         """Mean loss if labels (pre-shifted, -100 ignored) are given, else the vocab-sharded logits. In training
         an MoE model's loss includes router_aux_loss_coef x the load-balancing loss (mtds.model.aux_loss)."""
         logits = self.logits(input_ids)
+        seq = self.cfg.moe_aux_loss_coeff if self.cfg.moe_router_load_balancing_type == "seq_aux_loss" else None
         aux = collect_aux_loss(moe_blocks(self), self.cfg.router_aux_loss_coef, self.training,
-                               self.cfg.moe_z_loss_coeff)
+                               self.cfg.moe_z_loss_coeff, seq)
         if labels is None:
             return logits
         loss = self.loss_fn(logits, labels)

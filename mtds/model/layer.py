@@ -41,10 +41,11 @@ class TransformerLayer(nn.Module):
         sp_group = tp_group if sequence_parallel else None
         with seeded(seed, layer_number):
             self.input_norm = make_norm(cfg, sp_group)
+            where = {} if cfg.multi_latent_attention else {"layer_number": layer_number}   # its window
             attention = MultiLatentAttention if cfg.multi_latent_attention else SelfAttention
             self.attention = attention(cfg, tp_group=tp_group, rng_tracker=rng_tracker,
                                    sequence_parallel=sequence_parallel, recompute_core=recompute_attention,
-                                   documents=documents, context=context)
+                                   documents=documents, context=context, **where)
             self.post_attention_norm = make_norm(cfg, sp_group)
             if cfg.is_moe_layer(layer_number):     # ep_group: the experts split over expert-parallel ranks
                 self.mlp = MoEBlock(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group,

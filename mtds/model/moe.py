@@ -56,10 +56,13 @@ class MoEBlock(nn.Module):
                  cp_group=None):
         super().__init__()
         self.group, self.cp_group = tp_group, cp_group
+        self.per_sequence = cfg.moe_router_load_balancing_type == "seq_aux_loss"   # seq_aux_loss's statistics
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.router = TopKRouter(cfg)
         if self.sequence_parallel:
             mark_sequence_parallel(self.router.weight)
+            if self.router.bias is not None:
+                mark_sequence_parallel(self.router.bias)
         self.experts = TensorParallelExperts(cfg, tp_group=tp_group, ep_group=ep_group)
         self.dispatcher = LocalDispatcher(cfg.num_experts) if ep_group is None else \
             AllToAllDispatcher(cfg.num_experts, ep_group)
@@ -93,7 +96,8 @@ class MoEBlock(nn.Module):
         tokens = hidden.reshape(-1, shape[-1])
         routing = self.router(tokens, batch=shape[0])
         if self.training:
-            self.stats = _summed_over_context(RouterStats.of(routing), self.cp_group)
+            self.stats = _summed_over_context(RouterStats.of(routing, shape[0] if self.per_sequence else None),
+                                              self.cp_group)
         routing = routing.dispatched(self.router.weight.shape[0])
         sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
         outputs = self.experts(sent.rows, sent.counts)
@@ -102,9 +106,11 @@ class MoEBlock(nn.Module):
     def _forward_sequence_slices(self, hidden: torch.Tensor) -> torch.Tensor:
         b, s_local, h = hidden.shape
         group = self.group
-        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group), batch=b)
+        local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group), batch=b,
+                            bias=shared_by_sequence_shards(self.router.bias, group))
         if self.training:
-            self.stats = _summed_over_context(_summed_over_slices(RouterStats.of(local), group), self.cp_group)
+            self.stats = _summed_over_context(
+                _summed_over_slices(RouterStats.of(local, b if self.per_sequence else None), group), self.cp_group)
         local = local.dispatched(self.router.weight.shape[0])   # each slice's capacity drops, as Megatron's
         k = local.weights.shape[-1]
         # [b, s/t, k] slices -> [b, s, k] in the gathered tokens' order; the weights' gradient is the same on
@@ -126,7 +132,12 @@ def _summed_over_slices(stats: RouterStats, group) -> RouterStats:
     dist.all_reduce(counts, group=group)
     world = tp_world_and_rank(group)[0]
     z_sum = None if stats.z_sum is None else reduce_from_tensor_parallel_region(stats.z_sum, group)
-    return RouterStats(counts, reduce_from_tensor_parallel_region(stats.prob_sum, group), stats.rows * world, z_sum)
+    out = RouterStats(counts, reduce_from_tensor_parallel_region(stats.prob_sum, group), stats.rows * world, z_sum)
+    if stats.seq_counts is not None:    # each sequence's sums over its slices
+        out.seq_counts = stats.seq_counts.clone()
+        dist.all_reduce(out.seq_counts, group=group)
+        out.seq_prob_sum = reduce_from_tensor_parallel_region(stats.seq_prob_sum, group)
+    return out
 
 
 def _summed_over_context(stats: RouterStats, group) -> RouterStats:

@@ -61,6 +61,8 @@ class TopKRouter(nn.Module):
         self.sigmoid = cfg.moe_router_score_function == "sigmoid"
         self.groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         self.scaling = cfg.moe_router_topk_scaling_factor
+        # GPT-OSS's router bias (linear_bias): added to the logits, so to the choice and the weights; zero at init
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.linear_bias else None
         if cfg.moe_router_enable_expert_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
@@ -77,11 +79,13 @@ class TopKRouter(nn.Module):
                 bias.to(device=moved.device)
         return out
 
-    def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None, batch: int = 1) -> Routing:
-        """``tokens``: [N, h] (``batch`` sequences); ``weight``: the router weight as the caller wants it used
-        (sequence parallelism passes it through the identity that sums its gradient over the TP ranks)."""
+    def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None, batch: int = 1,
+                bias: torch.Tensor | None = None) -> Routing:
+        """``tokens``: [N, h] (``batch`` sequences); ``weight`` (and ``bias``): the router's as the caller wants
+        them used (sequence parallelism passes them through the identity that sums their gradient over TP)."""
         weight = self.weight if weight is None else weight
-        logits = F.linear(tokens.float(), weight.float())
+        bias = self.bias if bias is None else bias
+        logits = F.linear(tokens.float(), weight.float(), None if bias is None else bias.float())
         if self.sigmoid:
             probs = torch.sigmoid(logits)
             weights, experts = self._sigmoid_choice(probs)

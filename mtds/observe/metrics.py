@@ -158,8 +158,8 @@ def model_config_flops(cfg, batch: int, seq: int, recompute: str = "none") -> fl
     return training_flops_per_iteration(batch, seq, cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
                                         ffn_hidden=active_ffn_width(cfg), num_heads=cfg.num_heads,
                                         num_kv_heads=cfg.kv_heads,
-                                        gated_mlp=cfg.activation == "swiglu", head_dim=cfg.kv_channels,
-                                        recompute=recompute,
+                                        gated_mlp=cfg.activation in ("swiglu", "quick_geglu"),
+                                        head_dim=cfg.kv_channels, recompute=recompute,
                                         attention=latent_attention_flops(cfg, seq) if getattr(
                                             cfg, "multi_latent_attention", False) else None)
 

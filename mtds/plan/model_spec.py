@@ -81,7 +81,7 @@ class ModelSpec:
         return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, vocab=cfg.vocab_size,
                    seq=seq or cfg.max_position_embeddings, ffn_hidden=cfg.ffn_size, name=name,
                    vocab_multiple=cfg.make_vocab_size_divisible_by, kv_heads=cfg.kv_heads,
-                   gated_mlp=cfg.activation == "swiglu", untied_head=not cfg.tie_word_embeddings,
+                   gated_mlp=cfg.activation in ("swiglu", "quick_geglu"), untied_head=not cfg.tie_word_embeddings,
                    rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
                    rmsnorm=cfg.normalization == "rmsnorm", head_dim=cfg.kv_channels,
                    out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm, attention_dropout=cfg.attention_dropout,

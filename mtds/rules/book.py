@@ -46,6 +46,9 @@ RULES: tuple[Rule, ...] = (
     Rule("router-flags", experts.router_flags, "--moe-z-loss-coeff, --moe-expert-capacity-factor, "
          "--moe-router-enable-expert-bias, the model",
          "Megatron-core's router options on a model without experts (the bias update: without an expert bias)"),
+    Rule("seq-aux-loss", experts.seq_aux_loss,
+         "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --pp, the model",
+         "Megatron-core's seq_aux_loss without experts or on a pipeline; its weight without it"),
     Rule("model-shards", layout.model_shards, "--tp, --pp, the model",
          "t not dividing the heads, KV heads, hidden or FFN size; fewer blocks than pipeline stages"),
     Rule("experts-split", experts.experts_split, "--expert-model-parallel-size, the model",

@@ -33,6 +33,9 @@ def cp_features(job: Job) -> str | None:
     if job.reset_position_ids:
         return f"--reset-position-ids with --cp {c} is not supported yet (a document's positions would need its " \
                f"start on another rank): drop it or use --cp 1"
+    if m.attention_sinks:
+        return f"attention sinks (GPT-OSS) with --cp {c} are not built yet (the ring's and Ulysses' softmax do not " \
+               f"carry the sink's logit): use --cp 1"
     if m.sliding_window is not None and m.sliding_window < job.seq_length:
         return f"a sliding attention window ({m.sliding_window}) with --cp {c} is not supported yet: use --cp 1 " \
                f"or --seq-length <= the window"

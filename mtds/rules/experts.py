@@ -17,6 +17,24 @@ def router_flags(job: Job) -> str | None:
     return f"{flag} needs a mixture-of-experts model (Mixtral, Qwen3-MoE); this one has no experts"
 
 
+def seq_aux_loss(job: Job) -> str | None:
+    """Megatron-core's per-sequence balancing loss keeps [b, E] sums per block: on a pipeline they would have to
+    travel beside the activation with the pooled counts, under context parallelism be summed over the chunks;
+    neither is built."""
+    if not job.moe_seq_aux:
+        return None if not job.moe_aux_coeff else "--moe-aux-loss-coeff weighs --moe-router-load-balancing-type " \
+            "seq_aux_loss only; the default aux_loss is weighted by the HF config's router_aux_loss_coef"
+    if not job.model.num_experts:
+        return "--moe-router-load-balancing-type seq_aux_loss needs a mixture-of-experts model; this one has no experts"
+    if job.pp > 1:
+        return f"--moe-router-load-balancing-type seq_aux_loss with --pp {job.pp} is not built yet (its per-sequence " \
+               f"statistics do not travel between stages): use --pp 1 or the default aux_loss"
+    if job.cp > 1:
+        return f"--moe-router-load-balancing-type seq_aux_loss with --cp {job.cp} is not built yet (its per-sequence " \
+               f"statistics are not summed over the context-parallel chunks): use --cp 1 or the default aux_loss"
+    return None
+
+
 def experts_split(job: Job) -> str | None:
     """e splits the experts of an MoE model."""
     e, experts = job.ep, job.model.num_experts

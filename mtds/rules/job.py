@@ -23,6 +23,7 @@ class ModelFacts:
     shared_expert_ffn_size: int = 0         # the MoE blocks' shared expert's width (0: none)
     expert_bias: bool = False               # the router has an expert bias (DeepSeek-V3)
     latent_attention: bool = False          # multi-head latent attention (DeepSeek-V3)
+    attention_sinks: bool = False           # a learned logit per head in every softmax's sum (GPT-OSS)
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     sliding_window: int | None = None
@@ -62,6 +63,8 @@ class Job:
     moe_z_loss: bool = False                # --moe-z-loss-coeff > 0
     moe_bias_update: bool = False           # --moe-router-enable-expert-bias
     moe_capacity: bool = False              # --moe-expert-capacity-factor given
+    moe_seq_aux: bool = False               # --moe-router-load-balancing-type seq_aux_loss
+    moe_aux_coeff: bool = False             # --moe-aux-loss-coeff > 0
     save: bool = False                      # --save given
     async_save: bool = False                # --async-save
     purpose: str = TRAIN                    # train | eval (mtds-eval: no router statistics carried)

@@ -86,6 +86,16 @@ class TrainConfig:
              "tokens of logsumexp(router logits)^2 (float32, before the softmax), summed over the blocks, as "
              "Megatron-core; logged as moe_z_loss (without C, averaged over the blocks). Not in HF's "
              "Mixtral / Qwen3-MoE loss (docs/moe.md) [0: off]")
+    moe_router_load_balancing_type: str = opt(  # Megatron-core's, mtds.model.aux_loss
+        "aux_loss", "--moe-router-load-balancing-type", section=LAYOUT, choices=("aux_loss", "seq_aux_loss"),
+        help="MoE models: aux_loss = transformers' load-balancing loss x the HF config's router_aux_loss_coef "
+             "(pooled over the blocks); seq_aux_loss = Megatron-core's per-sequence loss x --moe-aux-loss-coeff "
+             "instead: per block the mean over the micro-batch's sequences of sum_e f_e P_e (f_e = the "
+             "sequence's assignments to e x E / (s k), P_e = e's mean probability over its tokens), summed over "
+             "the blocks; --pp 1 only (docs/moe.md) [aux_loss]")
+    moe_aux_loss_coeff: float = opt(
+        0.0, "--moe-aux-loss-coeff", section=LAYOUT, at_least=0, metavar="C",
+        help="with --moe-router-load-balancing-type seq_aux_loss: its weight C [0]")
     moe_expert_capacity_factor: float | None = opt(   # Megatron-core's capacity, mtds.model.capacity
         None, "--moe-expert-capacity-factor", section=LAYOUT, above=0, metavar="F",
         help="MoE models: each expert takes at most ceil(N*k/E*F) of the assignments of the N tokens each "

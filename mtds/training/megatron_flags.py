@@ -33,7 +33,6 @@ EQUIVALENTS = {
     # mixture of experts (docs/moe.md): the model's MoE settings come from its HF config (Mixtral, Qwen3-MoE)
     **{flag: _MODEL + "; an MoE model's experts, top-k and expert width come from its HF config (docs/moe.md)"
        for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size")},
-    "--moe-aux-loss-coeff": "the load-balancing loss weight is the HF config's router_aux_loss_coef (docs/moe.md)",
     "--expert-tensor-parallel-size": "an MoE model's experts are split over --tp (expert TP = TP, docs/moe.md)",
     "--moe-pad-expert-input-to-capacity": "not built: with --moe-expert-capacity-factor each expert computes only "
                                           "the rows it kept, unpadded (docs/moe.md)",
@@ -51,9 +50,10 @@ EQUIVALENTS = {
                       "routed_scaling_factor, e_score_correction_bias; docs/moe.md)"
        for flag in ("--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
                     "--moe-router-topk-scaling-factor")},
-    "--moe-router-load-balancing-type": "mtds adds transformers' load-balancing loss (router_aux_loss_coef of the HF "
-                                        "config; none for DeepSeek-V3, which balances by --moe-router-enable-expert-"
-                                        "bias); Megatron's seq_aux_loss is not built (docs/moe.md)",
+    **{flag: _MODEL + "; GPT-OSS's attention sinks, alternating windows and clamped quick-GeGLU experts come from "
+                      "its HF config (sinks, layer_types, sliding_window, swiglu_limit; docs/moe.md)"
+       for flag in ("--softmax-type", "--window-size", "--window-attn-skip-freq", "--glu-linear-offset",
+                    "--activation-func-clamp-value", "--quick-geglu")},
     "--moe-layer-freq": _MODEL + "; which blocks hold experts comes from its HF config (decoder_sparse_step, "
                                  "mlp_only_layers; DeepSeek-V3's first_k_dense_replace; docs/moe.md)",
     "--ckpt-format": "mtds writes DeepSpeed's checkpoint format (mtds-convert turns it into HF's)",

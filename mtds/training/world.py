@@ -97,7 +97,7 @@ def run_model_config(cfg: TrainConfig, load: LoadPlan | None = None) -> ModelCon
 # Megatron-core's router options: training choices of this run, not of the weights (a checkpoint's record of
 # them is not carried into a resumed run; its flags say them again)
 ROUTER_OPTIONS = ("moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
-                  "moe_router_bias_update_rate")
+                  "moe_router_bias_update_rate", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
 
 
 def _router_options(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
@@ -109,6 +109,8 @@ def _router_options(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     if cfg.moe_expert_capacity_factor is not None:
         given.update(moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
                      moe_token_drop_policy=cfg.moe_token_drop_policy)
+    if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+        given.update(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
     if cfg.moe_router_enable_expert_bias and model_cfg.moe_router_enable_expert_bias:   # else refused (rulebook)
         given["moe_router_bias_update_rate"] = cfg.moe_router_bias_update_rate
     if not given or not model_cfg.num_experts:     # a dense model: the rulebook's router-flags rule refuses
