@@ -110,7 +110,7 @@ def test_infeasible_reasons():
     assert not pr.fits and any("GiB" in r for r in pr.reasons)
     pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)     # not built: runnable, not reasons
     assert pr.feasible and pr.as_dict()["runnable"] is False
-    assert any("ZeRO-3 with pipeline parallelism is not built" in r for r in pr.not_runnable)
+    assert any("ZeRO-3 with --pp 12 is built for fp32 only" in r for r in pr.not_runnable)
 
 
 def test_search_ranks_and_respects_fixed_knobs():
