@@ -194,3 +194,12 @@ def test_the_planner_runs_what_train_py_starts(monkeypatch):
     assert cases == 9216 and not differ, (len(differ), differ[:5])
     assert 500 < admitted < cases - 500, admitted       # both sides of the line are exercised
     print(refused_by)
+
+
+def test_zero_on_a_pipeline_refuses_offloading():
+    """ZeRO-2/3 at p > 1 run on DeepSpeed's stage-1 optimizer with mtds's reduction: offloading is refused, not
+    ignored (``zero-pipeline``); at p = 1 DeepSpeed offloads."""
+    job = Job(DENSE, 4, pp=2, zero_stage=3, zero_offload=True)
+    assert [p.rule for p in rules.problems(job)] == ["zero-pipeline"]
+    assert "offloading is not built there" in rules.problems(job)[0].message
+    assert not rules.problems(dataclasses.replace(job, pp=1))

@@ -25,6 +25,9 @@ def zero_with_pipeline(job: Job) -> str | None:
         return f"{z} with --pp {pp} and a mixture-of-experts model is not built: use ZeRO-1 with --pp {pp}"
     if job.zero_overlap_comm:
         return f"{z} with --pp {pp} reduces its own gradients: set zero_optimization.overlap_comm to false"
+    if job.zero_offload:
+        return f"{z} with --pp {pp} keeps its partitions on the device (offloading is not built there): remove " \
+               f"zero_optimization.offload_optimizer / offload_param, or use --pp 1"
     return None
 
 
