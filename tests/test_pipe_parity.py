@@ -352,7 +352,8 @@ def test_zero1_reduction_goes_bucket_by_bucket():
 
 def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
     """(2,2,2), one 8-rank launch: interleaved v=2, zb-h1 (fewer steps: 8 ranks on 2 cores) and dualpipev,
-    ZeRO-0 and ZeRO-1 (zb-h1: ZeRO-2's step mode, ZeRO-1's reduction), and ZeRO-2 micro-batch on 1f1b and zb-h1, vs HF, ZeRO-2's data-parallel
+    ZeRO-0 and ZeRO-1 (zb-h1: ZeRO-3's step mode, ZeRO-1's reduction and one gather of the parameters per
+    step), and ZeRO-2 micro-batch on 1f1b and zb-h1, vs HF, ZeRO-2's data-parallel
     bytes against their formula (tests/test_zero2_pipeline.py); DualPipeV's p2p counted by the tracer. DualPipeV needs m >= 2p = 4: micro
     batch 1 (m = 4 at d = 2), the same samples and mean loss as the reference's micro batch 2."""
     from tests.test_pipe_matrix import assert_dualpipev_p2p
@@ -360,23 +361,24 @@ def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
                         deepspeed_config=ds_config(zero=zero, train_micro_batch_size_per_gpu=1)) for zero in (0, 1)]
     from lab.testing import spawn
     from tests.test_zero2_pipeline import assert_zero2_dp_bytes, runs_with_probe, zero2
-    # ZeRO-2 (mtds.deepspeed_compat.zero2_reduce): micro-batch mode on 1f1b and zb-h1; its step mode runs ZeRO-1's
-    # reduce-scatter (the same code, bit for bit), so it stands in for zb-h1's ZeRO-1 case here
+    # ZeRO-2 (mtds.deepspeed_compat.zero2_reduce): micro-batch mode on 1f1b and zb-h1; ZeRO-3's step mode
+    # (zero3_params) runs ZeRO-1's reduce-scatter (the same code, bit for bit) and ZeRO-1's bytes, so it stands in
+    # for zb-h1's ZeRO-1 case here
     zero2_runs = [zero2("micro-batch", tp=2), zero2("micro-batch", "zb-h1", tp=2, steps=SHORT)]
     per_rank = spawn(runs_with_probe, 8, dpv + [interleaved(2, 2, zero=0), interleaved(2, 2, zero=1),
                                                 train_config(tp=2, pp=2), zb_h1(2, 2, zero=0, steps=SHORT),
-                                                zero2("step", "zb-h1", tp=2, steps=SHORT)] + zero2_runs, timeout=600)
+                                                zero2("step", "zb-h1", stage=3, tp=2, steps=SHORT)] + zero2_runs, timeout=600)
     with_zero2, per_rank = per_rank, [results[:-len(zero2_runs)] for results in per_rank]
     dpv0, dpv1, *results, base, zb0, zb1 = per_rank[-1]
     for index, what in ((1, "dualpipev"), (3, "interleaved"), (6, "zb-h1")):
-        assert_dp_bytes_at_ring_minimum(per_rank, index, 2, f"{what} (2,2,2) ZeRO-1 (zb-h1: ZeRO-2 step)")
+        assert_dp_bytes_at_ring_minimum(per_rank, index, 2, f"{what} (2,2,2) ZeRO-1 (zb-h1: ZeRO-3 step)")
     for zero, result in enumerate(results):
         check_parity(result, f"(2,2,2) v=2 ZeRO-{zero}", base)
     for zero, result in enumerate((dpv0, dpv1)):
         check_parity(result, f"(2,2,2) dualpipev ZeRO-{zero}", base)
     assert_dualpipev_p2p(per_rank, 0, p=2, m=4, micro=1, tp=2, dp=2, what="(2,2,2)")
     ref = short_reference()      # the LR schedule depends on the number of steps
-    for zero, result in ((0, zb0), ("2 step", zb1)):
+    for zero, result in ((0, zb0), ("3 step", zb1)):
         for what, got, want in (("losses", result.losses, ref.losses), ("grad norms", result.grad_norms, ref.grad_norms)):
             diff = max_rel_diff(got, want)
             assert diff < REL_TOL, f"zb-h1 (2,2,2) ZeRO-{zero}: {what} max rel diff {diff:.2e}\n{got}\n{want}"
@@ -387,7 +389,7 @@ def test_interleaved_zb_h1_and_dualpipev_eight_ranks():
         assert diff < REL_TOL, f"zb-h1 (2,2,2) ZeRO-2 micro-batch: {what} max rel diff {diff:.2e}\n{got}\n{want}"
     first = len(with_zero2[0]) - 2
     for k, mode, what in ((6, "step", "zb-h1"), (first, "micro-batch", "1f1b"), (first + 1, "micro-batch", "zb-h1")):
-        assert_zero2_dp_bytes(with_zero2, k, mode, f"(2,2,2) {what} ZeRO-2 {mode}")
+        assert_zero2_dp_bytes(with_zero2, k, mode, f"(2,2,2) {what} ZeRO-{3 if k == 6 else 2} {mode}")
 
 
 def test_schedule_choice_is_checked_before_any_process_starts():

@@ -110,7 +110,7 @@ def test_infeasible_reasons():
     assert not pr.fits and any("GiB" in r for r in pr.reasons)
     pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)     # not built: runnable, not reasons
     assert pr.feasible and pr.as_dict()["runnable"] is False
-    assert any("ZeRO-3 with pipeline parallelism is not built" in r for r in pr.not_runnable)
+    assert any("ZeRO-3 with --pp 12 is built for fp32 only" in r for r in pr.not_runnable)
 
 
 def test_search_ranks_and_respects_fixed_knobs():
@@ -313,3 +313,23 @@ def test_zero2_on_a_pipeline_weighed_against_zero1():
     assert pr1.as_dict()["runnable"] and prm.as_dict()["runnable"]
     grad_bytes = 4 * max(stage_params(model, one, "first"), stage_params(model, one, "last")) - tied
     assert extra > 0 and extra == pytest.approx((m - 1) * comm.reduce_scatter(grad_bytes, 8, 2, cluster), rel=1e-6)
+
+
+def test_zero3_on_a_pipeline_weighed_against_zero2():
+    """ZeRO-3 at p > 1 (docs/training.md) gathers the stage's whole parameters for each pass: its peak is ZeRO-2's
+    of the same reduction (step: once a step, ZeRO-1's bytes and time); the micro-batch mode adds 2m - 1
+    all-gathers of the stage's parameters a step (1F1B: one forward and one backward pass per micro-batch)."""
+    work, cluster = Workload(512, precision="fp32"), Cluster(get_gpu("A100-80GB", "fp32"), 64)
+    model = ModelSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)
+    two_step, two_micro, three_step, three_micro = (
+        Candidate(2, 4, 8, 1, zero_stage=z, zero2_pipeline_reduce=reduce, zero3_pipeline_gather=gather)
+        for z, reduce, gather in ((2, "step", "step"), (2, "micro-batch", "step"), (3, "step", "step"),
+                                  (3, "micro-batch", "micro-batch")))
+    pr2s, pr2m, pr3s, pr3m = (predict(model, c, work, cluster) for c in (two_step, two_micro, three_step, three_micro))
+    assert pr3s.step_time_s == pr2s.step_time_s and pr3s.memory.total == pr2s.memory.total
+    assert pr3m.memory.total == pr2m.memory.total and pr3s.as_dict()["runnable"] and pr3m.as_dict()["runnable"]
+    from mtds.plan.memory import stage_params
+    m = 512 // 8
+    grad_bytes = 4 * max(stage_params(model, two_step, "first"), stage_params(model, two_step, "last"))
+    extra = pr3m.time_breakdown_s["dp_comm"] - pr2m.time_breakdown_s["dp_comm"]
+    assert extra == pytest.approx((2 * m - 1) * comm.all_gather(grad_bytes, 8, 2, cluster), rel=1e-6)

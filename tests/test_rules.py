@@ -46,8 +46,8 @@ RULE_CASES = {
     "pipeline-layout": (Job(DENSE, 2, pp=2, pipeline_layout="Et*2|t*3L"),
                         "holds 5 transformer blocks but the model has 4"),
     "zero-stage": (Job(DENSE, 1, zero_stage=4), "zero_optimization.stage must be 0-3, got 4"),
-    "zero-pipeline": (Job(DENSE, 2, pp=2, zero_stage=3), "ZeRO-3 with pipeline parallelism is not built: use "
-                                                         "ZeRO-2"),
+    "zero-pipeline": (Job(DENSE, 2, pp=2, zero_stage=3, precision="bf16"),
+                      "ZeRO-3 with --pp 2 is built for fp32 only: use ZeRO-1"),
     "one-precision": (Job(DENSE, 1, both_precisions=True), "enables both fp16 and bf16: keep one"),
     "batch": (Job(DENSE, 1, global_batch=10, micro_batch=4),
               "train_batch_size 10 is not divisible by micro batch 4 x data parallel size 1: use a multiple of 4"),
@@ -216,3 +216,12 @@ def test_the_planner_runs_what_train_py_starts(monkeypatch):
     assert cases == 9216 and not differ, (len(differ), differ[:5])
     assert 500 < admitted < cases - 500, admitted       # both sides of the line are exercised
     print(refused_by)
+
+
+def test_zero_on_a_pipeline_refuses_offloading():
+    """ZeRO-2/3 at p > 1 run on DeepSpeed's stage-1 optimizer with mtds's reduction: offloading is refused, not
+    ignored (``zero-pipeline``); at p = 1 DeepSpeed offloads."""
+    job = Job(DENSE, 4, pp=2, zero_stage=3, zero_offload=True)
+    assert [p.rule for p in rules.problems(job)] == ["zero-pipeline"]
+    assert "offloading is not built there" in rules.problems(job)[0].message
+    assert not rules.problems(dataclasses.replace(job, pp=1))

@@ -1,4 +1,4 @@
-"""ZeRO-2 with a pipeline (mtds.deepspeed_compat.zero2_reduce), both modes of ``--zero2-pipeline-reduce``, at
+"""ZeRO-2 and ZeRO-3 with a pipeline. ZeRO-2 (mtds.deepspeed_compat.zero2_reduce): both modes of ``--zero2-pipeline-reduce``, at
 (t,p,d) = (1,2,2) on 1F1B (DeepSpeed's engine) and ZB-H1 (mtds's), and the micro-batch mode on DualPipeV
 (DeepSpeed's, both ends of the tied embedding on rank 0): losses and pre-clip gradient norms equal the
 single-process HuggingFace reference within 1e-5 relative over 10 clipped fp32 steps (the suite's fp32 bound:
@@ -6,9 +6,10 @@ the micro-batch mode sums each micro-batch's reduced gradient, another order tha
 rank holds at the end of its last backward of step 2 (parameters, gradients, master weights and Adam state,
 read from the tensors) equal to docs/training.md's formula of each mode within 5 %; the bytes the traced
 data-parallel collectives send per step, summed over each stage's d ranks, equal the formula within 1 %
-(DeepSpeed pads its flat partitions; the loss and norm scalars ride the same group). A ZeRO-1 checkpoint
-resumes at ZeRO-2 and a ZeRO-2 one at ZeRO-1, exactly. (2,2,2) runs in tests/test_pipe_parity.py's 8-rank
-launch."""
+(DeepSpeed pads its flat partitions; the loss and norm scalars ride the same group). ZeRO-3
+(mtds.deepspeed_compat.zero3_params): the same checks on ZERO3_CASES, the held state also between steps and
+after the last backward's reduction. A ZeRO-2 checkpoint resumes at ZeRO-1, a ZeRO-1 one at ZeRO-3 and a
+ZeRO-3 one at ZeRO-2, exactly. ZeRO-2's (2,2,2) runs in tests/test_pipe_parity.py's 8-rank launch."""
 from __future__ import annotations
 
 import functools
@@ -22,11 +23,13 @@ MEMORY_TOL = 0.05
 BYTES_TOL = 0.01
 
 
-def zero2(mode: str, schedule: str = "1f1b", **kwargs):
+def zero2(mode: str, schedule: str = "1f1b", stage: int = 2, **kwargs):
+    """ZeRO-2 (``mode``: --zero2-pipeline-reduce) or ZeRO-3 (``mode``: --zero3-pipeline-gather) at p = 2."""
     # DualPipeV needs m >= 2p = 4: micro batch 1 (m = 4 at d = 2), the reference's samples and mean loss
-    ds = ds_config(zero=2, **({"train_micro_batch_size_per_gpu": 1} if schedule == "dualpipev" else {}))
+    ds = ds_config(zero=stage, **({"train_micro_batch_size_per_gpu": 1} if schedule == "dualpipev" else {}))
+    option = {"zero3_pipeline_gather" if stage == 3 else "zero2_pipeline_reduce": mode}
     return train_config(pp=kwargs.pop("pp", 2), tp=kwargs.pop("tp", 1), pipeline_schedule=schedule,
-                        deepspeed_config=ds, zero2_pipeline_reduce=mode, **kwargs)
+                        deepspeed_config=ds, **option, **kwargs)
 
 
 def _held(engine) -> dict:
@@ -50,18 +53,31 @@ def _held(engine) -> dict:
 
 
 def _probe(engine, groups):
-    """Measure :func:`_held` when the stage's last backward of step 2 has ended (its early reduction starts)."""
+    """Measure :func:`_held` when the stage's last backward of step 2 has ended (its early reduction starts;
+    ``reduced``: when it has ended), and between steps 1 and 2 (``between``: as step 2 starts)."""
     engine.mtds_test_where = (groups.coords.pp_rank, groups.tp_rank, groups.layout.dp)
     reducer = engine.__dict__.get("mtds_zero1_reduce")
     if reducer is None:
         return
+    train_batch, steps = engine.train_batch, []
+
+    def train_batch_measured(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            engine.mtds_test_between = _held(engine)
+        return train_batch(*args, **kwargs)
+
+    engine.train_batch = train_batch_measured
     early, calls = reducer.reduce_early, []
 
     def measured():
         calls.append(1)
         if len(calls) == 2:
             engine.mtds_test_held = _held(engine)
-        return early()
+        out = early()
+        if len(calls) == 2:
+            engine.mtds_test_reduced = _held(engine)
+        return out
 
     reducer.reduce_early = measured
 
@@ -75,6 +91,8 @@ def runs_with_probe(configs):
         result = run(cfg, on_engine_ready=[lambda engine, groups: (_probe(engine, groups), engines.append(engine))])
         engine = engines[-1]
         result.held = getattr(engine, "mtds_test_held", None)
+        result.between = getattr(engine, "mtds_test_between", None)
+        result.reduced = getattr(engine, "mtds_test_reduced", None)
         result.where = engine.mtds_test_where
         result.micro_batches = engine.micro_batches
         engines.clear()
@@ -85,19 +103,23 @@ def runs_with_probe(configs):
 MODES = ("micro-batch", "step")
 SCHEDULES = ("1f1b", "zb-h1")
 CASES = tuple((s, m) for s in SCHEDULES for m in MODES) + (("dualpipev", "micro-batch"),)
+# --zero3-pipeline-gather: both modes on DeepSpeed's 1F1B, micro-batch on mtds's engine, step on DualPipeV
+ZERO3_CASES = (("1f1b", "step"), ("1f1b", "micro-batch"), ("zb-h1", "micro-batch"), ("dualpipev", "step"))
 
 
 @functools.lru_cache(maxsize=1)
 def four_rank_runs():
     """One 4-rank launch: each mode on each schedule for 10 steps (the first saving at step 5), then the resume
-    chain: ZeRO-1 loads the ZeRO-2 (micro-batch) checkpoint of step 5 and saves at step 6, ZeRO-2 (step) loads
-    that and runs step 7."""
+    chain: ZeRO-1 loads the ZeRO-2 (micro-batch) checkpoint of step 5 and saves at step 6, ZeRO-3 (step) loads
+    that, runs steps 7-8 and saves at step 7, ZeRO-2 (step) loads that and runs step 8."""
     from lab.testing import spawn
-    a, b = tempfile.mkdtemp(prefix="mtds-z2a-"), tempfile.mkdtemp(prefix="mtds-z2b-")
+    a, b, c = (tempfile.mkdtemp(prefix=f"mtds-z2{x}-") for x in "abc")
     parity = [zero2(mode, schedule, **(dict(save=a, save_interval=5) if k == 0 else {}))
               for k, (schedule, mode) in enumerate(CASES)]
+    parity += [zero2(mode, schedule, stage=3) for schedule, mode in ZERO3_CASES]
     chain = [train_config(pp=2, steps=7, load=os.path.join(a, "global_step5"), save=b, save_interval=6),
-             zero2("step", steps=7, load=os.path.join(b, "global_step6"))]
+             zero2("step", stage=3, steps=8, load=os.path.join(b, "global_step6"), save=c, save_interval=7),
+             zero2("step", steps=8, load=os.path.join(c, "global_step7"))]
     return spawn(runs_with_probe, 4, parity + chain, timeout=600)
 
 
@@ -123,10 +145,47 @@ def test_zero2_pipeline_matches_hf_memory_and_bytes_formulas():
         assert_zero2_dp_bytes(per_rank, k, mode, what)
 
 
-def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str) -> None:
+def assert_parity(result, what: str) -> None:
+    ref = hf_reference()
+    diff = max_rel_diff(result.losses, ref.losses)
+    assert diff < REL_TOL, f"{what}: losses max rel diff {diff:.2e}\n{result.losses}\n{ref.losses}"
+    diff = max_rel_diff(result.grad_norms, ref.grad_norms)
+    assert diff < REL_TOL, f"{what}: grad norms max rel diff {diff:.2e}\n{result.grad_norms}\n{ref.grad_norms}"
+
+
+def assert_held(held: dict, want: dict, what: str) -> None:
+    for part, value in want.items():
+        got = held[part]
+        ok = got == 0 if value == 0 else abs(got / value - 1) <= MEMORY_TOL
+        assert ok, f"{what}: {part} {got} bytes held, the formula's {value:.0f}"
+
+
+def test_zero3_pipeline_matches_hf_memory_and_bytes_formulas():
+    """ZeRO-3 at p > 1 (mtds.deepspeed_compat.zero3_params), ZERO3_CASES at (1,2,2): parity as ZeRO-2's; between steps a rank holds no working parameters and no gradients, only the
+    fp32 master partition and Adam state (12Ψ/d); at the end of its last backward the step mode holds the
+    whole parameters and gradients (4Ψ each), the micro-batch mode none of the parameters and ZeRO-2's
+    micro-batch gradients; the data-parallel bytes add one all-gather per step (step) or 2m (micro-batch)."""
+    per_rank = four_rank_runs()
+    for j, (schedule, mode) in enumerate(ZERO3_CASES):
+        k, what = len(CASES) + j, f"ZeRO-3 {mode} {schedule} (1,2,2)"
+        assert_parity(per_rank[-1][k], what)
+        for rank, results in enumerate(per_rank):
+            r = results[k]
+            psi, d = r.params, r.where[2]
+            assert_held(r.between, dict(params=0, grads=0, optimizer=12 * psi / d), f"{what} rank {rank} between steps")
+            last = dict(params=4 * psi, grads=4 * psi) if mode == "step" else \
+                dict(params=0, grads=4 * (psi / d + r.held["late"]))
+            assert_held(r.held, last, f"{what} rank {rank} at its last backward")
+            assert_held(r.reduced, dict(params=0), f"{what} rank {rank} after its last backward's reduction")
+        assert_zero2_dp_bytes(per_rank, k, "step" if mode == "step" else "micro-batch", what,
+                              gathers=1 if mode == "step" else None)
+
+
+def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str, gathers: int | None = 1) -> None:
     """The bytes the data-parallel collectives sent in the last step, summed over the d ranks of each (stage, TP
-    rank), against 4(d-1)(R + Ψ): R = Ψ reduce-scattered once (step mode, ZeRO-1's) or m(Ψ - Ψ_late) + Ψ_late
-    (micro-batch mode), then the parameter all-gather (Ψ). Results from :func:`runs_with_probe`."""
+    rank), against 4(d-1)(R + gathers x Ψ): R = Ψ reduce-scattered once (step mode, ZeRO-1's) or
+    m(Ψ - Ψ_late) + Ψ_late (micro-batch mode), then the parameter all-gathers (ZeRO-2: one; ZeRO-3 micro-batch,
+    ``gathers`` None: 2m). Results from :func:`runs_with_probe`."""
     sent = {}
     for results in per_rank:
         r = results[index]
@@ -136,7 +195,7 @@ def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str) -> N
         total[0] += bus
     for (stage, tp_rank), (bus, psi, late, m, d) in sent.items():
         reduced = m * (psi - late) + late if mode == "micro-batch" else psi
-        want = 4 * (d - 1) * (reduced + psi)
+        want = 4 * (d - 1) * (reduced + (2 * m if gathers is None else gathers) * psi)
         assert abs(bus / want - 1) <= BYTES_TOL, \
             f"{what} stage {stage} TP rank {tp_rank}: data-parallel bytes sent {bus} = {bus / want:.4f} x {want}"
 
@@ -144,9 +203,11 @@ def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str) -> N
 def test_resume_between_zero1_and_zero2_is_exact():
     """The step after a load runs on the loaded weights: its loss is the saving run's bit for bit; the one after
     on the loaded Adam state too (ZeRO-1 and ZeRO-2 micro-batch sum the gradients in another order: 1e-6).
-    Both ways: ZeRO-2 micro-batch -> ZeRO-1 -> ZeRO-2 step."""
+    Both ways: ZeRO-2 micro-batch -> ZeRO-1 -> ZeRO-3 step -> ZeRO-2 step (ZeRO-2/3 at p > 1 write ZeRO-1's
+    files; ZeRO-3 gathers its parameters for the save)."""
     runs = four_rank_runs()[-1]
-    saved2, (loaded1, loaded2) = runs[0], runs[-2:]
+    saved2, (loaded1, loaded3, loaded2) = runs[0], runs[-3:]
     assert loaded1.losses[0] == saved2.losses[5], (saved2.losses, loaded1.losses)
     assert max_rel_diff(loaded1.losses[1:2], saved2.losses[6:7]) < 1e-6, (saved2.losses, loaded1.losses)
-    assert loaded2.losses[0] == loaded1.losses[1], (loaded1.losses, loaded2.losses)
+    assert loaded3.losses[0] == loaded1.losses[1], (loaded1.losses, loaded3.losses)
+    assert loaded2.losses[0] == loaded3.losses[1], (loaded3.losses, loaded2.losses)

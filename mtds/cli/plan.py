@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ZeRO-2 with --pp > 1 (train.py's flag): reduce-scatter every micro-batch (gradients 1/d "
                           "between micro-batches, m x the reduce-scatter's bytes) or once per step (ZeRO-1's) "
                           "[micro-batch]")
+    lay.add_argument("--zero3-pipeline-gather", choices=("step", "micro-batch"),
+                     help="ZeRO-3 with --pp > 1 (train.py's flag): gather the stage's parameters once per step "
+                          "(ZeRO-1's bytes) or before every forward and backward pass (2m all-gathers a step, "
+                          "gradients reduce-scattered per micro-batch) [step]")
     lay.add_argument("--recompute", choices=RECOMPUTE_MODES)
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     o = ap.add_argument_group("output")
@@ -180,7 +184,8 @@ def main(argv=None) -> int:
     work = Workload(args.global_batch, precision, args.tokens)
     knobs = {k: getattr(args, k) for k in ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage",
                                            "recompute", "sequence_parallel", "pipeline_schedule", "cp",
-                                           "cp_comm_type", "ep", "zero2_pipeline_reduce")}
+                                           "cp_comm_type", "ep", "zero2_pipeline_reduce",
+                                           "zero3_pipeline_gather")}
     runnable_only = not args.include_unrunnable
 
     from mtds.plan import report

@@ -209,6 +209,24 @@ def after_backward(engine, hook: Callable[[dict], None]) -> None:
     wrap_instruction_handlers(engine, wrap)
 
 
+def around_passes(engine, before: Callable[[], None], after: Callable[[], None]) -> None:
+    """On DeepSpeed's pipeline engines: run ``before()`` and ``after()`` around each ForwardPass and
+    BackwardPass instruction (ZeRO-3's per-micro-batch parameter gather and free)."""
+    def wrap(instruction, handler):
+        if instruction.__name__ not in ("ForwardPass", "BackwardPass"):
+            return handler
+
+        def run(self, **kwargs):
+            before()
+            try:
+                return handler(self, **kwargs)
+            finally:
+                after()
+        return run
+
+    wrap_instruction_handlers(engine, wrap)
+
+
 def engine_groups(engine) -> list[tuple[object, str]]:
     """(process group, axis) for the groups DeepSpeed made itself: a pipeline engine's grid (data, pipe,
     tensor-slice, model), the p2p groups (only when send/recv go by broadcast), the pipeline module's

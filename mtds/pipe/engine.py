@@ -28,6 +28,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from mtds.deepspeed_compat import pipeline as ds
 from mtds.deepspeed_compat.zero1_reduce import reduce_early
 from mtds.deepspeed_compat.zero2_reduce import micro_batch_done
+from mtds.deepspeed_compat.zero3_params import gathered_per_pass
 from mtds.pipe.exchange import ACT, Compute, engine_program, group_names
 from mtds.pipe.p2p import StageP2P
 from mtds.tp.weight_grad_store import WeightGradStore
@@ -158,7 +159,11 @@ class ScheduledPipelineEngine(PipelineEngine):
         handlers = {"F": self._forward_step, "B": self._backward_step, "W": self._weight_step}
         for item in program:
             if isinstance(item, Compute):
-                handlers[item.action.kind](item)
+                if item.action.kind == "W":
+                    handlers["W"](item)
+                else:
+                    with gathered_per_pass(self):     # ZeRO-3 at p > 1, micro-batch mode (no-op otherwise)
+                        handlers[item.action.kind](item)
                 continue
             transfer = item.transfers[0]
             with self._span(transfer.op, self._local_chunk(transfer), transfer.message.micro):

@@ -53,6 +53,7 @@ class Candidate:
     cp_comm_type: str = "p2p"
     ep: int = 1
     zero2_pipeline_reduce: str = "micro-batch"     # ZeRO-2 at p > 1: "micro-batch" | "step" (docs/training.md)
+    zero3_pipeline_gather: str = "step"            # ZeRO-3 at p > 1: "step" | "micro-batch" (docs/training.md)
 
     def __post_init__(self):
         if not self.pipeline_schedule:
@@ -95,14 +96,27 @@ class Candidate:
 
     @property
     def zero2_per_micro_batch(self) -> bool:
-        """ZeRO-2 on a pipeline reducing every micro-batch into the partition (mtds.deepspeed_compat.zero2_reduce)."""
-        return self.zero_stage == 2 and self.pp > 1 and self.zero2_pipeline_reduce == "micro-batch"
+        """ZeRO-2/3 on a pipeline reducing every micro-batch into the partition (mtds.deepspeed_compat.zero2_reduce;
+        ZeRO-3's micro-batch gather mode reduces so)."""
+        if self.pp == 1:
+            return False
+        return (self.zero_stage == 2 and self.zero2_pipeline_reduce == "micro-batch") or \
+            (self.zero_stage == 3 and self.zero3_pipeline_gather == "micro-batch")
+
+    @property
+    def zero3_pipeline_gathers(self) -> int:
+        """ZeRO-3 on a pipeline: parameter all-gathers of the whole stage per step and micro-batch count m --
+        returned per micro-batch as a multiplier: 2 x chunks per rank in the micro-batch mode (one per forward
+        and per backward pass), 0 in the step mode (one per step; see predict)."""
+        if self.zero_stage != 3 or self.pp == 1 or self.zero3_pipeline_gather != "micro-batch":
+            return 0
+        return 2 * (2 if self.pipeline_schedule == "dualpipev" else self.virtual_stages)
 
     @property
     def whole_gradients(self) -> bool:
-        """Whether each rank keeps its stage's whole gradient through the step: ZeRO 0-1, and ZeRO-2 on a pipeline in
-        its step mode (ZeRO-1's reduction)."""
-        return self.zero_stage < 2 or (self.zero_stage == 2 and self.pp > 1 and not self.zero2_per_micro_batch)
+        """Whether each rank keeps its stage's whole gradient through the step: ZeRO 0-1, and ZeRO-2/3 on a pipeline
+        in their step modes (ZeRO-1's reduction)."""
+        return self.zero_stage < 2 or (self.pp > 1 and not self.zero2_per_micro_batch)
 
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
@@ -110,5 +124,5 @@ class Candidate:
         cp = f" c{self.cp}/{self.cp_comm_type}" if self.cp > 1 else ""
         ep = f" e{self.ep}" if self.ep > 1 else ""
         return (f"t{self.tp}{cp} p{self.pp} d{self.dp}{ep} b{self.microbatch} v{self.virtual_stages} "
-                f"z{self.zero_stage}{'/step' if self.zero_stage == 2 and self.whole_gradients else ''} "
+                f"z{self.zero_stage}{'/step' if self.zero_stage in (2, 3) and self.pp > 1 and self.whole_gradients else ''} "
                 f"{self.recompute}{sp}{sched}")

@@ -97,7 +97,8 @@ def model_state_bytes(n_params: float, layout: Candidate, work: Workload,
     w = work.bytes_per_value
     k = 8.0 if work.precision == "fp32" else 12.0
     d, z = ranks or layout.dp_cp, layout.zero_stage
-    params = w * n_params / (d if z >= 3 else 1)
+    # ZeRO-3 on a pipeline gathers the stage's whole parameters for each pass (mtds.deepspeed_compat.zero3_params)
+    params = w * n_params / (d if z >= 3 and layout.pp == 1 else 1)
     grads = grad_buffer_bytes(layout, work, main_grad_bytes) * n_params / (1 if layout.whole_gradients else d)
     opt = k * n_params / (d if z >= 1 else 1)
     return params, grads, opt
@@ -200,7 +201,7 @@ def predict_memory(model: ModelSpec, layout: Candidate, work: Workload, cluster:
             act += 8.0 * layout.local_seq(model.seq) * layout.microbatch * model.padded_vocab(t) / t
         other = cluster.calib.memory_reserve_gib * GIB
         other += cluster.calib.allocator_fragmentation * (params + grads + opt + act)
-        if layout.zero_stage >= 3:
+        if layout.zero_stage >= 3 and layout.pp == 1:
             # gathered weights of the current and the prefetched module (largest: MLP, h x f / t)
             other += 2 * model.hidden * model.ffn / t * w
         if layout.zero_stage >= 1:

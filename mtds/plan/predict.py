@@ -145,8 +145,9 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     t_out = compute.output_layer_time(model, layout, work, cluster)
     n_local = max(stage_params(model, layout, "first"), stage_params(model, layout, "last") if p > 1 else 0.0)
     n_opt = n_local / (d if layout.zero_stage >= 1 else 1)
-    # DeepSpeed's optimizer stage: ZeRO-2 on a pipeline runs on its stage-1 optimizer (mtds.deepspeed_compat.zero2_reduce)
-    ds_stage = 1 if layout.zero_stage == 2 and p > 1 else layout.zero_stage
+    # DeepSpeed's optimizer stage: ZeRO-2/3 on a pipeline run on its stage-1 optimizer (mtds.deepspeed_compat.zero2_reduce,
+    # zero3_params)
+    ds_stage = 1 if layout.zero_stage in (2, 3) and p > 1 else layout.zero_stage
 
     # every microbatch adds its weight gradients into the (fp32) accumulation buffer; with
     # ZeRO-2/3 only the local 1/d partition is accumulated (d·c with context parallelism)
@@ -182,7 +183,7 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     grad_bytes = (n_local - n_expert) * w
     # (d_expert 1 on a dense model: no expert collective, not even its latency)
     expert_grad_bytes, d_expert = n_expert * w, max(1, d // layout.ep) if n_expert else 1
-    if layout.zero_stage >= 3:
+    if layout.zero_stage >= 3 and p == 1:
         if cluster.calib.collective_backend == "gloo":   # persistent parameters, gloo's reduce-scatter
             per_mb = host_costs.zero3_traffic(model, d, t, w, cluster, "gloo")
         else:
@@ -210,6 +211,10 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
             # between two micro-batches' compute (mtds runs them blocking: no overlap)
             tied = 0.0 if model.untied_head else model.padded_vocab(t) / t * h * w
             dp_s += (m - 1) * comm.reduce_scatter(max(0.0, grad_bytes - tied), d, t, cluster)
+        if layout.zero3_pipeline_gathers:
+            # ZeRO-3 on a pipeline, micro-batch mode: the stage's parameters all-gathered before every forward and
+            # backward pass (m x 2 x chunks a step), blocking; the one per step is ZeRO-1's all-gather, above
+            dp_s += (m * layout.zero3_pipeline_gathers - 1) * comm.all_gather(grad_bytes, d, t, cluster)
 
     stage_info = {}
     if stages is not None and p > 1:

@@ -33,7 +33,8 @@ from mtds.plan.predict import Prediction, predict, structural_problems
 from mtds.plan.runnable import rule_problems
 
 KNOBS = ("tp", "pp", "dp", "microbatch", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
-         "pipeline_schedule", "cp", "cp_comm_type", "ep", "zero2_pipeline_reduce")
+         "pipeline_schedule", "cp", "cp_comm_type", "ep", "zero2_pipeline_reduce",
+         "zero3_pipeline_gather")
 
 # Sequences from this length on are "long": context parallelism is searched beside c = 1 (see above).
 LONG_SEQUENCE = 32768
@@ -107,6 +108,7 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
             comms = _comm_types(model, fixed, t, c)
             eps = _expert_sizes(model, fixed, d * c)     # e divides the d·c ranks of the data axis
             zero2_mode = fixed.get("zero2_pipeline_reduce") or "micro-batch"    # ZeRO-2 at p > 1
+            zero3_mode = fixed.get("zero3_pipeline_gather") or "step"           # ZeRO-3 at p > 1
             for b in bs:
                 for v, sched in ((v, sc) for sc in schedules for v in vs if _chunks_fit(sc, v)):
                     for z in zs:
@@ -114,7 +116,8 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
                             for sp in sps:
                                 for ct, e in ((ct, e) for ct in comms for e in eps):
                                     yield Candidate(t, p, d, b, v, z, r, sp, sched, cp=c, cp_comm_type=ct, ep=e,
-                                                    zero2_pipeline_reduce=zero2_mode)
+                                                    zero2_pipeline_reduce=zero2_mode,
+                                                    zero3_pipeline_gather=zero3_mode)
 
 
 def _expert_sizes(model: ModelSpec, fixed: dict, d: int) -> list[int]:
@@ -209,6 +212,7 @@ def evaluate(model: ModelSpec, work: Workload, cluster: Cluster, runnable_only: 
                      fixed.get("recompute", "full"), fixed.get("sequence_parallel", False),
                      fixed.get("pipeline_schedule", "") if isinstance(fixed.get("pipeline_schedule", ""), str) else "",
                      cp=c, cp_comm_type=fixed.get("cp_comm_type", "p2p"), ep=fixed.get("ep", 1),
-                     zero2_pipeline_reduce=fixed.get("zero2_pipeline_reduce", "micro-batch"))
+                     zero2_pipeline_reduce=fixed.get("zero2_pipeline_reduce", "micro-batch"),
+                     zero3_pipeline_gather=fixed.get("zero3_pipeline_gather", "step"))
         return predict(model, lay, work, cluster)
     return min(tried, key=lambda pr: (len(pr.reasons), len(pr.not_runnable), pr.step_time_s))

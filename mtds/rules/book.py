@@ -65,7 +65,7 @@ RULES: tuple[Rule, ...] = (
          "a layout without a pipeline, or whose stages or blocks are not the run's"),
     Rule("zero-stage", deepspeed.zero_stage_known, "zero_optimization.stage", "a ZeRO stage outside 0-3"),
     Rule("zero-pipeline", deepspeed.zero_with_pipeline, "zero_optimization.stage, --pp",
-         "ZeRO-3 on a pipeline; ZeRO-2 on one in 16 bits, with experts or overlap_comm",
+         "ZeRO-2/3 on a pipeline in 16 bits, with experts, overlap_comm or offloading",
          kind=NOT_BUILT),
     Rule("one-precision", deepspeed.one_precision, "fp16.enabled, bf16.enabled", "fp16 and bf16 both on"),
     Rule("batch", deepspeed.batch_splits, "--global-batch-size / train_batch_size, --micro-batch-size, "

@@ -13,19 +13,21 @@ def zero_stage_known(job: Job) -> str | None:
 
 def zero_with_pipeline(job: Job) -> str | None:
     """DeepSpeed's pipeline engine asserts ZeRO 0-1; mtds partitions ZeRO-2's gradients itself at p > 1
-    (mtds.deepspeed_compat.zero2_reduce) in fp32, on every schedule, dense models."""
+    (mtds.deepspeed_compat.zero2_reduce) in fp32, on every schedule, dense models, and ZeRO-3's parameters
+    (mtds.deepspeed_compat.zero3_params; the schedules its rule below allows)."""
     stage, pp = job.zero_stage, job.pp
     if pp <= 1 or stage <= 1:
         return None
-    if stage == 3:
-        return f"ZeRO-3 with pipeline parallelism is not built: use ZeRO-2 (gradients and optimizer state " \
-               f"partitioned) or ZeRO-1 with --pp {pp}, or --pp 1 for ZeRO-3"
+    z = f"ZeRO-{stage}"
     if job.precision != "fp32":
-        return f"ZeRO-2 with --pp {pp} is built for fp32 only: use ZeRO-1 with --pp {pp} for {job.precision}"
+        return f"{z} with --pp {pp} is built for fp32 only: use ZeRO-1 with --pp {pp} for {job.precision}"
     if job.model.num_experts:
-        return f"ZeRO-2 with --pp {pp} and a mixture-of-experts model is not built: use ZeRO-1 with --pp {pp}"
+        return f"{z} with --pp {pp} and a mixture-of-experts model is not built: use ZeRO-1 with --pp {pp}"
     if job.zero_overlap_comm:
-        return f"ZeRO-2 with --pp {pp} reduces its own gradients: set zero_optimization.overlap_comm to false"
+        return f"{z} with --pp {pp} reduces its own gradients: set zero_optimization.overlap_comm to false"
+    if job.zero_offload:
+        return f"{z} with --pp {pp} keeps its partitions on the device (offloading is not built there): remove " \
+               f"zero_optimization.offload_optimizer / offload_param, or use --pp 1"
     return None
 
 

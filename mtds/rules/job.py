@@ -59,6 +59,7 @@ class Job:
     compile: bool = False
     bf16_immediate_grad_update: bool = False
     zero_overlap_comm: bool = False
+    zero_offload: bool = False              # zero_optimization.offload_optimizer / offload_param to cpu or nvme
     deepspeed_version: str | None = None
     moe_z_loss: bool = False                # --moe-z-loss-coeff > 0
     moe_bias_update: bool = False           # --moe-router-enable-expert-bias

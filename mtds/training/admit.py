@@ -64,7 +64,10 @@ def describe(cfg: TrainConfig, world_size: int, model_cfg: ModelConfig, ds_confi
                reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask,
                compile=cfg.compile,
                bf16_immediate_grad_update=bool(bf16.get("enabled") and bf16.get("immediate_grad_update")),
-               zero_overlap_comm=bool(zero.get("overlap_comm", stage == 3)), deepspeed_version=version,
+               zero_overlap_comm=bool(zero.get("overlap_comm", stage == 3 and cfg.pp == 1)),   # p > 1: stage 1's default
+               zero_offload=any((zero.get(k) or {}).get("device", "none") != "none"
+                                for k in ("offload_optimizer", "offload_param")),
+               deepspeed_version=version,
                moe_z_loss=cfg.moe_z_loss_coeff > 0, moe_capacity=cfg.moe_expert_capacity_factor is not None,
                moe_bias_update=cfg.moe_router_enable_expert_bias,
                moe_seq_aux=cfg.moe_router_load_balancing_type == "seq_aux_loss",

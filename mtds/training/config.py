@@ -17,6 +17,7 @@ from mtds.training.options import check_ranges, opt
 
 ZERO1_GRAD_REDUCE = ("reduce-scatter", "all-reduce")
 ZERO2_PIPELINE_REDUCE = ("micro-batch", "step")
+ZERO3_PIPELINE_GATHER = ("step", "micro-batch")
 LR_DECAYS = ("cosine", "linear", "constant")
 ON_NAN = ("stop", "skip")
 CE_FUSION_IMPLS = ("native",)       # mtds.tp.cross_entropy's impl= values
@@ -36,7 +37,7 @@ class TrainConfig:
         help="tensor parallel size t (must divide attention heads) [1]")
     pp: int = opt(
         1, "--pipeline-model-parallel-size", "--pp", section=LAYOUT, at_least=1,
-        help="pipeline stages p (ZeRO-3 needs p = 1; ZeRO-2: see --zero2-pipeline-reduce) [1]")
+        help="pipeline stages p (ZeRO-2/3 at p > 1: see --zero2-pipeline-reduce, --zero3-pipeline-gather) [1]")
     pipeline_schedule: str = opt(               # 1f1b, dualpipev (DeepSpeed engines) | interleaved (mtds.pipe.engine)
         "1f1b", "--pipeline-schedule", section=LAYOUT, metavar="NAME",
         help="pipeline schedule: 1f1b (DeepSpeed's engine), interleaved (PTD-P interleaved 1F1B on "
@@ -232,6 +233,12 @@ class TrainConfig:
         help="ZeRO-2 with --pp > 1: reduce-scatter each micro-batch's gradients into the rank's partition "
              "(micro-batch: no whole gradient kept between micro-batches, m x the reduce-scatter's bytes), or "
              "once after the stage's last backward (step: ZeRO-1's bytes and memory) [micro-batch]")
+    zero3_pipeline_gather: str = opt(           # ZeRO-3 at --pp > 1: when the stage's parameters are gathered
+        "step", "--zero3-pipeline-gather", section=OPTIM, choices=ZERO3_PIPELINE_GATHER,
+        help="ZeRO-3 with --pp > 1: gather the stage's parameters once per step at its first forward and free "
+             "them after its last backward, gradients reduce-scattered once (step: ZeRO-1's bytes), or gather "
+             "before and free after every forward and backward, gradients reduce-scattered per micro-batch "
+             "(micro-batch: least memory, 2m all-gathers a step) [step]")
     # checkpoints and logs
     save: str | None = opt(
         None, "--save", section=LOGS, metavar="DIR", help="checkpoint directory")
@@ -316,6 +323,8 @@ class TrainConfig:
             raise ValueError(f"--zero1-grad-reduce must be reduce-scatter or all-reduce, got {self.zero1_grad_reduce!r}")
         if self.zero2_pipeline_reduce not in ZERO2_PIPELINE_REDUCE:
             raise ValueError(f"--zero2-pipeline-reduce must be micro-batch or step, got {self.zero2_pipeline_reduce!r}")
+        if self.zero3_pipeline_gather not in ZERO3_PIPELINE_GATHER:
+            raise ValueError(f"--zero3-pipeline-gather must be step or micro-batch, got {self.zero3_pipeline_gather!r}")
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 both given: choose one precision")
         if self.cp_comm_type not in CP_COMM_TYPES:

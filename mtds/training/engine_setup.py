@@ -17,6 +17,7 @@ from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.deepspeed_compat.zero2_reduce import install_zero2_reduce_scatter, micro_batch_done
+from mtds.deepspeed_compat.zero3_params import free_parameters, gather_parameters, install_stage_parameter_shards
 from mtds.deepspeed_compat.stage_expert_norms import install_stage_expert_norms
 from mtds.deepspeed_compat.zero_norm import install_foreach_norm
 from mtds.deepspeed_compat.zero_repoint import install_skip_repoint
@@ -78,10 +79,11 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
 
 
 def zero2_built_as_stage1(ds_config: dict) -> dict:
-    """ZeRO-2 on a pipeline: DeepSpeed's optimizer at stage 1 (its pipeline engine asserts stage < 2), the
-    gradients partitioned by mtds (mtds.deepspeed_compat.zero2_reduce)."""
+    """ZeRO-2/3 on a pipeline: DeepSpeed's optimizer at stage 1 (its pipeline engine asserts stage < 2), the
+    gradients partitioned by mtds (mtds.deepspeed_compat.zero2_reduce), ZeRO-3's parameters too
+    (mtds.deepspeed_compat.zero3_params)."""
     zero = ds_config.get("zero_optimization") or {}
-    if zero.get("stage") != 2:
+    if zero.get("stage") not in (2, 3):
         return ds_config
     return {**ds_config, "zero_optimization": {**zero, "stage": 1}}
 
@@ -95,19 +97,39 @@ def _late_params(engine):
     return late_params
 
 
-def install_zero2_pipeline(engine, cfg: TrainConfig) -> None:
+def install_zero2_pipeline(engine, cfg: TrainConfig, zero_stage: int = 2) -> None:
     """ZeRO-2 at p > 1 (mtds.deepspeed_compat.zero2_reduce): its reducer on the stage-1 optimizer; each
     micro-batch's reduction after the rank's last action of it (mtds's engine calls ``micro_batch_done``
     itself; DeepSpeed's 1F1B after each BackwardPass, DualPipeV after each of its phase 0), the rest early as
-    ZeRO-1's."""
-    install_zero2_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, _late_params(engine),
-                                 cfg.zero2_pipeline_reduce)
+    ZeRO-1's. ZeRO-3 (mtds.deepspeed_compat.zero3_params): the same with ``--zero3-pipeline-gather``'s
+    reduction, and the working parameters freed after the stage's last backward (``step``) or after each
+    forward and backward (``micro-batch``)."""
+    mode = cfg.zero3_pipeline_gather if zero_stage == 3 else cfg.zero2_pipeline_reduce
+    reducer = install_zero2_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, _late_params(engine), mode)
+    if zero_stage == 3:
+        install_zero3_pipeline(engine, reducer, mode, own_engine=cfg.pipeline_schedule in OWN_ENGINE)
     if cfg.pipeline_schedule not in OWN_ENGINE:
         def after_backward(kwargs):
             if kwargs.get("phase", 0) == 0:     # DualPipeV: phase 0's backward is a micro-batch's last here
                 micro_batch_done(engine)
         ds_pipeline.after_backward(engine, after_backward)
         ds_pipeline.before_tied_reduction(engine, lambda: reduce_early(engine))
+
+
+def install_zero3_pipeline(engine, reducer, mode: str, own_engine: bool) -> None:
+    """ZeRO-3 at p > 1: the stage's parameters freed now, gathered at each forward; freed again after the
+    stage's last backward (its early reduction) and, in the ``micro-batch`` mode, after every forward and
+    backward pass, gathered before every backward pass."""
+    install_stage_parameter_shards(engine, mode)
+    early = reducer.reduce_early
+
+    def reduce_early_then_free():
+        early()
+        free_parameters(engine)
+    reducer.reduce_early = reduce_early_then_free
+    if mode == "micro-batch" and not own_engine:     # mtds's engines gather per pass themselves
+        ds_pipeline.around_passes(engine, before=lambda: gather_parameters(engine),
+                                  after=lambda: free_parameters(engine))
 
 
 def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
@@ -142,8 +164,8 @@ def install_engine_patches(engine, cfg: TrainConfig, world: World, precision: st
         install_fp32_clipping(engine, groups)
     elif precision != "fp32" and zero_stage == 0 and world.layout.pp == 1:
         mark_sharded_gradients(engine, groups)   # DeepSpeed's unfused fp16/bf16 optimizer drops TP shards
-    if zero_stage == 2 and world.layout.pp > 1:
-        install_zero2_pipeline(engine, cfg)
+    if zero_stage in (2, 3) and world.layout.pp > 1:
+        install_zero2_pipeline(engine, cfg, zero_stage)
     elif zero_stage == 1 and cfg.zero1_grad_reduce == "reduce-scatter":
         install_zero1_reduce_scatter(engine, cfg)
     if cfg.sequence_parallel:

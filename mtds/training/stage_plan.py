@@ -27,7 +27,8 @@ def planner_view(cfg, model_cfg, layout, batch, precision: str, zero_stage: int)
     plan_layout = Candidate.of_layout(layout, microbatch=batch.micro_batch, zero_stage=zero_stage,
                                       recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                                       pipeline_schedule=cfg.pipeline_schedule, cp_comm_type=cfg.cp_comm_type,
-                                      zero2_pipeline_reduce=cfg.zero2_pipeline_reduce)
+                                      zero2_pipeline_reduce=cfg.zero2_pipeline_reduce,
+                                      zero3_pipeline_gather=cfg.zero3_pipeline_gather)
     work = Workload(global_batch=batch.global_batch, precision=precision)
     return spec, plan_layout, work, Cluster(get_gpu(REFERENCE_GPU, precision), gpus=layout.world_size)
 
