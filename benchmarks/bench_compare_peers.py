@@ -9,8 +9,10 @@ Llama work: torchtitan has no pipeline here, so it has no pp cell) back to back,
 order flipped every repetition, so each ratio is taken under the same machine load. The work is
 benchmarks/peer_work.py's (4 layers, hidden 256, 4 heads, vocabulary 8192, sequence 256, micro-batch 4,
 fp32, AdamW, clipping 1.0) on the samples every compare scheme trains on; tokens/s is the median over the
-steps after --warmup. mtds runs with compare.entry's collective tracer installed (the peers have none), so
-its side carries that overhead. Peers missing: their cells are skipped with the reason.
+steps after --warmup. Each run also records process CPU seconds per step (the busiest rank's, median):
+on a host shared with other jobs tokens/s moves with the load, the CPU a step costs much less, so the
+last column compares the work each side does per step. mtds runs with compare.entry's collective tracer
+installed (the peers have none), so its side carries that overhead. Peers missing: their cells are skipped with the reason.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ def run_side(spec: str, nproc: int, model: str, microbatches: int, steps: int, w
                                                         seq_length=peer_work.SEQ, out_dir=out, timeout=1800, **batch)
     row = summarise(launched, warmup=warmup)
     return {"scheme": scheme.name, "tokens_per_s": row["tokens_per_s"], "losses": row["losses"],
-            "framework": row.get("framework", "mtds"), "parameters": row.get("parameters")}
+            "framework": row.get("framework", "mtds"), "parameters": row.get("parameters"),
+            "cpu_s": row["cpu_s_per_step"]}
 
 
 def main(argv=None) -> None:
@@ -74,12 +77,14 @@ def main(argv=None) -> None:
                                  os.path.join(work, f"{rep}-{model}-{cell}-{spec.split(':')[0]}"))
                     r.update(rep=rep, model=model, cell=cell, load=round(os.getloadavg()[0], 2))
                     rows.append(r)
+                    cpu = f"{r['cpu_s']:.3f}" if r["cpu_s"] is not None else "-"
                     print(f"[rep {rep + 1}] {model} {cell} {r['scheme']:24s} {r['tokens_per_s']:8,.0f} tok/s "
-                          f"(load {r['load']}) step-1 loss {r['losses'][0]:.4f}", flush=True)
+                          f"CPU {cpu} s/step (load {r['load']}) step-1 loss {r['losses'][0]:.4f}", flush=True)
                     if a.out:
                         with open(a.out, "a") as f:
                             f.write(json.dumps(r) + "\n")
-    print("\n| model | cell | peer | peer tok/s | mtds tok/s | mtds / peer | paired ratios |\n|---|---|---|---:|---:|---:|---|")
+    print("\n| model | cell | peer | peer tok/s | mtds tok/s | mtds / peer | paired ratios | CPU s/step peer / mtds |"
+          "\n|---|---|---|---:|---:|---:|---|---|")
     for model in a.models:
         for cell in a.cells:
             mine = [r for r in rows if r["model"] == model and r["cell"] == cell]
@@ -89,8 +94,10 @@ def main(argv=None) -> None:
                 continue
             paired = [o["tokens_per_s"] / p["tokens_per_s"] for o in ours for p in peer if o["rep"] == p["rep"]]
             pt, mt = median([r["tokens_per_s"] for r in peer]), median([r["tokens_per_s"] for r in ours])
+            pc, mc = (median([r["cpu_s"] for r in side if r["cpu_s"] is not None] or [0.0]) for side in (peer, ours))
+            work = f"{pc:.3f} / {mc:.3f} = {pc / mc:.2f}" if pc and mc else "-"
             print(f"| {model} | {cell} | {peer[0]['framework']} | {pt:,.0f} | {mt:,.0f} | {mt / pt:.2f} | "
-                  f"{', '.join(f'{x:.2f}' for x in paired)} |")
+                  f"{', '.join(f'{x:.2f}' for x in paired)} | {work} |")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def main() -> None:
         os.makedirs(probe_dir, exist_ok=True)
         with open(os.path.join(probe_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "world": dist.get_world_size(), "layout": result.layout,
-                       "step_times_s": probe.step_times, "comm_per_step": probe.comm_per_step,
+                       "step_times_s": probe.step_times, "step_cpu_s": probe.step_cpu, "comm_per_step": probe.comm_per_step,
                        "parameters": probe.parameters, "peak_rss_gib": peak_rss_gib(),
                        "losses": result.losses, "link_per_step": link,
                        "model_state": state.peak}, f)

@@ -219,13 +219,14 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     side = (run_megatron if job["peer"] == "megatron" else run_torchtitan)(job)
     device = os.environ.get("MTDS_LINK_DEVICE")     # on an emulated node: its link's kernel counters
-    times, losses, link = [], [], []
+    times, cpu, losses, link = [], [], [], []
     for micro_batches in _batches(job, side["dp_rank"]):
         dist.barrier()
         before = _link_bytes(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = side["step"](micro_batches)
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        cpu.append(time.process_time() - c0)      # this rank's process CPU (compare.entry records the same)
         dist.barrier()                  # every rank's sends of this step have left (as compare.entry reads them)
         after = _link_bytes(device)
         if device:
@@ -241,7 +242,7 @@ def main() -> None:
     dist.all_reduce(total)
     from importlib.metadata import version
     name = {"megatron": "megatron-core", "torchtitan": "torchtitan"}[job["peer"]]
-    probe = {"rank": rank, "world": world, "layout": side["layout"], "step_times_s": times, "comm_per_step": [],
+    probe = {"rank": rank, "world": world, "layout": side["layout"], "step_times_s": times, "step_cpu_s": cpu, "comm_per_step": [],
              "parameters": side["params"], "parameters_total": int(total),
              "dp_rank": side["dp_rank"], "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
              "losses": losses, "link_per_step": link, "peer": name, "peer_version": version(name),

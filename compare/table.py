@@ -49,6 +49,16 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _cpu_per_step(ranks: list[dict], warmup: int) -> float | None:
+    """Process CPU seconds per timed step, the busiest rank's, median over steps; None where a rank did not
+    record it. Unlike the step time it leaves out waiting for a core or for a peer: on a host shared with
+    other jobs it compares the work two schemes do per step when their wall times are noise."""
+    per_rank = [r.get("step_cpu_s") for r in ranks]
+    if not all(per_rank):
+        return None
+    return median([max(step) for step in zip(*(cpu[warmup:] or cpu for cpu in per_rank))])
+
+
 def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None) -> dict:
     scheme = launched["scheme"]
     steps = [r for r in read_jsonl(launched["log"]) if r.get("kind") == "train"]
@@ -70,7 +80,7 @@ def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None
         "peak_mem_gib": max(r["peak_rss_gib"] for r in ranks),
         "step_s_median": median(step_times), "step_s_p25": _quantile(step_times, 0.25),
         "step_s_p75": _quantile(step_times, 0.75), "step_s_min": min(step_times), "step_s_max": max(step_times),
-        "timed_steps": len(step_times),
+        "timed_steps": len(step_times), "cpu_s_per_step": _cpu_per_step(ranks, warmup),
         "comm_bytes_per_step_max_rank": max(last_comm), "comm_bytes_per_step_mean": sum(last_comm) / len(last_comm),
         "comm_by_family_max_rank": {f: max(fam.get(f, 0) for fam in families) for f in FAMILIES.values()},
         "comm_by_kind_rank0": ranks[0]["comm_per_step"][-1] if ranks[0]["comm_per_step"] else {},

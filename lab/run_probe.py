@@ -7,8 +7,10 @@
   later (as ``run()``'s own is) never sees ZeRO's parameter all-gathers or gradient reduce-scatters;
 * names mtds's tp / dp / pp groups in it (wrapping ``ParallelLayout.build_groups``);
 * wraps ``build.build_model`` (RSS just before the model exists, parameter count of this rank) and
-  ``train_loop.train_step`` (wall time of every step, the collectives of every step, and — one pipeline
-  stage only — the time inside the engine's forward / backward / step calls).
+  ``train_loop.train_step`` (wall time and process CPU time of every step, the collectives of every step,
+  and — one pipeline stage only — the time inside the engine's forward / backward / step calls). CPU time
+  (all the process's threads, gloo's included) does not count time spent waiting for a core or for a
+  peer, so on a shared host it compares the work two programs do when wall times are noise.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class LoopProbe:
         self.tracer = CommTracer()
         self.timer = PhaseTimer()
         self.step_times: list[float] = []
+        self.step_cpu: list[float] = []           # process CPU seconds of each step (time.process_time)
         self.comm_per_step: list[dict] = []
         self.rss_before_model_gib: float | None = None
         self.parameters: int | None = None
@@ -63,10 +66,11 @@ class LoopProbe:
                 engine._probe_timed = True
             probe.timer.enabled = len(probe.step_times) >= probe.warmup
             probe.tracer.reset()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             with maybe_profile(len(probe.step_times) + 1 == probe.profile_step, probe.profile):
                 loss = train_step(engine, *args, **kwargs)
             elapsed = time.perf_counter() - start
+            probe.step_cpu.append(time.process_time() - cpu)
             probe.comm_per_step.append(probe.tracer.summary())
             if probe.timer.enabled:
                 probe.timer.totals["total"] += elapsed

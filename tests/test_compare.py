@@ -56,6 +56,7 @@ def test_compare_run_tiny(tmp_path):
     for r in rows:
         assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0
         assert r["comm_bytes_per_step_max_rank"] > 0
+        assert 0 < r["cpu_s_per_step"] < 60, r["cpu_s_per_step"]     # each rank's CPU per step, recorded
     ptdp, zero3 = rows[0]["losses"][0], rows[1]["losses"][0]
     assert abs(ptdp - zero3) <= 1e-5 * abs(ptdp), (ptdp, zero3)
     # ZeRO-3's parameter all-gathers are DeepSpeed calls through cached functions: counted only
@@ -102,6 +103,27 @@ def test_zero_formulas():
     assert formula("fp32", 0, psi, d)["total"] == 16 * psi and formula("fp32", 1, psi, d)["label"] == "ZeRO-1 fp32: 8Ψ + 12Ψ/d"
     z3 = formula("fp32", 3, psi, d, persistent=100)
     assert z3["params"] == 4 * psi / d + 400 and z3["label"] == "ZeRO-3 fp32: 20Ψ/d + 4Ψp"
+
+
+def test_state_probe_stops_once_the_state_is_steady(monkeypatch):
+    """The model-state walk runs inside the timed step: measured from the second optimizer step until two
+    steps in a row hold the same bytes (Adam's moments appear at the first step), then not again."""
+    import types
+
+    import torch
+
+    from compare import state
+    module = torch.nn.Linear(8, 8)
+    engine = types.SimpleNamespace(module=module, optimizer=torch.optim.AdamW(module.parameters()))
+    walks = []
+    measure = state.measure
+    monkeypatch.setattr(state, "measure", lambda *a: walks.append(1) or measure(*a))
+    probe = state.StateProbe().install(engine)
+    for _ in range(5):
+        module(torch.ones(2, 8)).sum().backward()
+        engine.optimizer.step()
+    assert len(walks) == 2 and probe.calls == 5, (walks, probe.calls)
+    assert probe.peak == measure(module, engine.optimizer)      # the steady state is the peak
 
 
 def test_planner_cell_follows_the_link(tmp_path):
