@@ -116,18 +116,18 @@ def test_fp16_refused_where_unsupported():
     _assert_one_line_error(_single("--deepspeed_config", "ds_configs/ptdp_fp16.json"), "fp16 is not supported")
 
 
-def test_a_refused_job_on_four_ranks_is_one_line(tmp_path):
+def test_a_refused_job_on_two_ranks_is_one_line(tmp_path):
     """The launcher's exit path for a job the rulebook refuses (the combination, not the command line alone): a
-    Qwen3-MoE at (t, p, d) = (1, 2, 2) with EP 2 on zb-h1. Every rank decides it before the heartbeat and the
-    groups exist; rank 0 says it, the others wait for its word and exit 2 without a line of their own (no
-    "rank 0 is dead" from a heartbeat); torchrun makes exit 1 of it with its summary."""
+    Qwen3-MoE at (t, p, d) = (1, 2, 1) on zb-h1. Every rank decides it before the heartbeat and the groups exist;
+    rank 0 says it, the other waits for its word and exits 2 without a line of its own (no "rank 0 is dead" from a
+    heartbeat); torchrun makes exit 1 of it with its summary. (Two ranks since 2026-11-29, were four with EP 2 at
+    d = 2: the same rule and exit path, two rank start-ups less.)"""
     import transformers
-    needs_ranks(4)      # a launcher starts 4 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
+    needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     transformers.Qwen3MoeConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=256).save_pretrained(tmp_path)
-    out = _torchrun(4, "--deepspeed_config", CPU, "--model", str(tmp_path), "--pp", "2",
-                    "--expert-model-parallel-size", "2", "--pipeline-schedule", "zb-h1")
+    out = _torchrun(2, "--deepspeed_config", CPU, "--model", str(tmp_path), "--pp", "2", "--pipeline-schedule", "zb-h1")
     _assert_one_line_error(out, "MoE models with --pp 2 need --pipeline-schedule 1f1b", launcher="torchrun")
     assert "rank 0 is dead" not in out.stderr and "rendezvous" not in out.stderr, out.stderr[-3000:]
 

@@ -1,7 +1,7 @@
 """The rulebook (mtds.rules): every rule's one line; train.py's start-up (mtds.training.admit, run up to where it
 would build the model) and the planner (mtds.plan.runnable) accept the same jobs over a grid of layouts,
 schedules, ZeRO stages, precisions and models; docs/bad_input.md's table is the rulebook's. A refused job on four
-ranks is one line: tests/test_cli.py::test_a_refused_job_on_four_ranks_is_one_line."""
+ranks is one line: tests/test_cli.py::test_a_refused_job_on_two_ranks_is_one_line."""
 import collections
 import dataclasses
 import itertools

@@ -9,7 +9,6 @@ from mtds.tp.mappings import (all_to_all, copy_to_tensor_parallel_region, gather
                        scatter_to_tensor_parallel_region)
 from mtds.tp.sequence_grads import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
                              shared_by_sequence_shards)
-from mtds.tp.random import MODEL_PARALLEL_RNG, RNGTracker, checkpoint, model_parallel_seed, seed_parallel_streams
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallel_lm_logits",
@@ -21,3 +20,14 @@ __all__ = [
     "gather_from_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "RNGTracker", "MODEL_PARALLEL_RNG", "model_parallel_seed", "seed_parallel_streams", "checkpoint",
 ]
+
+# The RNG tracker's module is loaded when one of its names is first asked for: its compiler.disable imports
+# torch._dynamo (~1 CPU-s), which a process using only the mappings (the cluster's self-test ranks) never needs.
+_RANDOM = ("MODEL_PARALLEL_RNG", "RNGTracker", "checkpoint", "model_parallel_seed", "seed_parallel_streams")
+
+
+def __getattr__(name):
+    if name in _RANDOM:
+        from mtds.tp import random
+        return getattr(random, name)
+    raise AttributeError(f"module 'mtds.tp' has no attribute {name!r}")
