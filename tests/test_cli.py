@@ -118,17 +118,17 @@ def test_fp16_refused_where_unsupported():
 
 def test_a_refused_job_on_two_ranks_is_one_line(tmp_path):
     """The launcher's exit path for a job the rulebook refuses (the combination, not the command line alone): a
-    Qwen3-MoE at (t, p, d) = (1, 2, 1) on zb-h1. Every rank decides it before the heartbeat and the groups exist;
-    rank 0 says it, the other waits for its word and exits 2 without a line of its own (no "rank 0 is dead" from a
-    heartbeat); torchrun makes exit 1 of it with its summary. (Two ranks since 2026-11-29, were four with EP 2 at
-    d = 2: the same rule and exit path, two rank start-ups less.)"""
+    Qwen3-MoE at (t, p, d) = (1, 1, 2) with EP 2 and the ZeRO-3 config. Every rank decides it before the heartbeat
+    and the groups exist; rank 0 says it, the other waits for its word and exits 2 without a line of its own (no
+    "rank 0 is dead" from a heartbeat); torchrun makes exit 1 of it with its summary."""
     import transformers
     needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     transformers.Qwen3MoeConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=256).save_pretrained(tmp_path)
-    out = _torchrun(2, "--deepspeed_config", CPU, "--model", str(tmp_path), "--pp", "2", "--pipeline-schedule", "zb-h1")
-    _assert_one_line_error(out, "MoE models with --pp 2 need --pipeline-schedule 1f1b", launcher="torchrun")
+    out = _torchrun(2, "--deepspeed_config", "ds_configs/cpu_zero3_fp32.json", "--model", str(tmp_path),
+                    "--expert-model-parallel-size", "2")
+    _assert_one_line_error(out, "--expert-model-parallel-size 2 with ZeRO-3 is not built", launcher="torchrun")
     assert "rank 0 is dead" not in out.stderr and "rendezvous" not in out.stderr, out.stderr[-3000:]
 
 
