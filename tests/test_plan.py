@@ -216,11 +216,11 @@ def _family_config(name):
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt2_gelu", "neox", "llama", "llama_tied", "llama_bias",
                                   "llama_rope_linear", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe_step",
-                                  "qwen2_moe", "deepseek_v3", "deepseek_v3_plain"])
+                                  "qwen2_moe", "deepseek_v3", "deepseek_v3_plain", "gpt_oss"])
 def test_model_spec_matches_real_models_of_every_family(name):
     """ModelSpec of a GPT-2 / NeoX / Llama (GQA, SwiGLU, untied, RMSNorm, bias-free) / Qwen2 (q/k/v biases
     only) / Qwen3 (q/k norm, head_dim != h / a) / Mistral / MoE (Mixtral, Qwen3-MoE with dense blocks, Qwen2-MoE's
-    gated shared expert, DeepSeek-V3's latent attention with and without a Q LoRA) config: its parameter count
+    gated shared expert, DeepSeek-V3's latent attention with and without a Q LoRA, GPT-OSS's sinks and expert biases) config: its parameter count
     equals the HF model's and mtds's, its per-GPU count at t = 1 equals mtds's model (padded vocabulary) tensor by
     tensor, what it replicates over TP is what mtds's model does not mark tensor-parallel, and its FLOPs are the
     step log's count for that config (one function for both)."""
@@ -246,7 +246,8 @@ def test_model_spec_matches_real_models_of_every_family(name):
     assert sorted(host_costs.param_tensor_sizes(spec)) == tensors
     whole = sum(p.numel() for n, p in model.named_parameters()
                 if not getattr(p, "tensor_model_parallel", False) and "position_embeddings" not in n)
-    assert whole == spec.layers * spec.replicated_params_per_layer() + spec.norm_params
+    assert whole == spec.layers * (spec.replicated_params_per_layer() + spec.expert_whole_params_per_layer()) \
+        + spec.norm_params
     assert spec.hardware_flops(8, "selective") == metrics.model_config_flops(cfg, 8, 32, "selective")
     if name == "gpt2":   # PTD-P's closed form, which leaves out the final layer norm (2h)
         assert spec.params == metrics.gpt_param_count(2, 64, 250, 32) + 2 * 64

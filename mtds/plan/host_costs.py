@@ -116,7 +116,7 @@ def _attention_tensors(model: ModelSpec, t: int) -> list[float]:
         return [*q, (r_kv + model.qk_pos_emb_head_dim) * h, *[r_kv] * norm,
                 a * (model.qk_head_dim + model.v_head_dim) / t * r_kv, h * a * model.v_head_dim / t]
     qkv = (model.q_width + 2 * model.kv_width) / t
-    out = [h * qkv, model.q_width / t * h]
+    out = [h * qkv, model.q_width / t * h] + ([model.heads / t] if model.attention_sinks else [])
     if model.qkv_bias:
         out.append(qkv)
     if model.has_out_proj_bias:
@@ -136,6 +136,8 @@ def _moe_tensors(model: ModelSpec, t: int) -> list[float]:
     """Router, the experts' gate/up and down (one grouped tensor each), the shared expert and its gate."""
     h, e, f = model.hidden, model.num_experts, model.moe_ffn
     out = [e * h, e * 2 * f / t * h, e * h * f / t]
+    if model.expert_biases:
+        out += [e, e * 2 * f / t, e * h]
     if model.moe_shared_ffn:
         out += ([h] if model.moe_shared_gate else []) + [2 * model.moe_shared_ffn / t * h, h * model.moe_shared_ffn / t]
     return out

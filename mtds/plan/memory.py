@@ -51,7 +51,7 @@ def stage_params(model: ModelSpec, layout: Candidate, stage: str) -> float:
     """
     t, p, h = layout.tp, layout.pp, model.hidden
     per_layer = (model.sharded_params_per_layer() / t + model.replicated_params_per_layer()
-                 + model.expert_params_per_layer() / (t * layout.ep))
+                 + model.expert_params_per_layer() / (t * layout.ep) + model.expert_whole_params_per_layer() / layout.ep)
     embed = model.padded_vocab(t) * h / t
     n = per_layer * model.layers / p
     if stage == "first":
@@ -66,7 +66,8 @@ def stage_expert_params(model: ModelSpec, layout: Candidate) -> float:
     """Expert parameters one GPU holds (part of :func:`stage_params`): its l/p blocks' experts, split t ways
     inside each expert and over the e ranks of its expert-parallel group, E x 3 h F / (t e) per MoE block
     (MoE blocks spread evenly over the stages)."""
-    return model.expert_params_per_layer() / (layout.tp * layout.ep) * model.layers / layout.pp
+    per_layer = model.expert_params_per_layer() / layout.tp + model.expert_whole_params_per_layer()
+    return per_layer / layout.ep * model.layers / layout.pp
 
 
 def grad_buffer_bytes(layout: Candidate, work: Workload, main_grad_bytes: float | None) -> float:

@@ -38,6 +38,10 @@ class ModelSpec:
     down-projection (the RoPE key shared by all heads), a norm, and an r_kv x a(qk + v) up-projection. Under TP
     the up-projections and the output projection split with the heads; the down-projections and their norms are
     replicated (docs/moe.md), as mtds builds them.
+
+    GPT-OSS: ``attention_sinks`` adds a learned logit per head (split t ways with the heads); ``expert_biases``
+    biases on the router (E, replicated), on each expert's gate|up (2F, split t ways) and down (h, whole on every
+    TP rank: :meth:`expert_whole_params_per_layer`). The eager sink core's s x s probabilities are not modelled.
     """
 
     layers: int
@@ -74,6 +78,8 @@ class ModelSpec:
     qk_head_dim: int = 0
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
+    attention_sinks: bool = False        # a learned logit per head (GPT-OSS): a parameters per layer, split with them
+    expert_biases: bool = False          # biases on the router, the experts' gate|up (split t ways) and down (whole)
 
     @classmethod
     def from_config(cls, cfg, seq: int | None = None, name: str = "") -> "ModelSpec":
@@ -85,7 +91,8 @@ class ModelSpec:
                    rotary=cfg.position_embedding == "rotary", qkv_bias=cfg.qkv_bias, linear_bias=cfg.linear_bias,
                    rmsnorm=cfg.normalization == "rmsnorm", head_dim=cfg.kv_channels,
                    out_proj_bias=cfg.out_proj_bias, qk_norm=cfg.qk_norm, attention_dropout=cfg.attention_dropout,
-                   hidden_dropout=cfg.hidden_dropout, sliding_window=cfg.sliding_window, **_moe_fields(cfg),
+                   hidden_dropout=cfg.hidden_dropout, sliding_window=cfg.sliding_window,
+                   attention_sinks=getattr(cfg, "attention_sinks", False), **_moe_fields(cfg),
                    **_latent_fields(cfg))
 
     @property
@@ -150,7 +157,13 @@ class ModelSpec:
     def expert_params_per_layer(self) -> float:
         """Expert parameters of one layer, averaged over the l blocks: E x 3 h F per MoE block (bias-free SwiGLU).
         They are split t ways (inside each expert) and ep ways (experts over data ranks)."""
-        return self.moe_fraction * self.num_experts * 3 * self.hidden * self.moe_ffn
+        bias = 2 * self.moe_ffn if self.expert_biases else 0
+        return self.moe_fraction * self.num_experts * (3 * self.hidden * self.moe_ffn + bias)
+
+    def expert_whole_params_per_layer(self) -> float:
+        """The experts' down biases (``expert_biases``), averaged over the l blocks: E x h per MoE block, whole on
+        every TP rank (added once after the experts' all-reduce), split ep ways with their experts."""
+        return self.moe_fraction * self.num_experts * self.hidden if self.expert_biases else 0.0
 
     @property
     def active_ffn(self) -> float:
@@ -233,26 +246,29 @@ class ModelSpec:
         h, f = self.hidden, self.ffn
         dense = 1.0 - self.moe_fraction        # MoE blocks have experts (expert_params_per_layer) instead
         shared = self.moe_fraction * self.shared_expert_params
+        sinks = self.heads if self.attention_sinks else 0
         mlp_bias = (self.mlp_matrices - 1) * f * dense if self.linear_bias else 0.0
         if self.latent:
-            return self.latent_params()[0] + dense * self.mlp_matrices * h * f + mlp_bias + shared
+            return self.latent_params()[0] + dense * self.mlp_matrices * h * f + mlp_bias + shared + sinks
         qkv = self.q_width + 2 * self.kv_width
         bias = (qkv if self.qkv_bias else 0.0) + mlp_bias
-        return h * qkv + self.q_width * h + dense * self.mlp_matrices * h * f + bias + shared
+        return h * qkv + self.q_width * h + dense * self.mlp_matrices * h * f + bias + shared + sinks
 
     def replicated_params_per_layer(self) -> float:
         """Parameters of one layer every TP rank holds whole: two norms, the row-parallel biases
         (projection and fc2, h each), the q/k norms and, in MoE blocks, the h x E router."""
         dense = 1.0 - self.moe_fraction
         biases = (self.hidden if self.has_out_proj_bias else 0) + (self.hidden * dense if self.linear_bias else 0)
-        router = self.moe_fraction * self.hidden * (self.num_experts + (1 if self.moe_shared_gate else 0))
+        router = self.moe_fraction * (self.hidden * (self.num_experts + (1 if self.moe_shared_gate else 0))
+                                      + (self.num_experts if self.expert_biases else 0))
         latent = self.latent_params()[1] if self.latent else 0.0
         return 2 * self.norm_params + biases + self.qk_norm_params + router + latent
 
     def params_per_layer(self) -> float:
         """Sharded + replicated (= 12h^2 + 13h for the GPT shape: QKV 3h^2+3h, projection h^2+h,
         MLP 2hf+f+h, two layer norms 4h at f = 4h) + experts."""
-        return self.sharded_params_per_layer() + self.replicated_params_per_layer() + self.expert_params_per_layer()
+        return (self.sharded_params_per_layer() + self.replicated_params_per_layer() + self.expert_params_per_layer()
+                + self.expert_whole_params_per_layer())
 
     def model_flops(self, batch: int) -> float:
         """Model FLOPs per iteration: PTD-P eq. 3 without recompute for the GPT shape; for other shapes
@@ -298,7 +314,7 @@ def _moe_fields(cfg) -> dict:
     return {"num_experts": experts, "moe_top_k": cfg.moe_top_k, "moe_ffn_hidden": cfg.moe_ffn_size,
             "moe_layers": len(positions), "moe_positions": positions,
             "moe_shared_ffn": cfg.moe_shared_expert_intermediate_size or 0,
-            "moe_shared_gate": bool(cfg.moe_shared_expert_gate)}
+            "moe_shared_gate": bool(cfg.moe_shared_expert_gate), "expert_biases": bool(cfg.linear_bias)}
 
 
 def _latent_fields(cfg) -> dict:
