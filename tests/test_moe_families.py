@@ -9,8 +9,8 @@ transformers' files, then 10 clipped AdamW steps against transformers (loss and 
 at (2,1,2) e = 2 with --sequence-parallel and at (2,2,1) with --sequence-parallel; for DeepSeek-V3 also the
 aux-loss-free bias update at (2,1,2) e = 2 (ZeRO-1, no sequence parallelism) against transformers trained with
 the same update by hand: losses, norms, and the biases after every step bit for bit on every rank; latent
-attention at c = 2 (ring and Ulysses, value head dim below and above the query/key one) against c = 1; and
-Qwen3-MoE at t = 2 + SP, c = 2, e = 2. MoE models with context parallelism at c = 2, d = 1 (Qwen3-MoE's aux loss
+attention at c = 2 (ring and Ulysses, value head dim below and above the query/key one) against c = 1;
+Qwen3-MoE at t = 2 + SP, c = 2, e = 2; and Mixtral (aux loss on) at (1,2,1) c = 2 on 1F1B and zb-h1. MoE models with context parallelism at c = 2, d = 1 (Qwen3-MoE's aux loss
 over the ring and Ulysses, DeepSeek-V3 over both, with e = 2 and the bias update) in a pooled 2-rank body.
 
 Tolerance 1e-5 relative (fp32): the two sides sum in other orders (TP partial sums, the experts' grouped rows);
@@ -258,6 +258,11 @@ def test_four_ranks(tmp_path):
     from tests.test_moe import _training_model as moe_model
     configs.append(train_config(model=moe_model("qwen3_moe"), tp=2, sequence_parallel=True, context_parallel_size=2,
                                 expert_model_parallel_size=2, deepspeed_config=ds_config(zero=1), **lr))
+    # Mixtral (aux loss on) at (1,2,1) c = 2, one block per stage: the statistics summed over the pair in each
+    # block, carried over the stage boundary, their gradient back through 1F1B's and zb-h1's sends
+    mixtral = moe_model("mixtral")
+    configs += [train_config(model=mixtral, pp=2, context_parallel_size=2, pipeline_layout="Et|tL",
+                             pipeline_schedule=schedule, **lr) for schedule in ("1f1b", "zb-h1")]
     # GPT-OSS at one layout: sinks split with the heads, expert biases split with the experts (e = 2) and over TP
     gpt_oss = _training_model("gpt_oss")
     configs.append(train_config(model=gpt_oss, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
@@ -276,10 +281,11 @@ def test_four_ranks(tmp_path):
     per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 2, len(configs) - 1], timeout=600)
     (logits, cp), results, _ = per_rank[-1]
     print("logits at (2,1,2) e = 2, max rel diff:", logits, "latent attention c = 2 vs 1 (v head dim):", cp)
-    assert [r.layout for r in results[:6]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names) + \
-        ["(tp=2, pp=1, dp=1, cp=2, ep=2)", "(tp=2, pp=1, dp=2, ep=2)"]
-    _parity(results[:6], [m for m in models for _ in range(2)] + [("qwen3_moe", configs[4].model), ("gpt_oss", gpt_oss)],
-            "(2,1,2)e2+sp (2,2,1)+sp; (2,1,1)c2e2+sp; gpt_oss (2,1,2)e2+sp")
+    assert [r.layout for r in results[:8]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names) + \
+        ["(tp=2, pp=1, dp=1, cp=2, ep=2)"] + ["(tp=1, pp=2, dp=1, cp=2)"] * 2 + ["(tp=2, pp=1, dp=2, ep=2)"]
+    _parity(results[:8], [m for m in models for _ in range(2)] + [("qwen3_moe", configs[4].model)] +
+            [("mixtral", mixtral)] * 2 + [("gpt_oss", gpt_oss)],
+            "(2,1,2)e2+sp (2,2,1)+sp; (2,1,1)c2e2+sp; (1,2,1)c2 1f1b, zb-h1; gpt_oss (2,1,2)e2+sp")
     # the bias update: the same losses and norms as transformers trained with the update by hand, and after every
     # step the same biases, bit for bit, on every rank and in the reference (integer loads, the same signs)
     ref, history = _reference_with_bias_update(deepseek, BIAS_RATE)

@@ -59,7 +59,7 @@ RULES: tuple[Rule, ...] = (
          "--cp-comm-type, --tp", "a sequence not cut into 2c chunks (and t slices with SP); Ulysses' heads not "
          "split over c"),
     Rule("cp-features", context.cp_features, "--context-parallel-size, dropout, --reset-position-ids, "
-         "sliding windows, experts with --pp, --moe-expert-capacity-factor or in mtds-eval",
+         "sliding windows, experts with --moe-expert-capacity-factor or in mtds-eval",
          "what context parallelism does not build yet", kind=NOT_BUILT),
     Rule("pipeline-layout", layout.pipeline_layout, "--pipeline-layout, --pp, --virtual-stages, the model",
          "a layout without a pipeline, or whose stages or blocks are not the run's"),
