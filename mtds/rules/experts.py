@@ -3,7 +3,7 @@
 different model or a wrong gradient."""
 from __future__ import annotations
 
-from mtds.rules.job import EVAL, Job
+from mtds.rules.job import Job
 
 
 def router_flags(job: Job) -> str | None:
@@ -45,22 +45,6 @@ def expert_parallel_zero(job: Job) -> str | None:
         # split_params_grads_into_shared_and_expert_params is dropped from the norm that clipping uses
         return f"{e} with {job.precision} needs ZeRO-1 or 2: at ZeRO-0 DeepSpeed's unfused {job.precision} " \
                f"optimizer leaves the expert gradients out of the global norm it clips by"
-    return None
-
-
-def moe_pipeline(job: Job) -> str | None:
-    """transformers' aux loss pools the expert counts of every MoE block of the forward (mtds.model.aux_loss):
-    on a pipeline they travel with the activations, as a tuple, on every schedule (mtds.pipe.p2p sends the
-    tensors beside the activation on interleaved and zb-h1; DeepSpeed's 1F1B and DualPipeV engines send tuples).
-    The packed-document ids would be a second passenger, not built. Evaluation (mtds-eval) carries no
-    statistics (its loss is the LM loss): one tensor, at any p."""
-    if not job.model.num_experts or job.pp == 1 or job.purpose == EVAL:
-        return None
-    p = job.pp
-    if job.documents:
-        return f"MoE models with --pp {p} and packed-document resets (--reset-position-ids, " \
-               f"--reset-attention-mask) are not built: both travel beside the activation; use --pp 1 or leave " \
-               f"the resets off"
     return None
 
 
