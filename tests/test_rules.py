@@ -54,6 +54,9 @@ RULE_CASES = {
                         "DeepSpeed 0.20.1 is outside the range mtds's pipeline schedules are built on"),
     "expert-parallel-zero": (Job(MOE, 2, ep=2, precision="bf16"),
                              "--expert-model-parallel-size 2 with bf16 needs ZeRO-1 or 2"),
+    "overlap-comm": (Job(MOE, 2, ep=2, moe_overlap_comm=True),
+                     "--overlap-moe-expert-parallel-comm overlaps an MoE block's dispatch all-to-all with its shared "
+                     "expert: it needs --expert-model-parallel-size > 1 and a model with a shared expert"),
     "expert-width": (Job(dataclasses.replace(MOE, moe_ffn_size=98), 4, tp=4),
                      "tensor parallel size 4 does not divide the expert FFN size 98"),
     "async-save-needs-save": (Job(DENSE, 1, async_save=True), "--async-save without --save"),

@@ -72,6 +72,9 @@ RULES: tuple[Rule, ...] = (
          "mtds's own engines and DualPipeV outside the DeepSpeed range they are built on", kind=NOT_BUILT),
     Rule("expert-parallel-zero", experts.expert_parallel_zero, "--expert-model-parallel-size, ZeRO stage, "
          "precision", "expert parallelism with ZeRO-3, or in 16 bits at ZeRO-0", kind=NOT_BUILT),
+    Rule("overlap-comm", experts.overlap_comm, "--overlap-moe-expert-parallel-comm, --expert-model-parallel-size, "
+         "--sequence-parallel, the model", "the dispatch's overlap without an all-to-all or a shared expert "
+         "(with sequence parallelism: not built)"),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
     Rule("async-save-needs-save", checkpoint.async_save_needs_save, "--async-save, --save",
          "a background save with no checkpoint directory"),

@@ -48,6 +48,22 @@ def expert_parallel_zero(job: Job) -> str | None:
     return None
 
 
+def overlap_comm(job: Job) -> str | None:
+    """--overlap-moe-expert-parallel-comm hides the dispatch all-to-all behind the block's shared expert
+    (mtds.model.moe): without an all-to-all or a shared expert it would do nothing; with sequence parallelism
+    it is not built."""
+    if not job.moe_overlap_comm:
+        return None
+    flag = "--overlap-moe-expert-parallel-comm"
+    if job.ep == 1 or not job.model.shared_expert_ffn_size:
+        return f"{flag} overlaps an MoE block's dispatch all-to-all with its shared expert: it needs " \
+               f"--expert-model-parallel-size > 1 and a model with a shared expert (Qwen2-MoE, DeepSeek-V3); " \
+               f"drop the flag"
+    if job.sequence_parallel:
+        return f"{flag} with --sequence-parallel is not built: drop one of them"
+    return None
+
+
 def expert_width(job: Job) -> str | None:
     if job.model.num_experts and job.model.moe_ffn_size % job.tp:
         return f"tensor parallel size {job.tp} does not divide the expert FFN size {job.model.moe_ffn_size}"

@@ -62,6 +62,7 @@ class Job:
     moe_z_loss: bool = False                # --moe-z-loss-coeff > 0
     moe_bias_update: bool = False           # --moe-router-enable-expert-bias
     moe_capacity: bool = False              # --moe-expert-capacity-factor given
+    moe_overlap_comm: bool = False          # --overlap-moe-expert-parallel-comm
     save: bool = False                      # --save given
     async_save: bool = False                # --async-save
     purpose: str = TRAIN                    # train | eval (mtds-eval: no router statistics carried)

@@ -67,6 +67,7 @@ def describe(cfg: TrainConfig, world_size: int, model_cfg: ModelConfig, ds_confi
                zero_overlap_comm=bool(zero.get("overlap_comm", stage == 3)), deepspeed_version=version,
                moe_z_loss=cfg.moe_z_loss_coeff > 0, moe_capacity=cfg.moe_expert_capacity_factor is not None,
                moe_bias_update=cfg.moe_router_enable_expert_bias,
+               moe_overlap_comm=cfg.overlap_moe_expert_parallel_comm,
                save=bool(cfg.save), async_save=cfg.async_save, purpose=TRAIN)
 
 

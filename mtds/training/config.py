@@ -85,8 +85,9 @@ class TrainConfig:
         help="MoE models with a shared expert (Qwen2-MoE, DeepSeek-V3) and --expert-model-parallel-size > 1: "
              "issue each block's dispatch all-to-all without waiting and compute the shared expert while the "
              "tokens travel, waiting only before the routed experts read them (Megatron-core's flag; here "
-             "within one block, not across DualPipeV's chunks). The same values; the backward runs the two "
-             "branches in another order, so gradients may differ in the last bits. Off by default")
+             "within one block, not across DualPipeV's chunks; not with --sequence-parallel). The same values; the "
+             "backward runs the two branches in another order, so gradients may differ in the last bits. Off by "
+             "default")
     moe_z_loss_coeff: float = opt(              # Megatron-core's router z-loss (ST-MoE), mtds.model.aux_loss
         0.0, "--moe-z-loss-coeff", section=LAYOUT, at_least=0, metavar="C",
         help="MoE models: add C x the router z-loss to the training loss, per MoE block the mean over its "
