@@ -273,3 +273,25 @@ def test_a_patch_deepspeed_never_calls_is_reported():
     (text,) = spawn(_run_with_clipping_moved, 1)
     assert text is not None, "a run whose clipping patch never ran finished without an error"
     assert "never called mtds's patch DeepSpeedEngine.clip_fp32_gradients during the first step" in text, text
+
+
+def test_deepspeed_compile_decorators_compile_at_the_first_call(monkeypatch):
+    """DeepSpeed's ``@compiler.compile()`` (Muon's update, imported by every ZeRO optimizer's set-up) would load
+    Inductor at import, ~0.75 CPU-s per rank: mtds defers it to the function's first call, which compiles
+    once and returns what the function returns."""
+    import torch
+    from deepspeed.runtime import compiler
+
+    from mtds.deepspeed_compat.lazy_compile import _deferred, defer_compile_decorators
+    compiled = []
+
+    def counting_compile(fn):
+        compiled.append(fn)
+        return fn
+    square = _deferred(counting_compile)()(lambda x: x * x)
+    assert compiled == []                           # decorating compiles nothing
+    assert (square(3), square(4)) == (9, 16) and len(compiled) == 1
+    monkeypatch.setattr(compiler, "compile", compiler.compile)     # restored after the test
+    defer_compile_decorators()
+    defer_compile_decorators()                      # idempotent: not deferred twice
+    assert compiler.compile.mtds_deferred and compiler.compile.__closure__[0].cell_contents is torch.compile

@@ -651,11 +651,13 @@ def _same_weights(tag: str, flat: str, tol: float) -> None:
 
 def test_expert_groups_are_deepspeeds():
     """mtds's expert-parallel and expert-data-parallel groups are the ones DeepSpeed's own MoE builds for the
-    same (t, p, d, e) with an mpu (so DeepSpeed's tools read mtds's expert layout alike)."""
+    same (t, p, d, c, e) with an mpu (so DeepSpeed's tools read mtds's expert layout alike)."""
     from deepspeed.utils.groups import _get_expert_parallel_ranks
     from mtds.parallel.layout import ParallelLayout
-    for tp, pp, dp, ep in ((1, 1, 4, 2), (2, 1, 4, 2), (2, 2, 4, 4), (1, 2, 8, 2)):
-        layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    # with c > 1 DeepSpeed's data axis is d·c (the mpu's): e folds over data and context parallelism
+    for tp, pp, dp, ep, cp in ((1, 1, 4, 2, 1), (2, 1, 4, 2, 1), (2, 2, 4, 4, 1), (1, 2, 8, 2, 1), (1, 1, 2, 2, 2),
+                               (2, 1, 2, 4, 2), (1, 2, 1, 2, 4), (1, 1, 4, 8, 2)):
+        layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
         theirs = _get_expert_parallel_ranks(layout.world_size, tp, ep, pp)
         assert (sorted(layout.ep_groups()), sorted(layout.expert_dp_groups())) == tuple(map(sorted, theirs)), layout
 

@@ -155,3 +155,19 @@ def test_deepseek_v3_parameters_flops_and_context_parallel_bytes():
     assert cp_comm.p2p_hop_bytes(DEEPSEEK_V3, lay, WORK32) == 2 * 1 * 1024 * a * 192 / 8 * 4
     wide_v = replace(DEEPSEEK_V3, v_head_dim=256)       # the query/key heads padded to the value's 256
     assert cp_comm.p2p_hop_bytes(wide_v, lay, WORK32) == 2 * 1 * 1024 * a * 256 / 8 * 4
+
+
+def test_expert_parallelism_folds_over_context_parallelism():
+    """With c > 1 the expert-parallel group is e consecutive ranks of the d·c axis, t apart (mtds.parallel.layout):
+    e may exceed d, the search tries the divisors of d·c, and the all-to-all's stride is t, not t·c."""
+    from mtds.plan.search import candidate_layouts
+    lay = Candidate(4, 1, 1, 1, cp=2, ep=2, zero_stage=0, recompute="none")
+    assert not_runnable(lay, "fp32") == []
+    assert len(not_runnable(Candidate(2, 2, 1, 1, cp=2, ep=2), "fp32")) == 1     # MoE + CP on a pipeline
+    found = {c.ep for c in candidate_layouts(MIXTRAL, WORK32, Cluster(get_gpu("H100"), 8), {"tp": 4, "cp": 2})}
+    assert found == {1, 2}, found
+    # ranks 0 and 4 of a node of 8 (t = 4): inside the node; t·c apart they would span two nodes
+    nbytes = ep_comm.a2a_tensor_bytes(MIXTRAL, lay, WORK32)
+    one = comm.all_to_all(nbytes, 2, 4, H100_16)
+    assert one < comm.all_to_all(nbytes, 2, 8, H100_16)
+    assert ep_comm.layer_time(MIXTRAL, lay, WORK32, H100_16) == pytest.approx(4 * one, rel=1e-12)

@@ -95,6 +95,20 @@ def test_eval_takes_moe_pipelines_and_converters_the_shards():
     rules.check_shards(DENSE, tp=2, pp=2)
 
 
+def test_moe_with_context_parallelism():
+    """MoE models train with --cp > 1 (ring and Ulysses; with experts split over d·c, tests/test_moe_families.py);
+    on a pipeline, with a capacity factor or in mtds-eval they are refused; e divides d·c, not d alone."""
+    assert rules.problems(Job(MOE, 2, cp=2)) == []
+    assert rules.problems(Job(MOE, 2, cp=2, cp_comm_type="a2a", moe_z_loss=True)) == []
+    assert rules.problems(Job(MOE, 4, cp=2, ep=4)) == []         # e over d·c = 2·2
+    for job, line in ((Job(MOE, 4, cp=2, pp=2), "mixture-of-experts models with --cp 2 and --pp 2 are not built"),
+                      (Job(MOE, 2, cp=2, purpose=rules.EVAL), "mtds-eval of a mixture-of-experts model with --cp 2"),
+                      (Job(MOE, 2, cp=2, moe_capacity=True), "--moe-expert-capacity-factor with --cp 2 is not "
+                                                                 "built"),
+                      (Job(MOE, 6, cp=3, ep=4), "--expert-model-parallel-size 4 does not divide d·c = 2·3 = 6")):
+        assert [p.message for p in rules.problems(job)] and line in rules.problems(job)[0].message, (job, line)
+
+
 def test_micro_batches_come_from_the_batch_as_the_config_states_it():
     """m = B / (b d); a config without train_batch_size states m itself (gradient_accumulation_steps, else 1)."""
     dualpipev = dict(pp=2, pipeline_schedule="dualpipev", micro_batch=2)

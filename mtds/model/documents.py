@@ -35,7 +35,8 @@ def enabled(documents: DocumentMasking | None) -> DocumentMasking | None:
 def beside(micro_batch: int, seq_length: int) -> tuple:
     """The segment ids as a tensor beside the boundary activation, for an engine that sends tensor by tensor
     (mtds.pipe.p2p): (shape, dtype, has a gradient). Last in the tuple: after an MoE model's router statistics
-    (mtds.model.router_carry). The whole sequence's ids, also with sequence parallelism."""
+    (mtds.model.router_carry). ``seq_length``: the whole sequence's, also with sequence parallelism; with
+    context parallelism this rank's s/c tokens'."""
     return (((micro_batch, seq_length), torch.int64, False),)
 
 

@@ -47,7 +47,8 @@ class TransformerLayer(nn.Module):
                                    documents=documents, context=context)
             self.post_attention_norm = make_norm(cfg, sp_group)
             if cfg.is_moe_layer(layer_number):     # ep_group: the experts split over expert-parallel ranks
-                self.mlp = MoEBlock(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group)
+                self.mlp = MoEBlock(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group,
+                                    cp_group=None if context is None else context.group)
             else:
                 self.mlp = MLP(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
         # Residual-stream dropout: without sequence parallelism it acts on replicated activations

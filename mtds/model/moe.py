@@ -20,6 +20,11 @@ the experts' TP all-reduce follows as at e = 1.
 A shared expert (Qwen2-MoE, DeepSeek-V3; :mod:`mtds.model.shared_expert`), where the config has one, runs on the
 block input beside the routed experts and its output is added to theirs.
 
+Context parallelism (``cp_group``, c ranks each holding 2 of the sequence's 2c chunks): routing is per token,
+so each rank routes, dispatches and combines its own tokens (with expert parallelism its all-to-all reaches
+whichever ranks hold the experts, context-parallel peers or not). Only the statistics are of the whole
+sequence: summed over the group after the sequence-parallel sum (:func:`_summed_over_context`).
+
 During training the block keeps what transformers' ``load_balancing_loss_func`` needs of it
 (:mod:`mtds.model.aux_loss`), summed over the sequence slices, for the model to collect after the forward,
 and with ``--moe-z-loss-coeff`` its router z-loss's token sum (summed over the slices too: the mean is over
@@ -49,9 +54,10 @@ from mtds.model.shared_expert import SharedExpert
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False, ep_group=None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False, ep_group=None,
+                 cp_group=None):
         super().__init__()
-        self.group = tp_group
+        self.group, self.cp_group = tp_group, cp_group
         self.sequence_parallel = sequence_parallel and tp_world_and_rank(tp_group)[0] > 1
         self.router = TopKRouter(cfg)
         if self.sequence_parallel:
@@ -94,13 +100,17 @@ class MoEBlock(nn.Module):
     def _routed(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        routing = self.router(tokens, batch=shape[0])
-        if self.training:
-            self.stats = RouterStats.of(routing)
-        routing = routing.dispatched(self.router.weight.shape[0])
+        routing = self._route(tokens, shape[0])
         sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
         outputs = self.experts(sent.rows, sent.counts)
         return self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(shape)
+
+    def _route(self, tokens: torch.Tensor, batch: int) -> Routing:
+        """The routing of ``tokens`` [N, h] (keeping this forward's statistics), capacity drops applied."""
+        routing = self.router(tokens, batch=batch)
+        if self.training:
+            self.stats = _summed_over_context(RouterStats.of(routing), self.cp_group)
+        return routing.dispatched(self.router.weight.shape[0])
 
     def _overlapped(self, hidden: torch.Tensor) -> torch.Tensor:
         """:meth:`_routed` + the shared expert, the latter computed while the dispatch's rows are exchanged
@@ -108,10 +118,7 @@ class MoEBlock(nn.Module):
         :meth:`forward`'s; the backward runs the two branches in another order."""
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        routing = self.router(tokens, batch=shape[0])
-        if self.training:
-            self.stats = RouterStats.of(routing)
-        routing = routing.dispatched(self.router.weight.shape[0])
+        routing = self._route(tokens, shape[0])
         plan = self.dispatcher.plan(routing)
         # the "a2a" span: from the rows' all-to-all issued to its wait returned
         flight = self.dispatcher.send_rows(copy_to_tensor_parallel_region(tokens, self.group), plan,
@@ -133,7 +140,7 @@ class MoEBlock(nn.Module):
         group = self.group
         local = self.router(hidden.reshape(-1, h), shared_by_sequence_shards(self.router.weight, group), batch=b)
         if self.training:
-            self.stats = _summed_over_slices(RouterStats.of(local), group)
+            self.stats = _summed_over_context(_summed_over_slices(RouterStats.of(local), group), self.cp_group)
         local = local.dispatched(self.router.weight.shape[0])   # each slice's capacity drops, as Megatron's
         k = local.weights.shape[-1]
         # [b, s/t, k] slices -> [b, s, k] in the gathered tokens' order; the weights' gradient is the same on
@@ -156,3 +163,20 @@ def _summed_over_slices(stats: RouterStats, group) -> RouterStats:
     world = tp_world_and_rank(group)[0]
     z_sum = None if stats.z_sum is None else reduce_from_tensor_parallel_region(stats.z_sum, group)
     return RouterStats(counts, reduce_from_tensor_parallel_region(stats.prob_sum, group), stats.rows * world, z_sum)
+
+
+def _summed_over_context(stats: RouterStats, group) -> RouterStats:
+    """The whole sequence's statistics on every context-parallel rank (``group``; None: c = 1): counts summed
+    (no gradient); probability and z sums all-reduced forward and backward. The c ranks are gradient replicas,
+    averaged over d·c like the LM loss (each holds the same aux term, as each LM loss is its part times c):
+    the backward's sum of their c equal upstream gradients gives each rank's tokens c·d aux / d total, and
+    the mean over the c replicas is then d aux / d total for every token, as at c = 1."""
+    if group is None:
+        return stats
+    counts = stats.counts.clone()
+    dist.all_reduce(counts, group=group)
+
+    def summed(x):
+        return copy_to_tensor_parallel_region(reduce_from_tensor_parallel_region(x.clone(), group), group)
+    z_sum = None if stats.z_sum is None else summed(stats.z_sum)
+    return RouterStats(counts, summed(stats.prob_sum), stats.rows * dist.get_world_size(group), z_sum)

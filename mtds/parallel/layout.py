@@ -12,11 +12,15 @@ coordinate ``dp_rank * cp + cp_rank``, as Megatron's data-parallel group "with c
 its gradient reduction, ZeRO partitions and loss averaging run over those d·c ranks; only the data loader
 and the batch arithmetic count d alone.
 
-Expert parallelism (e) splits a mixture-of-experts model's experts over e of the d data-parallel ranks:
-data ranks d_r = q·e + j form expert-parallel groups of e consecutive data ranks (j = d_r mod e, the expert
-shard this rank holds) and expert-data-parallel groups of the d/e ranks with the same j (they hold the same
-experts and sum their gradients). This is DeepSpeed's own arrangement (``deepspeed.utils.groups.
-_get_expert_parallel_ranks``, data before expert off), so its tools read mtds's expert groups alike.
+Expert parallelism (e) splits a mixture-of-experts model's experts over e of the d·c ranks that hold the same
+parameters: along that data axis (coordinate x = dp_rank·c + cp_rank, DeepSpeed's data-parallel rank) ranks
+x = q·e + j form expert-parallel groups of e consecutive coordinates (j = x mod e, the expert shard this rank
+holds) and expert-data-parallel groups of the d·c/e ranks with the same j (they hold the same experts and sum
+their gradients). This is DeepSpeed's own arrangement (``deepspeed.utils.groups._get_expert_parallel_ranks``
+over its data axis of d·c ranks, data before expert off), so its tools read mtds's expert groups alike; as in
+Megatron-core, expert parallelism folds over data and context parallelism: with c > 1 the first e ≤ c of an
+expert-parallel group are context-parallel peers (they route different tokens of one sequence). At c = 1 it is
+e consecutive data ranks.
 
 Everything else in mtds asks this module for groups and coordinates instead of doing arithmetic. What a layout
 may combine with a model and the rest of a job is the rulebook's (mtds.rules), which asks this module for the
@@ -44,7 +48,7 @@ class RankCoords:
 @dataclass(frozen=True)
 class ParallelLayout:
     """Tensor (t), pipeline (p), data (d), context (c) parallel sizes, virtual pipeline stages (v) and
-    expert parallel size (e, a divisor of d: the experts of an MoE model split over e data ranks)."""
+    expert parallel size (e, a divisor of d·c: the experts of an MoE model split over e of the d·c ranks)."""
 
     tp: int = 1
     pp: int = 1
@@ -60,10 +64,11 @@ class ParallelLayout:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         if self.vp > 1 and self.pp == 1:
             raise LayoutError(f"virtual stages (vp={self.vp}) need pipeline parallelism: set pp > 1 or vp = 1")
-        if self.dp % self.ep:
-            raise LayoutError(f"--expert-model-parallel-size {self.ep} does not divide the data-parallel size "
-                              f"{self.dp}: the experts are split over data-parallel ranks; choose it from "
-                              f"{divisors(self.dp)}")
+        if self.dp_cp % self.ep:
+            of = f"the data-parallel size {self.dp}" if self.cp == 1 else \
+                f"d·c = {self.dp}·{self.cp} = {self.dp_cp} (data- times context-parallel size)"
+            raise LayoutError(f"--expert-model-parallel-size {self.ep} does not divide {of}: the experts are "
+                              f"split over those ranks; choose it from {divisors(self.dp_cp)}")
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vp: int = 1,
@@ -148,17 +153,18 @@ class ParallelLayout:
         return self._axis_groups("cd")
 
     def ep_groups(self) -> list[list[int]]:
-        """Expert-parallel groups: e consecutive data ranks (same t, c, p) that split the experts between them."""
-        return self._expert_groups(lambda d: d // self.ep)
+        """Expert-parallel groups: e consecutive coordinates x = d·c + c of the data axis (same t, p) that split
+        the experts between them."""
+        return self._expert_groups(lambda x: x // self.ep)
 
     def expert_dp_groups(self) -> list[list[int]]:
-        """Expert-data-parallel groups: the d/e data ranks (same t, c, p) holding the same experts."""
-        return self._expert_groups(lambda d: d % self.ep)
+        """Expert-data-parallel groups: the d·c/e ranks of the data axis (same t, p) holding the same experts."""
+        return self._expert_groups(lambda x: x % self.ep)
 
     def _expert_groups(self, key) -> list[list[int]]:
         out: dict[tuple, list[int]] = {}
-        for t, c, d, p in self._ranks():
-            out.setdefault((t, c, p, key(d)), []).append(self.rank_of(t, d, p, c))
+        for t, c, d, p in self._ranks():      # ordered by rank: x ascending within a (t, p)
+            out.setdefault((t, p, key(d * self.cp + c)), []).append(self.rank_of(t, d, p, c))
         return list(out.values())
 
     def pp_groups(self) -> list[list[int]]:
@@ -247,7 +253,7 @@ class ParallelGroups:
     @property
     def ep_rank(self) -> int:
         """Which of the e expert shards this rank holds."""
-        return self.coords.dp_rank % self.layout.ep
+        return self.dp_cp_rank % self.layout.ep
 
     @property
     def pp_rank(self) -> int:

@@ -44,7 +44,8 @@ def layer_time(model: ModelSpec, layout: Candidate, work: Workload, cluster: Clu
     """Seconds of one layer (averaged over the l blocks: only moe_fraction of them are MoE) and micro-batch."""
     if layout.ep == 1 or not model.moe_blocks:
         return 0.0
-    one = comm.all_to_all(a2a_tensor_bytes(model, layout, work), layout.ep, layout.tp * layout.cp, cluster)
+    # an expert-parallel group: e consecutive ranks of the d·c data axis, t apart (mtds.parallel.layout)
+    one = comm.all_to_all(a2a_tensor_bytes(model, layout, work), layout.ep, layout.tp, cluster)
     return model.moe_fraction * exchanges_per_block(layout) * one
 
 

@@ -105,7 +105,7 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
             sps = [fixed["sequence_parallel"]] if fixed.get("sequence_parallel") is not None else (
                 [False, True] if t > 1 else [False])
             comms = _comm_types(model, fixed, t, c)
-            eps = _expert_sizes(model, fixed, d)
+            eps = _expert_sizes(model, fixed, d * c)     # e divides the d·c ranks of the data axis
             zero2_mode = fixed.get("zero2_pipeline_reduce") or "micro-batch"    # ZeRO-2 at p > 1
             for b in bs:
                 for v, sched in ((v, sc) for sc in schedules for v in vs if _chunks_fit(sc, v)):
@@ -118,7 +118,7 @@ def candidate_layouts(model: ModelSpec, work: Workload, cluster: Cluster, fixed:
 
 
 def _expert_sizes(model: ModelSpec, fixed: dict, d: int) -> list[int]:
-    """Expert-parallel sizes to try: the fixed one; for an MoE model the divisors of d that divide the experts;
+    """Expert-parallel sizes to try: the fixed one; for an MoE model the divisors of d (d·c) that divide the experts;
     1 for a dense model."""
     if fixed.get("ep"):
         return [fixed["ep"]]

@@ -39,7 +39,7 @@ RULES: tuple[Rule, ...] = (
     Rule("compile-schedule", schedule.compile_schedule, "--compile, --pipeline-schedule zb-h1",
          "torch.compile of layers whose backward defers the weight gradients", kind=NOT_BUILT),
     Rule("grid", layout.grid, "world size, --tp, --cp, --pp, --expert-model-parallel-size",
-         "a world that does not split into t·c·p groups; e not dividing d; virtual stages without a pipeline"),
+         "a world that does not split into t·c·p groups; e not dividing d·c; virtual stages without a pipeline"),
     Rule("router-flags", experts.router_flags, "--moe-z-loss-coeff, --moe-expert-capacity-factor, "
          "--moe-router-enable-expert-bias, the model",
          "Megatron-core's router options on a model without experts (the bias update: without an expert bias)"),
@@ -53,7 +53,8 @@ RULES: tuple[Rule, ...] = (
          "--cp-comm-type, --tp", "a sequence not cut into 2c chunks (and t slices with SP); Ulysses' heads not "
          "split over c"),
     Rule("cp-features", context.cp_features, "--context-parallel-size, dropout, --reset-position-ids, "
-         "sliding windows, experts", "what context parallelism does not build yet", kind=NOT_BUILT),
+         "sliding windows, experts with --pp, --moe-expert-capacity-factor or in mtds-eval",
+         "what context parallelism does not build yet", kind=NOT_BUILT),
     Rule("pipeline-layout", layout.pipeline_layout, "--pipeline-layout, --pp, --virtual-stages, the model",
          "a layout without a pipeline, or whose stages or blocks are not the run's"),
     Rule("zero-stage", deepspeed.zero_stage_known, "zero_optimization.stage", "a ZeRO stage outside 0-3"),

@@ -44,6 +44,9 @@ def _lr_scheduler(cfg: TrainConfig, ds_config: dict) -> Callable | None:
 def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch: BatchPlan):
     """``deepspeed.initialize`` (or ``build_scheduled_engine``) on this rank's part of the model."""
     import deepspeed
+
+    from mtds.deepspeed_compat.lazy_compile import defer_compile_decorators
+    defer_compile_decorators()      # before the ZeRO optimizer imports Muon's compiled functions
     scheduler = _lr_scheduler(cfg, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if world.layout.ep > 1:        # DeepSpeed's own expert handling (mtds.deepspeed_compat.expert_groups)
@@ -64,7 +67,7 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
         # beside the activation: an MoE model's router statistics, then the packed documents' segment ids
         beside = router_carry.beside(num_experts) if num_experts else ()
         if cfg.reset_position_ids or cfg.reset_attention_mask:
-            beside += documents.beside(batch.micro_batch, cfg.seq_length)
+            beside += documents.beside(batch.micro_batch, cfg.seq_length // layout.cp)
         engine = build_scheduled_engine(model, config=ds_config, model_parameters=trainable, lr_scheduler=scheduler,
                                         schedule=cfg.pipeline_schedule, groups=groups,
                                         boundary_shape=(batch.micro_batch, hidden_len, world.model_cfg.hidden_size),

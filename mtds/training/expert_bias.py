@@ -3,9 +3,9 @@
 ``e_score_correction_bias`` its router adds to the scores for the choice only, mtds.model.router) moves by
 rate · sign(mean load − load of the expert), the loads being the step's token-to-expert assignments of that block
 over all its micro-batches, summed over the data-parallel ranks (expert-parallel ones included: they route their
-own tokens) and context-parallel ranks. Every tensor-parallel rank holds the whole counts already (with sequence
-parallelism they are summed over the slices), so every rank of the stage makes the same update and the biases stay
-bit-equal everywhere. transformers keeps the bias as a buffer and never moves it.
+own tokens). Every tensor- and context-parallel rank holds the whole sequence's counts already (the block sums them
+over the sequence-parallel slices and the context-parallel chunks, mtds.model.moe), so every rank of the stage
+makes the same update and the biases stay bit-equal everywhere. transformers keeps the bias as a buffer and never moves it.
 
 The counts are the step log's (:mod:`mtds.training.expert_load`: noted once per training forward, not again in a
 recomputation's replay). The bias is a persistent buffer, so DeepSpeed's checkpoints save and resume it with the

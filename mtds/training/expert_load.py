@@ -6,8 +6,8 @@ step's tokens x the MoE blocks, as dropless routing must give).
 
 The blocks count in :func:`mtds.model.aux_loss.collect_aux_loss` (p = 1) or as they add to the carried
 statistics (p > 1, mtds.model.layer), once per training forward (not again in a recomputation's replay).
-Every tensor-parallel rank sees the same counts (with sequence parallelism they are summed over the slices
-already), so the sum runs over the data-parallel group; on a pipeline each stage holds its own blocks' rows,
+Every tensor- and context-parallel rank sees the same counts (summed over the sequence-parallel slices and the
+context-parallel chunks already, mtds.model.moe), so the sum runs over the data-parallel group; on a pipeline each stage holds its own blocks' rows,
 gathered over the pipeline group (a stage may hold none).
 
 With ``--moe-z-loss-coeff`` the record also holds ``moe_z_loss``, as Megatron logs its ``z_loss``

@@ -353,8 +353,9 @@ def step_hooks(built: BuiltRun, result: RunResult, stop: StopRequest, start_step
                                                groups.dp_group, groups.pp_group, built.world.device,
                                                z_loss=built.world.model_cfg.moe_z_loss_coeff > 0)))
         if built.world.model_cfg.moe_router_bias_update_rate:
+            # d alone: the blocks' counts are the whole sequence's already (summed over c, mtds.model.moe)
             hooks.append(ExpertBiasHook(moe_blocks(built.model), built.world.model_cfg.moe_router_bias_update_rate,
-                                        groups.dp_cp_group))
+                                        groups.dp_group))
     if cfg.log_straggler and built.world.size > 1:
         hooks.append(StragglerHook(built, result))
     hooks.append(LogHook(built.logger))
