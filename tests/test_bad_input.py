@@ -134,9 +134,6 @@ RUN_CASES = [
      "unknown key `zero_optimization.stage3_prefetch_bucket_sise` in the DeepSpeed config"),
     ("ds-unknown-bf16-key", ["--deepspeed_config", "{bf16typo}"], "unknown key `bf16.enabeld`"),
     # the rulebook's (mtds.rules), asked when the run starts
-    ("data-reset-with-own-schedule", ["--deepspeed_config", CPU, "--reset-attention-mask", "--pp", "2",
-                                      "--pipeline-schedule", "interleaved"],
-     "--reset-attention-mask with --pp 2 needs --pipeline-schedule 1f1b"),
     ("pipeline-layout-without-pipeline", ["--deepspeed_config", CPU, "--pipeline-layout", "Et*4L"],
      "--pipeline-layout needs a pipeline"),
     ("compile-with-zb-h1", ["--deepspeed_config", CPU, "--compile", "--pp", "2", "--pipeline-schedule", "zb-h1"],

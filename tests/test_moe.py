@@ -708,12 +708,10 @@ def test_unsupported_moe_is_refused(config, needles):
 
 
 @pytest.mark.parametrize("job, expert_ffn, needle", [
-    (dict(world_size=2, pp=2, reset_position_ids=True), None, "packed-document resets"),
     (dict(world_size=2, tp=2), 97, "expert FFN size 97"),
 ])
 def test_unbuilt_layouts_are_refused(job, expert_ffn, needle):
-    """The rulebook, of the real Mixtral's facts: a pipeline with packed-document resets beside the statistics;
-    an expert width t does not divide."""
+    """The rulebook, of the real Mixtral's facts: an expert width t does not divide."""
     from mtds import rules
     cfg = dataclasses.replace(_training_model("mixtral"), moe_ffn_hidden_size=expert_ffn)
     found = rules.problems(rules.Job(cfg.facts(), **job))

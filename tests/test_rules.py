@@ -20,10 +20,6 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_size=96, moe_blocks=(0, 
 RULE_CASES = {
     "schedule-known": (Job(DENSE, 2, pp=2, pipeline_schedule="gpipe"),
                        "unknown --pipeline-schedule 'gpipe': choose one of 1f1b, interleaved, zb-h1, dualpipev"),
-    "documents-schedule": (Job(DENSE, 2, pp=2, pipeline_schedule="interleaved", virtual_stages=2,
-                               reset_attention_mask=True),
-                           "--reset-attention-mask with --pp 2 needs --pipeline-schedule 1f1b: the interleaved "
-                           "schedule sends one tensor between stages"),
     "schedule-chunks": (Job(DENSE, 2, pp=2, pipeline_schedule="zb-h1", virtual_stages=2),
                         "--pipeline-schedule zb-h1 runs one chunk per rank: leave --virtual-stages at 1"),
     "compile-schedule": (Job(DENSE, 2, pp=2, pipeline_schedule="zb-h1", compile=True),
@@ -60,8 +56,9 @@ RULE_CASES = {
                         "DeepSpeed 0.20.1 is outside the range mtds's pipeline schedules are built on"),
     "expert-parallel-zero": (Job(MOE, 2, ep=2, precision="bf16"),
                              "--expert-model-parallel-size 2 with bf16 needs ZeRO-1 or 2"),
-    "moe-pipeline": (Job(MOE, 2, pp=2, reset_position_ids=True),
-                     "MoE models with --pp 2 and packed-document resets"),
+    "overlap-comm": (Job(MOE, 2, ep=2, moe_overlap_comm=True),
+                     "--overlap-moe-expert-parallel-comm overlaps an MoE block's dispatch all-to-all with its shared "
+                     "expert: it needs --expert-model-parallel-size > 1 and a model with a shared expert"),
     "expert-width": (Job(dataclasses.replace(MOE, moe_ffn_size=98), 4, tp=4),
                      "tensor parallel size 4 does not divide the expert FFN size 98"),
     "async-save-needs-save": (Job(DENSE, 1, async_save=True), "--async-save without --save"),
@@ -86,10 +83,15 @@ def test_every_rule_has_its_line():
 def test_eval_takes_moe_pipelines_and_converters_the_shards():
     # evaluation carries no router statistics (the LM loss only): any p, any schedule flag left at its default
     assert rules.problems(Job(MOE, 2, pp=2, purpose=rules.EVAL)) == []
-    # training carries the router statistics on every schedule (tests/test_moe_schedules.py)
+    # training carries the router statistics, and the packed documents' ids, on every schedule
+    # (tests/test_moe_schedules.py)
     for schedule in ("1f1b", "interleaved", "zb-h1", "dualpipev"):
         v = 2 if schedule == "interleaved" else 1
-        assert rules.problems(Job(MOE, 4, pp=2, ep=2, pipeline_schedule=schedule, virtual_stages=v)) == [], schedule
+        for model, documents in ((MOE, {}), (MOE, dict(reset_position_ids=True, reset_attention_mask=True)),
+                                 (DENSE, dict(reset_attention_mask=True))):
+            job = Job(model, 4, pp=2, ep=2 if model is MOE else 1, pipeline_schedule=schedule, virtual_stages=v,
+                      **documents)
+            assert rules.problems(job) == [], (schedule, documents)
     with pytest.raises(rules.JobRefused, match="does not divide the expert FFN size 98"):
         rules.check_shards(dataclasses.replace(MOE, moe_ffn_size=98), tp=4, pp=1)
     rules.check_shards(DENSE, tp=2, pp=2)

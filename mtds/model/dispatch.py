@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mtds.model.router import Routing
 from mtds.tp import all_to_all
+from mtds.tp.async_all_to_all import Pending, start_all_to_all
 
 
 @dataclass
@@ -45,6 +46,25 @@ class _Exchange:
     sent: list[int]          # rows this rank sent to each rank of the group
     received: list[int]      # rows it received from each
     by_expert: torch.Tensor  # received rows (grouped by source) in local-expert order: rows = received[by_expert]
+
+
+@dataclass
+class _Plan:
+    """Who sends which rows where, from the routing and the counts' exchange."""
+    order: torch.Tensor
+    token: torch.Tensor
+    sent: list[int]
+    received: list[int]
+    incoming: torch.Tensor   # [e·L]: rows each source sends to each local expert
+    per_expert: list[int]
+
+
+@dataclass
+class _InFlight:
+    """A dispatch whose rows' all-to-all is still in flight (``--overlap-moe-expert-parallel-comm``)."""
+    rows: torch.Tensor
+    pending: Pending
+    plan: _Plan
 
 
 class LocalDispatcher:
@@ -78,6 +98,32 @@ class AllToAllDispatcher(LocalDispatcher):
         self.local = num_experts // self.world
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> Dispatched:
+        plan = self._plan(routing)
+        return self._regroup(all_to_all(tokens.index_select(0, plan.token), self.group, plan.received, plan.sent),
+                             plan)
+
+    def plan(self, routing: Routing) -> "_Plan":
+        """Who sends which rows where: the routing sorted, the counts exchanged (waited for: their host copy
+        sizes the rows' exchange)."""
+        return self._plan(routing)
+
+    def send_rows(self, tokens: torch.Tensor, plan: "_Plan", span=None) -> "_InFlight":
+        """The rows' all-to-all of :meth:`dispatch`, issued and left in flight
+        (``--overlap-moe-expert-parallel-comm``); :meth:`receive_rows` waits for it. The same rows, bit for bit.
+        ``span``: a timeline record from the issue to the wait's return (mtds.tp.async_all_to_all)."""
+        rows, pending = start_all_to_all(tokens.index_select(0, plan.token), self.group, plan.received, plan.sent,
+                                         span)
+        return _InFlight(rows, pending, plan)
+
+    @staticmethod
+    def receive_rows(flight: "_InFlight") -> "_InFlight":
+        flight.pending.wait()
+        return flight
+
+    def regroup(self, flight: "_InFlight") -> Dispatched:
+        return self._regroup(flight.rows, flight.plan)
+
+    def _plan(self, routing: Routing) -> "_Plan":
         k, e, L = routing.experts.shape[-1], self.world, self.local
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -89,13 +135,17 @@ class AllToAllDispatcher(LocalDispatcher):
         order = order[:sum(sent)]
         token = torch.div(order, k, rounding_mode="floor")
         per_expert = [sum(row[x] for row in both[1]) for x in range(L)]
-        rows = all_to_all(tokens.index_select(0, token), self.group, received, sent)
+        return _Plan(order, token, sent, received, incoming, per_expert)
+
+    def _regroup(self, rows: torch.Tensor, plan: "_Plan") -> Dispatched:
         # received rows are grouped by source, each source's by local expert: a stable sort by local expert
         # regroups them by expert, then source, as the local sort above grouped this rank's own rows
+        e, L = self.world, self.local
         local = torch.arange(L, device=rows.device).repeat(e)
-        by_expert = torch.argsort(torch.repeat_interleave(local, incoming, output_size=sum(received)), stable=True)
-        return Dispatched(rows.index_select(0, by_expert), per_expert, token, order,
-                          _Exchange(sent, received, by_expert))
+        by_expert = torch.argsort(torch.repeat_interleave(local, plan.incoming, output_size=sum(plan.received)),
+                                  stable=True)
+        return Dispatched(rows.index_select(0, by_expert), plan.per_expert, plan.token, plan.order,
+                          _Exchange(plan.sent, plan.received, by_expert))
 
     def combine(self, outputs: torch.Tensor, routing: Routing, sent: Dispatched, num_tokens: int) -> torch.Tensor:
         x = sent.exchange

@@ -32,6 +32,14 @@ def enabled(documents: DocumentMasking | None) -> DocumentMasking | None:
     return documents if documents is not None and documents.active else None
 
 
+def beside(micro_batch: int, seq_length: int) -> tuple:
+    """The segment ids as a tensor beside the boundary activation, for an engine that sends tensor by tensor
+    (mtds.pipe.p2p): (shape, dtype, has a gradient). Last in the tuple: after an MoE model's router statistics
+    (mtds.model.router_carry). ``seq_length``: the whole sequence's, also with sequence parallelism; with
+    context parallelism this rank's s/c tokens'."""
+    return (((micro_batch, seq_length), torch.int64, False),)
+
+
 def segment_ids(input_ids: torch.Tensor, eod_token_id: int) -> torch.Tensor:
     """[b, s] -> [b, s] int64: the number of EOD tokens strictly before each position."""
     eod = (input_ids == eod_token_id).to(torch.int64)

@@ -84,8 +84,9 @@ class GPTEmbedding(nn.Module):
             rng = self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
             with keyed, rng:   # sequence slices differ across TP ranks, so must their dropout masks
                 hidden = self.dropout(hidden)
-        if self.carry_experts:
-            return (hidden, *router_carry.start(self.carry_experts, hidden.device))
+        if self.carry_experts:   # (hidden, counts, probs), then the segment ids with packed documents
+            carried = (hidden, *router_carry.start(self.carry_experts, hidden.device))
+            return carried if segments is None else (*carried, segments)
         return hidden if segments is None else (hidden, segments)
 
     def lm_logits(self, hidden):

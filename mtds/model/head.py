@@ -24,8 +24,8 @@ class FinalNorm(nn.Module):
             self.norm = make_norm(cfg, tp_group if sequence_parallel else None)
 
     def forward(self, hidden):
-        if self.carry_router_stats:     # (hidden, counts, probs): the statistics go on to the loss
-            hidden, counts, probs = hidden
+        if self.carry_router_stats:     # (hidden, counts, probs[, segment ids]): the statistics go on to the loss
+            hidden, counts, probs, *_ = hidden
             return self.norm(hidden), counts, probs
         if isinstance(hidden, tuple):   # (hidden, segment ids) of packed documents: the ids end here
             hidden = hidden[0]

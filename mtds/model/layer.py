@@ -73,21 +73,25 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden):
         """``hidden``: [b, s, h], or (hidden, segment ids) with packed documents -- passed on as
-        given, so the ids reach every block and pipeline stage (:mod:`mtds.model.documents`)."""
+        given, so the ids reach every block and pipeline stage (:mod:`mtds.model.documents`); carrying the
+        router statistics, (hidden, counts, probs) and the segment ids last."""
         with profiler_range("mtds.layer"):   # a torch.profiler range (benchmarks/profile_step.py)
             return self._forward_keyed(hidden)
 
     def _forward_keyed(self, hidden):
-        if self.carry_router_stats:
-            hidden, counts, probs = hidden
-            out = self._forward_streams(hidden, None)
+        if self.carry_router_stats:     # (hidden, counts, probs[, segment ids])
+            hidden, counts, probs, *segments = hidden
+            if self.attention.documents is not None and not segments:
+                raise RuntimeError(f"layer {self.layer_number}: the packed-document ids did not arrive with its "
+                                   f"input")
+            out = self._forward_streams(hidden, segments[0] if segments else None)
             block = self.mlp if isinstance(self.mlp, MoEBlock) else None
             if block is not None and block.stats is not None:
                 counts, probs = router_carry.add(counts, probs, block.stats)
                 if not getattr(self.replay_flag, "replaying", False):   # the step log's tokens per expert
                     block.note(block.stats)
                 block.stats = None
-            return out, counts, probs
+            return (out, counts, probs, *segments)
         segments = None
         if isinstance(hidden, tuple):
             hidden, segments = hidden

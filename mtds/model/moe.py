@@ -34,6 +34,8 @@ router sees them), and the dispatch sends them nowhere (:mod:`mtds.model.capacit
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -73,6 +75,10 @@ class MoEBlock(nn.Module):
         self.tokens_seen = 0      # [E] assignments collected since the step log last reset it (0: none yet)
         self.z_seen = 0.0         # sum of this block's z-losses (mean over tokens, no coefficient) since then
         self.forwards = 0         # training forwards noted since then
+        # --overlap-moe-expert-parallel-comm (set on the built model): the shared expert runs while the dispatch
+        # all-to-all is in flight; ``comm_timeline``, a TimelineRecorder (--timeline) that records both spans
+        self.overlap_dispatch = False
+        self.comm_timeline = None
 
     def note(self, stats: RouterStats) -> None:
         """One training forward's statistics into the step log's counters (mtds.training.expert_load)."""
@@ -87,6 +93,9 @@ class MoEBlock(nn.Module):
     # residuals still compile; the block costs one graph break per MoE layer.
     @torch.compiler.disable
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.overlap_dispatch and self.shared_expert is not None and not self.sequence_parallel \
+                and isinstance(self.dispatcher, AllToAllDispatcher):
+            return self._overlapped(hidden)
         shared = None if self.shared_expert is None else self.shared_expert(hidden)
         routed = self._forward_sequence_slices(hidden) if self.sequence_parallel else self._routed(hidden)
         return routed if shared is None else routed + shared     # transformers' order of the sum
@@ -94,14 +103,41 @@ class MoEBlock(nn.Module):
     def _routed(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        routing = self.router(tokens, batch=shape[0])
-        if self.training:
-            self.stats = _summed_over_context(RouterStats.of(routing, shape[0] if self.per_sequence else None),
-                                              self.cp_group)
-        routing = routing.dispatched(self.router.weight.shape[0])
+        routing = self._route(tokens, shape[0])
         sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
         outputs = self.experts(sent.rows, sent.counts)
         return self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(shape)
+
+    def _route(self, tokens: torch.Tensor, batch: int) -> Routing:
+        """The routing of ``tokens`` [N, h] (keeping this forward's statistics), capacity drops applied."""
+        routing = self.router(tokens, batch=batch)
+        if self.training:
+            self.stats = _summed_over_context(RouterStats.of(routing, batch if self.per_sequence else None),
+                                              self.cp_group)
+        return routing.dispatched(self.router.weight.shape[0])
+
+    def _overlapped(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`_routed` + the shared expert, the latter computed while the dispatch's rows are exchanged
+        (issued, not waited for, then waited for before the experts read them). The same values as
+        :meth:`forward`'s; the backward runs the two branches in another order."""
+        shape = hidden.shape
+        tokens = hidden.reshape(-1, shape[-1])
+        routing = self._route(tokens, shape[0])
+        plan = self.dispatcher.plan(routing)
+        # the "a2a" span: from the rows' all-to-all issued to its wait returned
+        flight = self.dispatcher.send_rows(copy_to_tensor_parallel_region(tokens, self.group), plan,
+                                           self._span("a2a"))
+        with self._span("shared") or contextlib.nullcontext():
+            shared = self.shared_expert(hidden)
+        self.dispatcher.receive_rows(flight)
+        sent = self.dispatcher.regroup(flight)
+        outputs = self.experts(sent.rows, sent.counts)
+        routed = self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(shape)
+        return routed + shared
+
+    def _span(self, kind: str):
+        recording = self.comm_timeline is not None and torch.is_grad_enabled()   # not evaluation's
+        return self.comm_timeline.record(kind) if recording else None
 
     def _forward_sequence_slices(self, hidden: torch.Tensor) -> torch.Tensor:
         b, s_local, h = hidden.shape

@@ -6,7 +6,9 @@ and R the rows routed, each summed over all blocks. On a pipeline the blocks sit
 the embedding on the activation is the tuple (hidden, counts, probs): ``counts`` int64 [E + 1] (C, then R;
 no gradient, so DeepSpeed's pipeline sends it without one) and ``probs`` float32 [E] (P, with its
 gradient); DeepSpeed's 1F1B and DualPipeV engines send the tuple, mtds's own engine (interleaved, zb-h1) sends
-the two beside the activation (:func:`beside`, mtds.pipe.p2p). Each MoE block adds its statistics; the last stage's loss adds coef · aux. ``probs`` has one more element, [E]: the sum over the blocks of each
+the two beside the activation (:func:`beside`, mtds.pipe.p2p). With packed documents the segment ids follow,
+last: (hidden, counts, probs, ids) (mtds.model.documents.beside). Each MoE block adds its statistics; the last
+stage's loss adds coef · aux. ``probs`` has one more element, [E]: the sum over the blocks of each
 block's router z-loss (its mean over tokens of logsumexp(logits)², 0 without ``--moe-z-loss-coeff``), whose
 gradient (the coefficient) reaches every block's router the same way. The backward then
 carries d aux / d P = coef · E · C / R² from the last stage to every block's router through the stages'

@@ -63,6 +63,9 @@ class StepTimeline:
             attach_timeline(engine, self.recorder)     # ZeRO-1's early reduction, inside ReduceTiedGrads
             self.counters = defaultdict(int)
             _instrument_deepspeed(engine, self.recorder, self.counters)
+        for module in engine.module.modules():   # MoE blocks that overlap their dispatch: its span and the shared's
+            if getattr(module, "overlap_dispatch", False):
+                module.comm_timeline = self.recorder
         layout = groups.layout
         # gather on the reporting rank's pipeline: the last stage of this TP/DP coordinate
         self.dst = layout.rank_of(groups.tp_rank, groups.dp_rank, layout.pp - 1)

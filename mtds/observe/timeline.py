@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass
 
 COMPUTE_KINDS = ("F", "B", "W")
 KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "send": "#8172B3", "recv": "#937860",
-                "reduce": "#C44E52", "tied": "#CCB974", "step": "#DA8BC3", "other": "#8C8C8C"}
+                "reduce": "#C44E52", "tied": "#CCB974", "step": "#DA8BC3", "other": "#8C8C8C",
+                # an MoE block's dispatch all-to-all in flight, and the shared expert computed meanwhile
+                "a2a": "#64B5CD", "shared": "#2F4B7C"}
 STEP_EVENT = "step"  # name of the whole-step marker event end_step() adds (kind "other")
 
 

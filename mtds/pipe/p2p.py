@@ -18,7 +18,8 @@ Scatter/gather (PTD-P §4.1): with tensor parallelism the boundary activation (a
 same on every TP rank, so each TP rank sends only its 1/t slice and the receiver all-gathers the slices
 over the TP group. Off with sequence parallelism: the activation is already one slice per TP rank.
 
-Tensors beside the activation (``beside``; an MoE model's router statistics, :mod:`mtds.model.router_carry`):
+Tensors beside the activation (``beside``; an MoE model's router statistics, :mod:`mtds.model.router_carry`,
+then packed documents' segment ids, :mod:`mtds.model.documents`):
 the stage output is then a tuple (activation, *beside) and its input gradient a tuple (activation's, those of
 the beside tensors that have one). Each goes as its own transfer, right after the activation's, on the same
 group, to the same peer, in its own dtype and whole: a message stays a run of transfers on one group, so the

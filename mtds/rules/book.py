@@ -34,9 +34,6 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule("schedule-known", schedule.schedule_known, "--pipeline-schedule", "a schedule mtds does not have"),
-    Rule("documents-schedule", schedule.documents_schedule,
-         "--reset-position-ids / --reset-attention-mask, --pp, --pipeline-schedule",
-         "packed-document resets on a pipeline whose engine sends one tensor between stages", kind=NOT_BUILT),
     Rule("schedule-chunks", schedule.schedule_chunks, "--pipeline-schedule, --pp, --virtual-stages",
          "a schedule without a pipeline, or with chunks per rank it does not run"),
     Rule("compile-schedule", schedule.compile_schedule, "--compile, --pipeline-schedule zb-h1",
@@ -79,9 +76,9 @@ RULES: tuple[Rule, ...] = (
          "mtds's own engines and DualPipeV outside the DeepSpeed range they are built on", kind=NOT_BUILT),
     Rule("expert-parallel-zero", experts.expert_parallel_zero, "--expert-model-parallel-size, ZeRO stage, "
          "precision", "expert parallelism with ZeRO-3, or in 16 bits at ZeRO-0", kind=NOT_BUILT),
-    Rule("moe-pipeline", experts.moe_pipeline, "the model's experts, --pp, document resets",
-         "MoE training on a pipeline with document resets",
-         kind=NOT_BUILT),
+    Rule("overlap-comm", experts.overlap_comm, "--overlap-moe-expert-parallel-comm, --expert-model-parallel-size, "
+         "--sequence-parallel, the model", "the dispatch's overlap without an all-to-all or a shared expert "
+         "(with sequence parallelism: not built)"),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
     Rule("async-save-needs-save", checkpoint.async_save_needs_save, "--async-save, --save",
          "a background save with no checkpoint directory"),

@@ -3,7 +3,7 @@
 different model or a wrong gradient."""
 from __future__ import annotations
 
-from mtds.rules.job import EVAL, Job
+from mtds.rules.job import Job
 
 
 def router_flags(job: Job) -> str | None:
@@ -66,19 +66,19 @@ def expert_parallel_zero(job: Job) -> str | None:
     return None
 
 
-def moe_pipeline(job: Job) -> str | None:
-    """transformers' aux loss pools the expert counts of every MoE block of the forward (mtds.model.aux_loss):
-    on a pipeline they travel with the activations, as a tuple, on every schedule (mtds.pipe.p2p sends the
-    tensors beside the activation on interleaved and zb-h1; DeepSpeed's 1F1B and DualPipeV engines send tuples).
-    The packed-document ids would be a second passenger, not built. Evaluation (mtds-eval) carries no
-    statistics (its loss is the LM loss): one tensor, at any p."""
-    if not job.model.num_experts or job.pp == 1 or job.purpose == EVAL:
+def overlap_comm(job: Job) -> str | None:
+    """--overlap-moe-expert-parallel-comm hides the dispatch all-to-all behind the block's shared expert
+    (mtds.model.moe): without an all-to-all or a shared expert it would do nothing; with sequence parallelism
+    it is not built."""
+    if not job.moe_overlap_comm:
         return None
-    p = job.pp
-    if job.documents:
-        return f"MoE models with --pp {p} and packed-document resets (--reset-position-ids, " \
-               f"--reset-attention-mask) are not built: both travel beside the activation; use --pp 1 or leave " \
-               f"the resets off"
+    flag = "--overlap-moe-expert-parallel-comm"
+    if job.ep == 1 or not job.model.shared_expert_ffn_size:
+        return f"{flag} overlaps an MoE block's dispatch all-to-all with its shared expert: it needs " \
+               f"--expert-model-parallel-size > 1 and a model with a shared expert (Qwen2-MoE, DeepSeek-V3); " \
+               f"drop the flag"
+    if job.sequence_parallel:
+        return f"{flag} with --sequence-parallel is not built: drop one of them"
     return None
 
 

@@ -3,7 +3,7 @@ features that travel between stages.
 
 ``1f1b`` is DeepSpeed's PipelineEngine, ``dualpipev`` its DualPipeVEngine (two chunks per rank, V placement);
 ``interleaved`` and ``zb-h1`` run on mtds's engine (mtds.pipe.engine), built on DeepSpeed internals of the
-tested range only. Those engines, and DualPipeV, send one tensor between stages."""
+tested range only. Every engine carries tensors beside the activation (document ids, router statistics)."""
 from __future__ import annotations
 
 from mtds.deepspeed_compat.capabilities import TESTED_SPEC, in_tested_range
@@ -113,14 +113,4 @@ def compile_schedule(job: Job) -> str | None:
     if job.compile and job.pipeline_schedule == "zb-h1" and job.pp > 1:
         return "--compile cannot compile the layers of --pipeline-schedule zb-h1 (its backward defers the weight " \
                "gradients to the W pass): drop --compile or use 1f1b, interleaved or dualpipev"
-    return None
-
-
-def documents_schedule(job: Job) -> str | None:
-    """The document ids travel beside the activation: DeepSpeed's 1F1B engine sends tuples, the other
-    schedules' engines one tensor per stage boundary."""
-    if job.documents and job.pp > 1 and job.pipeline_schedule != "1f1b":
-        flag = "--reset-position-ids" if job.reset_position_ids else "--reset-attention-mask"
-        return f"{flag} with --pp {job.pp} needs --pipeline-schedule 1f1b: the {job.pipeline_schedule} schedule " \
-               f"sends one tensor between stages, not the document ids beside it"
     return None

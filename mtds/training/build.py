@@ -99,6 +99,11 @@ def build_run_model(cfg: TrainConfig, world: World, stage_layout=None, log=print
                         dualpipev=cfg.pipeline_schedule == "dualpipev", stage_layout=stage_layout,
                         cp_comm_type=cfg.cp_comm_type, carry_router_stats=True,
                         cross_entropy_impl=cfg.cross_entropy_fusion_impl if cfg.cross_entropy_loss_fusion else None)
+    if cfg.overlap_moe_expert_parallel_comm:
+        from mtds.model.moe import MoEBlock
+        for block in model.modules():
+            if isinstance(block, MoEBlock):
+                block.overlap_dispatch = True
     if cfg.init_from_hf:
         from mtds.hf.init import load_hf_into_stages, loaded_by_all   # HF interop; loads only this rank's shards
         tensors, params = loaded_by_all(load_hf_into_stages(model, cfg.init_from_hf, world.model_cfg, world.groups))

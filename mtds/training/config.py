@@ -81,6 +81,14 @@ class TrainConfig:
              "data-parallel ranks (consecutive data ranks, as DeepSpeed's expert groups), tokens sent to their "
              "experts' ranks and back by all-to-all; e divides d and the number of experts. ZeRO-0/1/2 (16-bit: "
              "ZeRO-1/2), no checkpoints yet (docs/moe.md) [1]")
+    overlap_moe_expert_parallel_comm: bool = opt(   # mtds.model.moe: the dispatch all-to-all beside the shared expert
+        False, "--overlap-moe-expert-parallel-comm", section=LAYOUT,
+        help="MoE models with a shared expert (Qwen2-MoE, DeepSeek-V3) and --expert-model-parallel-size > 1: "
+             "issue each block's dispatch all-to-all without waiting and compute the shared expert while the "
+             "tokens travel, waiting only before the routed experts read them (Megatron-core's flag; here "
+             "within one block, not across DualPipeV's chunks; not with --sequence-parallel). The same values; the "
+             "backward runs the two branches in another order, so gradients may differ in the last bits. Off by "
+             "default")
     moe_z_loss_coeff: float = opt(              # Megatron-core's router z-loss (ST-MoE), mtds.model.aux_loss
         0.0, "--moe-z-loss-coeff", section=LAYOUT, at_least=0, metavar="C",
         help="MoE models: add C x the router z-loss to the training loss, per MoE block the mean over its "

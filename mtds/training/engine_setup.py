@@ -62,13 +62,17 @@ def create_engine(cfg: TrainConfig, world: World, model, ds_config: dict, batch:
         ds_config = zero2_built_as_stage1(ds_config)
     if cfg.pipeline_schedule in OWN_ENGINE:
         from mtds.pipe.engine import build_scheduled_engine
-        from mtds.model import router_carry      # an MoE model's statistics travel with the activations
+        from mtds.model import documents, router_carry
         hidden_len = cfg.seq_length // layout.cp // (layout.tp if cfg.sequence_parallel else 1)
         num_experts = world.model_cfg.num_experts
+        # beside the activation: an MoE model's router statistics, then the packed documents' segment ids
+        beside = router_carry.beside(num_experts) if num_experts else ()
+        if cfg.reset_position_ids or cfg.reset_attention_mask:
+            beside += documents.beside(batch.micro_batch, cfg.seq_length // layout.cp)
         engine = build_scheduled_engine(model, config=ds_config, model_parameters=trainable, lr_scheduler=scheduler,
                                         schedule=cfg.pipeline_schedule, groups=groups,
                                         boundary_shape=(batch.micro_batch, hidden_len, world.model_cfg.hidden_size),
-                                        beside=router_carry.beside(num_experts) if num_experts else ())
+                                        beside=beside)
         if world.tracer is not None:
             for group in engine.p2p_groups.values():   # the engine's own p2p groups, over the pipeline's ranks
                 world.tracer.name_group(group, "pp")
