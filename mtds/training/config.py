@@ -101,7 +101,7 @@ class TrainConfig:
              "(pooled over the blocks); seq_aux_loss = Megatron-core's per-sequence loss x --moe-aux-loss-coeff "
              "instead: per block the mean over the micro-batch's sequences of sum_e f_e P_e (f_e = the "
              "sequence's assignments to e x E / (s k), P_e = e's mean probability over its tokens), summed over "
-             "the blocks; --pp 1 only (docs/moe.md) [aux_loss]")
+             "the blocks; --pp 1 and --cp 1 only (docs/moe.md) [aux_loss]")
     moe_aux_loss_coeff: float = opt(
         0.0, "--moe-aux-loss-coeff", section=LAYOUT, at_least=0, metavar="C",
         help="with --moe-router-load-balancing-type seq_aux_loss: its weight C [0]")
