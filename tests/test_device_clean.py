@@ -31,6 +31,8 @@ ON_THE_HOST = {
     ("mtds/model/latent_attention.py", "torch.empty(out_features, in_features)"):
         "latent attention's replicated projection, a parameter (as above)",
     ("mtds/model/shared_expert.py", "torch.empty(1, cfg.hidden_size)"): "the shared expert's gate, a parameter (as above)",
+    ("mtds/model/router.py", "torch.zeros(cfg.num_experts)"): "GPT-OSS's router bias, a parameter (as above)",
+    ("mtds/model/experts.py", "torch.zeros(rows[1] - rows[0], h)"): "GPT-OSS's experts' down bias, a parameter (as above)",
     # init_shard: a parameter's initial values come from the CPU generator (the same on every device)
     ("mtds/tp/init_shard.py", "torch.zeros(shape, dtype=torch.float32)"): "a parameter's full fill (as above)",
     ("mtds/tp/init_shard.py", "torch.zeros(local_shape, dtype=torch.float32)"): "a parameter's shard (as above)",

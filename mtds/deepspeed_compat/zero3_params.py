@@ -37,7 +37,7 @@ MODES = ("step", "micro-batch")
 class StageParameterShards:
     """The working parameters of one stage's stage-1 ZeRO optimizer, whole or freed (see the module docstring)."""
 
-    def __init__(self, engine, mode: str):
+    def __init__(self, engine, mode: str, all_gather_single):
         if mode not in MODES:
             raise ValueError(f"ZeRO-3 pipeline gather mode must be one of {MODES}, got {mode!r}")
         opt = engine.optimizer
@@ -45,6 +45,7 @@ class StageParameterShards:
             raise RuntimeError("ZeRO-3 with a pipeline is built for fp32 only (the master partition is the gather's "
                                "source)")
         self.opt, self.mode = opt, mode
+        self.all_gather_single = all_gather_single     # (out, x, group): the caller's, torch's current name
         self.whole = True       # DeepSpeed built the flat buffers whole
         self.gathers = 0        # all-gathers run (each: every group)
 
@@ -69,7 +70,7 @@ class StageParameterShards:
             if dist.get_world_size(group=group) == 1:
                 flat.copy_(master)
             else:
-                dist.all_gather_into_tensor(flat, master, group=group)
+                self.all_gather_single(flat, master, group=group)
         self.whole = True
         self.gathers += 1
 
@@ -96,7 +97,7 @@ class StageParameterShards:
                 opt._update_model_bit16_weights = saved[2]
 
 
-def install_stage_parameter_shards(engine, mode: str) -> StageParameterShards:
+def install_stage_parameter_shards(engine, mode: str, all_gather_single) -> StageParameterShards:
     """Free this stage's working parameters and gather them where they are used (see the module docstring):
     forward pre-hook (both modes), the optimizer step, checkpoint save and load. The caller frees them after the
     stage's last backward (``step``) or after each forward and backward (``micro-batch``). Kept as
@@ -104,7 +105,7 @@ def install_stage_parameter_shards(engine, mode: str) -> StageParameterShards:
     import deepspeed.comm
     if not deepspeed.comm.has_all_gather_into_tensor():
         raise RuntimeError("ZeRO-3 with a pipeline needs all_gather_into_tensor in torch.distributed")
-    shards = StageParameterShards(engine, mode)
+    shards = StageParameterShards(engine, mode, all_gather_single)
     opt = engine.optimizer
     original_step = opt.step
     opt.step = lambda closure=None: shards.step(original_step, closure)

@@ -22,6 +22,7 @@ from mtds.deepspeed_compat.stage_expert_norms import install_stage_expert_norms
 from mtds.deepspeed_compat.zero_norm import install_foreach_norm
 from mtds.deepspeed_compat.zero_repoint import install_skip_repoint
 from mtds.parallel.dp_reduce import reduce_scatter_sum, split_by_spans
+from mtds.tp.mappings import all_gather_single
 from mtds.pipe.select import OWN_ENGINE
 
 from mtds.training.config import TrainConfig
@@ -124,7 +125,7 @@ def install_zero3_pipeline(engine, reducer, mode: str, own_engine: bool) -> None
     """ZeRO-3 at p > 1: the stage's parameters freed now, gathered at each forward; freed again after the
     stage's last backward (its early reduction) and, in the ``micro-batch`` mode, after every forward and
     backward pass, gathered before every backward pass."""
-    install_stage_parameter_shards(engine, mode)
+    install_stage_parameter_shards(engine, mode, all_gather_single)
     early = reducer.reduce_early
 
     def reduce_early_then_free():
