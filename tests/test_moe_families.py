@@ -265,8 +265,9 @@ def test_four_ranks(tmp_path):
                              pipeline_schedule=schedule, **lr) for schedule in ("1f1b", "zb-h1")]
     # GPT-OSS at one layout: sinks split with the heads, expert biases split with the experts (e = 2) and over TP
     gpt_oss = _training_model("gpt_oss")
-    configs.append(train_config(model=gpt_oss, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
-                                deepspeed_config=ds_config(zero=0), **lr))
+    configs += [train_config(model=gpt_oss, tp=2, sequence_parallel=True, expert_model_parallel_size=2,
+                             deepspeed_config=ds_config(zero=0), **lr),
+                train_config(model=gpt_oss, tp=2, pp=2, sequence_parallel=True, **lr)]    # sinks on both stages
     # without --sequence-parallel: latent attention's replicated down-projections on the replicated input
     configs.append(train_config(model=deepseek, tp=2, expert_model_parallel_size=2,
                                 deepspeed_config=ds_config(zero=1), moe_router_enable_expert_bias=True,
@@ -281,11 +282,12 @@ def test_four_ranks(tmp_path):
     per_rank = spawn(_four_rank_body, 4, hf_dirs, configs, [len(configs) - 2, len(configs) - 1], timeout=600)
     (logits, cp), results, _ = per_rank[-1]
     print("logits at (2,1,2) e = 2, max rel diff:", logits, "latent attention c = 2 vs 1 (v head dim):", cp)
-    assert [r.layout for r in results[:8]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names) + \
-        ["(tp=2, pp=1, dp=1, cp=2, ep=2)"] + ["(tp=1, pp=2, dp=1, cp=2)"] * 2 + ["(tp=2, pp=1, dp=2, ep=2)"]
-    _parity(results[:8], [m for m in models for _ in range(2)] + [("qwen3_moe", configs[4].model)] +
-            [("mixtral", mixtral)] * 2 + [("gpt_oss", gpt_oss)],
-            "(2,1,2)e2+sp (2,2,1)+sp; (2,1,1)c2e2+sp; (1,2,1)c2 1f1b, zb-h1; gpt_oss (2,1,2)e2+sp")
+    assert [r.layout for r in results[:9]] == ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"] * len(names) + \
+        ["(tp=2, pp=1, dp=1, cp=2, ep=2)"] + ["(tp=1, pp=2, dp=1, cp=2)"] * 2 + \
+        ["(tp=2, pp=1, dp=2, ep=2)", "(tp=2, pp=2, dp=1)"]
+    _parity(results[:9], [m for m in models for _ in range(2)] + [("qwen3_moe", configs[4].model)] +
+            [("mixtral", mixtral)] * 2 + [("gpt_oss", gpt_oss)] * 2,
+            "(2,1,2)e2+sp (2,2,1)+sp; (2,1,1)c2e2+sp; (1,2,1)c2 1f1b, zb-h1; gpt_oss (2,1,2)e2+sp (2,2,1)+sp")
     # the bias update: the same losses and norms as transformers trained with the update by hand, and after every
     # step the same biases, bit for bit, on every rank and in the reference (integer loads, the same signs)
     ref, history = _reference_with_bias_update(deepseek, BIAS_RATE)
