@@ -47,7 +47,7 @@ def main() -> None:
 
     from .state import StateProbe
 
-    probe = LoopProbe(warmup=1).install()
+    probe = LoopProbe(warmup=1, barrier=True).install()     # compare.table times steps from a barrier
     if os.environ.get("MTDS_RANKS_PER_NODE"):       # on an emulated cluster: split bytes by node
         probe.tracer.ranks_per_node = int(os.environ["MTDS_RANKS_PER_NODE"])
     link = _link_counter(train_loop)

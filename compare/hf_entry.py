@@ -106,6 +106,7 @@ def main(argv=None) -> None:
     for step in range(1, args.steps + 1):
         tracer.reset()
         before = boundary_link_stats(link_device, dist.barrier) if link_device else None
+        dist.barrier()                             # every rank starts the step together (compare.table's step time)
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for _ in range(accumulation):

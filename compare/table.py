@@ -1,6 +1,8 @@
 """Logs of finished runs -> one row per scheme, written as JSON and markdown.
 
-tokens/s and TFLOP/s are medians over steps after the warm-up; TFLOP/s per rank uses the PTD-P
+A step's time is the same on every side (mtds, the HF scheme, the peers): all ranks pass a barrier, then
+each times its step; the slowest rank's time is the step's. tokens/s and TFLOP/s are medians over steps
+after the warm-up; TFLOP/s per rank uses the PTD-P
 formulas of mtds.observe.metrics (model: 72 B s l h^2 (1 + s/6h + V/12lh); hardware adds recomputation).
 Peak memory is the largest peak RSS (CPU) over the scheme's ranks. Communication is payload bytes per
 rank in the last step, one column per collective family, never summed across families: an all-gather's
@@ -59,12 +61,29 @@ def _cpu_per_step(ranks: list[dict], warmup: int) -> float | None:
     return median([max(step) for step in zip(*(cpu[warmup:] or cpu for cpu in per_rank))])
 
 
+def _slowest_rank_steps(steps: list[dict], ranks: list[dict]) -> list[dict]:
+    """The log's step records (rank 0's clock) re-timed by the slowest rank: every rank times its step from
+    the same barrier (compare.entry, compare.hf_entry, compare.peer_entry), so the step ends when the last
+    rank's does. tokens/s and TFLOP/s scale by the same factor. A probe without one time per logged step
+    (an older run) leaves the log as it is."""
+    per_rank = [r.get("step_times_s") or [] for r in ranks]
+    if not per_rank or any(len(t) != len(steps) for t in per_rank):
+        return steps
+    out = []
+    for s, slowest in zip(steps, (max(t) for t in zip(*per_rank))):
+        scale = s["step_time_s"] / slowest
+        out.append({**s, "step_time_s": slowest,
+                    **{k: s[k] * scale for k in ("tokens_per_s", "tflops_model", "tflops_hw") if s.get(k) is not None}})
+    return out
+
+
 def summarise(launched: dict, warmup: int = 1, ranks_per_node: int | None = None) -> dict:
     scheme = launched["scheme"]
     steps = [r for r in read_jsonl(launched["log"]) if r.get("kind") == "train"]
     ranks = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(launched["probe_dir"], "rank*.json")))]
     if not steps or not ranks:
         raise RuntimeError(f"{scheme.name}: the run wrote no step log or probe files")
+    steps = _slowest_rank_steps(steps, ranks)
     timed = steps[warmup:] or steps
     step_times = [s["step_time_s"] for s in timed]
     last_comm = [_comm_total(r["comm_per_step"][-1]) if r["comm_per_step"] else 0 for r in ranks]

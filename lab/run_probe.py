@@ -25,9 +25,12 @@ def _is_pipeline(engine) -> bool:
 
 
 class LoopProbe:
-    def __init__(self, warmup: int = 0, profile_step: int | None = None) -> None:
+    def __init__(self, warmup: int = 0, profile_step: int | None = None, barrier: bool = False) -> None:
         from mtds.observe.comm_trace import CommTracer
         self.warmup = warmup
+        # a barrier before each step, outside its timing: every rank's step then starts at the same moment,
+        # so the slowest rank's time is the step's (compare's definition, the peers' too)
+        self.barrier = barrier
         self.profile_step = profile_step          # 1-based step to run under torch.profiler
         self.profile: dict = {}
         self.tracer = CommTracer()
@@ -65,6 +68,9 @@ class LoopProbe:
                 engine.step = probe.timer.wrap("optimizer", engine.step)
                 engine._probe_timed = True
             probe.timer.enabled = len(probe.step_times) >= probe.warmup
+            if probe.barrier:
+                import torch.distributed as dist
+                dist.barrier()
             probe.tracer.reset()
             start, cpu = time.perf_counter(), time.process_time()
             with maybe_profile(len(probe.step_times) + 1 == probe.profile_step, probe.profile):

@@ -91,6 +91,17 @@ def test_comm_families_are_never_summed_across_kinds():
                                     "broadcast": 0}
 
 
+def test_step_time_is_the_slowest_ranks():
+    """Every side times a step from a barrier; the step's time is the slowest rank's, not rank 0's (whose
+    log the rates came from): tokens/s and TFLOP/s scale with it."""
+    from compare.table import _slowest_rank_steps
+    log = [{"step": 1, "step_time_s": 0.2, "tokens_per_s": 500.0, "tflops_model": 1.0, "tflops_hw": 2.0}]
+    ranks = [{"step_times_s": [0.2]}, {"step_times_s": [0.25]}]
+    (s,) = _slowest_rank_steps(log, ranks)
+    assert s["step_time_s"] == 0.25 and s["tokens_per_s"] == 400.0 and s["tflops_model"] == 0.8 and s["tflops_hw"] == 1.6
+    assert _slowest_rank_steps(log, [{"step_times_s": []}]) == log        # an older probe: the log as it is
+
+
 def test_zero_formulas():
     """The ZeRO paper's model-state bytes per rank (mixed precision: 2 + 2 + 12 per parameter), and fp32 as
     DeepSpeed runs it (4 + 4 + 8 without ZeRO, + a 4-byte master partition with ZeRO >= 1)."""
