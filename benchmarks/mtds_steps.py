@@ -26,15 +26,32 @@ class _Edge:
                 from torch.profiler import ProfilerActivity, profile
                 self.box["prof"] = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
                 self.box["prof"].__enter__()
+            if step == self.box.get("cpu_step"):
+                from benchmarks.op_cpu import OpCpu
+                self.box["cpu_ops"] = OpCpu()
+                self.box["cpu_ops"].__enter__()
             if step == self.box.get("ops_step"):
                 from lab.testing.op_counts import OpCounts
                 self.box["ops"] = OpCounts()
                 self.box["ops"].__enter__()
             self.box["t0"] = time.perf_counter()
+            self.box["c0"] = time.thread_time()
+            if step == 2 and self.box.get("cpu_step"):
+                from benchmarks.op_cpu import thread_cpu_s
+                self.box["threads_at_2"] = thread_cpu_s()
 
     def after_step(self, step, record):
         if not self.start:
             self.box["times"].append(time.perf_counter() - self.box["t0"])
+            self.box.setdefault("thread_cpu", []).append(time.thread_time() - self.box["c0"])
+            cpu_ops = self.box.pop("cpu_ops", None)
+            if cpu_ops is not None:
+                cpu_ops.__exit__(None, None, None)
+                self.box["op_cpu"] = cpu_ops.rows()
+            if step == self.box.get("cpu_step") - 1 and "threads_at_2" in self.box:   # steps 2 .. cpu_step - 1
+                from benchmarks.op_cpu import thread_cpu_s
+                before, n = self.box.pop("threads_at_2"), step - 1
+                self.box["thread_cpu_per_step"] = {k: (v - before.get(k, 0.0)) / n for k, v in thread_cpu_s().items()}
             ops = self.box.pop("ops", None)
             if ops is not None:
                 ops.__exit__(None, None, None)
@@ -78,13 +95,14 @@ def edge_hooks(box: dict):
 
 
 def train_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warmup: int,
-               profile_step: int | None, workdir: str, overrides: dict | None = None) -> dict:
+               profile_step: int | None, workdir: str, overrides: dict | None = None,
+               cpu_step: int | None = None) -> dict:
     import torch.distributed as dist
 
     from benchmarks import peer_work
     from mtds.training import TrainConfig, job
 
-    box = {"times": [], "profile_step": profile_step}
+    box = {"times": [], "profile_step": profile_step, "cpu_step": cpu_step}
     with edge_hooks(box):
         cfg = TrainConfig(deepspeed_config=peer_work.ds_config(microbatches),
                           model=peer_work.write_model_config(model, workdir), tp=tp, pp=pp,
@@ -96,7 +114,8 @@ def train_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, warm
     measured = sorted(times[warmup:])
     return {"side": "mtds", "rank": dist.get_rank(), "times": times, "losses": result.losses,
             "median_step_s": measured[len(measured) // 2] if measured else float("nan"),
-            "profile": box.get("profile")}
+            "profile": box.get("profile"), "thread_cpu": box.get("thread_cpu"), "op_cpu": box.get("op_cpu"),
+            "threads": box.get("thread_cpu_per_step")}
 
 
 def train_shape(shape_fields: dict, steps: int, seed: int, ops_step: int | None = None) -> dict:

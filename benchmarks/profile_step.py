@@ -26,12 +26,29 @@ from benchmarks.peer_runner import peer_missing, run_peer    # noqa: E402
 
 
 def profile_mtds(model: str, tp: int, pp: int, microbatches: int, steps: int, step: int,
-                 overrides: dict | None = None) -> dict:
+                 overrides: dict | None = None, cpu_step: int | None = None) -> dict:
     from benchmarks.mtds_steps import train_mtds
     from lab.testing import spawn
     workdir = tempfile.mkdtemp(prefix="mtds_profile_")
-    return spawn(train_mtds, tp * pp, model, tp, pp, microbatches, steps, 1, step, workdir, overrides,
+    return spawn(train_mtds, tp * pp, model, tp, pp, microbatches, steps, 1, step, workdir, overrides, cpu_step,
                  timeout=900)[0]
+
+
+def thread_cpu_table(m: dict, cpu_step: int, top: int) -> str:
+    """Rank 0's thread CPU per ATen call (operator and input shapes) in step ``cpu_step``, against the
+    thread CPU of the steps without the counter: the rest is Python and host work between the calls."""
+    rows, plain = m["op_cpu"], [c for i, c in enumerate(m["thread_cpu"], 1) if i not in (1, cpu_step)]
+    ops = sum(r["ms"] for r in rows)
+    step = sorted(plain)[len(plain) // 2] * 1e3
+    gemm = sum(r["ms"] for r in rows if r["op"] in ("mm", "addmm", "bmm", "baddbmm"))
+    out = [f"\nmtds thread CPU, rank 0: step {step:.1f} ms (median of the steps without the counter); ATen calls "
+           f"{ops:.1f} ms (GEMMs {gemm:.1f}, the rest {ops - gemm:.1f}); between the calls {step - ops:.1f}",
+           "| operator | input shapes | ms | calls |", "|---|---|---:|---:|"]
+    out += [f"| {r['op']} | {r['shapes']} | {r['ms']:.2f} | {r['calls']} |" for r in rows[:top]]
+    threads = sorted((m.get("threads") or {}).items(), key=lambda kv: -kv[1])
+    out += ["\nCPU per step of each thread of rank 0 (steps 2 .. the one before the counted step; /proc, 10 ms ticks)",
+            *(f"  {name}: {s * 1e3:.1f} ms" for name, s in threads if s > 0)]
+    return "\n".join(out)
 
 
 def table(rows: list[dict], title: str, n: int) -> str:
@@ -52,9 +69,16 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--compile", action="store_true", help="mtds with --compile")
+    ap.add_argument("--thread-cpu", action="store_true",
+                    help="instead of torch.profiler: thread CPU per ATen call and shape (mtds side, the last step)")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     overrides = {"compile": True} if a.compile else None
+    if a.thread_cpu:
+        m = profile_mtds(a.model, a.tp, a.pp, a.microbatches, a.steps, None, overrides, cpu_step=a.steps)
+        print(f"mtds {a.model} tp={a.tp} pp={a.pp}: step times {[round(t, 3) for t in m['times']]}")
+        print(thread_cpu_table(m, a.steps, a.top))
+        return
     m = profile_mtds(a.model, a.tp, a.pp, a.microbatches, a.steps, a.profile_step, overrides)
     prof = m["profile"]
     total = sum(r["self_ms"] for r in prof["ops"])
