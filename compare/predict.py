@@ -50,7 +50,10 @@ def predict_cell(scheme: Scheme, *, model: str, seq: int, global_batch: int, mic
     layout = Candidate(scheme.tp, scheme.pp, scheme.data_parallel(world), micro_batch, zero_stage=scheme.zero_stage,
                     recompute="none", sequence_parallel=bool(scheme.sp), pipeline_schedule=scheme.schedule,
                     virtual_stages=2 if scheme.schedule == "dualpipev" else scheme.v, cp=scheme.cp,
-                    cp_comm_type=scheme.comm)
+                    cp_comm_type=scheme.comm,
+                    # Megatron-core's pipeline sends the whole activation from every TP rank (twice mtds's link
+                    # bytes at t = 2 on the emulated nodes); mtds sends 1/t and gathers
+                    pipeline_scatter_gather=scheme.kind != "megatron")
     cluster = Cluster(gpu, world, gpus_per_node=ranks_per_node,
                       inter_gbps=link_bytes_per_s / 1e9 if link_bytes_per_s else None,
                       ranks_per_host=ranks_per_host or world)

@@ -83,6 +83,28 @@ def test_schedule_changes_only_the_bubble_and_p2p():
     assert dv.time_breakdown_s["pp_comm"] > il.time_breakdown_s["pp_comm"] / 2   # no scatter/gather
 
 
+def test_pipeline_messages_and_the_tied_embedding_all_reduce():
+    """pp_comm is the schedule's messages (1/t of s b h each with PTD-P's scatter/gather, the whole activation
+    without it: Megatron-core's) plus, with a tied head only, the embedding-gradient all-reduce between the
+    first and last stage (an untied head has nothing to keep equal: llama-tiny's link counters show none)."""
+    from dataclasses import replace
+
+    from mtds.plan import comm
+    from mtds.plan.pipeline import p2p_messages
+    work, cluster = Workload(64), Cluster(A100, 32)
+    model = ModelSpec(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024, untied_head=True)
+    knobs = dict(tp=8, pp=4, dp=1, microbatch=1, zero_stage=1, recompute="none")
+    act = 1024 * 1 * 1024 * 2                                # s b h, bf16
+    messages = p2p_messages("1f1b", 4, 1, 64)
+    untied = predict(model, Candidate(**knobs), work, cluster).time_breakdown_s["pp_comm"]
+    split = comm.p2p(act / 8, True, cluster) + comm.all_gather(act, 8, 1, cluster)
+    assert untied == pytest.approx(messages * split)
+    whole = predict(model, Candidate(**knobs, pipeline_scatter_gather=False), work, cluster).time_breakdown_s["pp_comm"]
+    assert whole == pytest.approx(messages * comm.p2p(act, True, cluster))
+    tied = predict(replace(model, untied_head=False), Candidate(**knobs), work, cluster).time_breakdown_s["pp_comm"]
+    assert tied > untied * 1.01
+
+
 def test_schedule_constraints_are_reported():
     work, cluster = Workload(16), Cluster(A100, 16)
     model = ModelSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)

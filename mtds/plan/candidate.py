@@ -54,6 +54,9 @@ class Candidate:
     ep: int = 1
     zero2_pipeline_reduce: str = "micro-batch"     # ZeRO-2 at p > 1: "micro-batch" | "step" (docs/training.md)
     zero3_pipeline_gather: str = "step"            # ZeRO-3 at p > 1: "step" | "micro-batch" (docs/training.md)
+    # each of the t ranks sends its 1/t of a pipeline message, gathered on the other side (PTD-P Section 4.1), as
+    # mtds does; False: every rank sends the whole activation (Megatron-core without sequence parallelism)
+    pipeline_scatter_gather: bool = True
 
     def __post_init__(self):
         if not self.pipeline_schedule:

@@ -170,13 +170,17 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
         # (scatter/gather optimisation, PTD-P Section 4.1); with sequence parallelism the
         # activations between layers are already split along the sequence, so no all-gather
         # DeepSpeed's DualPipeV refuses pipe_partitioned: it sends the whole activation
-        scatter_gather = layout.pipeline_schedule != "dualpipev"
+        # (a peer without the optimisation, Megatron-core without sequence parallelism: pipeline_scatter_gather off)
+        scatter_gather = layout.pipeline_schedule != "dualpipev" and layout.pipeline_scatter_gather
         t_p2p = comm.p2p(s * b * h * w / (t if scatter_gather else 1), cross_node, cluster)
         if scatter_gather and not layout.sequence_parallel:
             t_p2p += comm.all_gather(s * b * h * w, t, 1, cluster)
-        # tied input/output embedding: first and last stage all-reduce its gradient once per step
-        embedding_grad = model.padded_vocab(t) / t * h * grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
-        pp_s = pipeline.p2p_messages(layout.pipeline_schedule, p, v, m) * t_p2p + comm.all_reduce(embedding_grad, 2, t * d * (p - 1), cluster)
+        pp_s = pipeline.p2p_messages(layout.pipeline_schedule, p, v, m) * t_p2p
+        if not model.untied_head:
+            # tied input/output embedding: first and last stage all-reduce its gradient once per step (an untied
+            # head has no copy to keep equal: nothing crosses, as the link counters show on llama-tiny)
+            embedding_grad = model.padded_vocab(t) / t * h * grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
+            pp_s += comm.all_reduce(embedding_grad, 2, t * d * (p - 1), cluster)
 
     # experts' gradients are summed over their expert-data-parallel group (d·c / e ranks), the rest over d·c
     n_expert = stage_expert_params(model, layout)
