@@ -3,6 +3,8 @@ ZeRO-3 (d=2) — same init, same samples — report the same step-1 loss."""
 import json
 import os
 
+import pytest
+
 from compare.cli import main
 from compare.launch import entry_args
 from compare.schemes import parse_scheme
@@ -150,6 +152,12 @@ def test_planner_cell_follows_the_link(tmp_path):
     ptdp = [predict_cell(parse_scheme("ptdp:tp=2,pp=2"), link_bytes_per_s=bw, **kw)["step_s"] for bw in (1.25e9, 1.25e7)]
     assert zero3[1] > 2 * zero3[0] and zero3[1] - zero3[0] > 2 * (ptdp[1] - ptdp[0]) > 0, (zero3, ptdp)
     assert "error" in predict_cell(parse_scheme("autotp:tp=2"), link_bytes_per_s=1.25e9, **kw)
+    # Megatron-core's cells as it runs on gloo: whole activations between stages (no scatter/gather) and its
+    # reduce-scatter an all-reduce (+ the all-gather): more pipeline and more gradient traffic than mtds's
+    slow = dict(kw, link_bytes_per_s=1.25e7)
+    pp = {k: predict_cell(parse_scheme(f"{k}:tp=2,pp=2"), **slow)["breakdown_s"]["pp_comm"] for k in ("ptdp", "megatron")}
+    dp = {k: predict_cell(parse_scheme(f"{k}:tp=2"), **slow)["breakdown_s"]["dp_comm"] for k in ("ptdp", "megatron")}
+    assert pp["megatron"] > 1.25 * pp["ptdp"] and dp["megatron"] == pytest.approx(1.5 * dp["ptdp"], rel=0.02), (pp, dp)
 
 
 def test_compare_run_on_emulated_nodes(tmp_path):
