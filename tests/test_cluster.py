@@ -138,6 +138,7 @@ def test_launcher_trains_across_nodes_with_single_host_losses_and_formula_link_b
     from compare.cluster_launch import launch_on_cluster
     from compare.launch import effective_config, entry_args
     from compare.schemes import parse_scheme
+    from compare.sweep import link_formula
     from lab.testing import spawn
     from mtds.cluster.formulas import ptdp_link_bytes, zero3_link_bytes
     model = tmp_path / "config.json"
@@ -155,6 +156,8 @@ def test_launcher_trains_across_nodes_with_single_host_losses_and_formula_link_b
     expected = {"ptdp:tp=2,pp=2": ptdp_link_bytes(microbatches=4, micro_batch=2, seq=32, hidden=64, vocab=8192,
                                                  tp=2, pp=2, nodes=2),
                 "zero3": zero3_link_bytes(params=TINY_PARAMS, world=4, nodes=2)}
+    for name, formula in expected.items():     # the formula `compare run --nodes` puts beside its cells
+        assert link_formula(parse_scheme(name), str(model), 32, 8, 2, spec) == formula, name
     with Cluster(spec) as c:
         for name, formula in expected.items():
             out = tmp_path / name.replace(":", "_")

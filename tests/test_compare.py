@@ -1,5 +1,5 @@
-"""`python -m compare run` end to end on a tiny model: table, JSON and plots appear, and PTD-P (tp=2) and
-ZeRO-3 (d=2) — same init, same samples — report the same step-1 loss."""
+"""`python -m compare run` end to end on a tiny model: table, JSON and plots appear; on emulated nodes HF's
+ZeRO-3 and DeepSpeed's AutoTP report mtds's losses (same init, same samples) and the link's bytes."""
 import json
 import os
 
@@ -43,27 +43,28 @@ def test_scheme_specs():
 
 
 def test_compare_run_tiny(tmp_path):
+    """`compare run` on one host (torchrun) for one scheme: files, the row's numbers, the learning-rate line.
+    ZeRO-3 through the same entry point (compare.entry's probe, the scheme's config) is tests/test_cluster.py's
+    cross-node test: its losses equal mtds on one rank at every step (here: step 1 against PTD-P), and the
+    all-gathers the probe traces (counted only because it installs its tracer before DeepSpeed starts) equal
+    the formula's bytes; a second launch here added its start-up to no check of its own."""
     needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
     model = tmp_path / "config.json"
     model.write_text(json.dumps(TINY_GPT2))
     out = tmp_path / "out"
-    code = main(["run", "--schemes", "ptdp:tp=2", "zero3", "--nproc", "2", "--model", str(model), "--steps", "3",
+    code = main(["run", "--schemes", "ptdp:tp=2", "--nproc", "2", "--model", str(model), "--steps", "3",
                  "--seq-length", "32", "--global-batch", "4", "--micro-batch", "2", "--out", str(out),
                  "--timeout", "300"])
     assert code == 0
     for name in ("compare.md", "compare.json", "loss.png", "throughput.png"):
         assert (out / name).stat().st_size > 0, name
     rows = json.loads((out / "compare.json").read_text())["rows"]
-    assert [r["scheme"] for r in rows] == ["ptdp-t2p1", "zero3"]
+    assert [r["scheme"] for r in rows] == ["ptdp-t2p1"]
     for r in rows:
         assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0
         assert r["comm_bytes_per_step_max_rank"] > 0
         assert 0 < r["cpu_s_per_step"] < 60, r["cpu_s_per_step"]     # each rank's CPU per step, recorded
-    ptdp, zero3 = rows[0]["losses"][0], rows[1]["losses"][0]
-    assert abs(ptdp - zero3) <= 1e-5 * abs(ptdp), (ptdp, zero3)
-    # ZeRO-3's parameter all-gathers are DeepSpeed calls through cached functions: counted only
-    # because the probe installs its tracer before DeepSpeed starts.
-    assert any(k.startswith("all_gather") for k in rows[1]["comm_by_kind_rank0"]), rows[1]["comm_by_kind_rank0"]
+    assert any(k.startswith("all_reduce") for k in rows[0]["comm_by_kind_rank0"]), rows[0]["comm_by_kind_rank0"]
     assert "ptdp-t2p1" in (out / "compare.md").read_text()
     assert "Learning rate: constant 1.00e-03 at every step of every scheme" in (out / "compare.md").read_text()
 
@@ -160,41 +161,61 @@ def test_planner_cell_follows_the_link(tmp_path):
     assert pp["megatron"] > 1.25 * pp["ptdp"] and dp["megatron"] == pytest.approx(1.5 * dp["ptdp"], rel=0.02), (pp, dp)
 
 
+def _host_losses(flags):
+    from mtds.training import run
+    from mtds.training.cli import build_parser, config_from_args
+    return run(config_from_args(build_parser().parse_args(flags))).losses
+
+
 def test_compare_run_on_emulated_nodes(tmp_path):
-    """`compare run --nodes 2`: PTD-P (pipeline across the nodes), HF GPT2LMHeadModel under accelerate +
-    DeepSpeed ZeRO-3 (2 micro-batches per step: accumulation must not step the optimizer twice), and AutoTP (which DeepSpeed refuses for GPT-2: a row with its error) through the
-    DeepSpeed launcher per node; results files appear, losses agree, link bytes are counted."""
+    """`compare run --nodes 2`: HF GPT2LMHeadModel under accelerate + DeepSpeed ZeRO-3 (2 micro-batches per
+    step: accumulation must not step the optimizer twice), and AutoTP (which DeepSpeed refuses for GPT-2: a row
+    with its error) through the DeepSpeed launcher per node; results files appear, losses agree with mtds on one
+    rank, link bytes are counted. (mtds's own PTD-P across the nodes -- its losses, link bytes against the
+    formula the sweep uses, placement split -- is tests/test_cluster.py's at 2 x 2.)"""
     from mtds.cluster import unavailable_reason
     reason = unavailable_reason()
     if reason:
         import pytest
         pytest.skip(f"emulated cluster unavailable: {reason}")
+    from compare.launch import effective_config
+    from lab.testing import spawn
     model = tmp_path / "config.json"
     model.write_text(json.dumps(TINY_GPT2))
+    # HF's losses against mtds at (1,1,1) with compare.entry's train.py flags and the sweep's batch, on a warm
+    # pooled rank (a launch of its own would only add start-up; the same flags give the same losses either way)
+    host, one = tmp_path / "host", parse_scheme("ptdp:tp=1")
+    host.mkdir()
+    flags = entry_args(one, config=effective_config(one, str(host), 8, 2), model=str(model), steps=2, seq_length=32,
+                       out_dir=str(host))[2:]
+    ref_losses = spawn(_host_losses, 1, flags, timeout=300)[0]
+    assert len(ref_losses) == 2
     out = tmp_path / "sweep"
-    code = main(["run", "--nodes", "2", "--ranks-per-node", "1", "--inter-node", "1gbit", "--schemes", "ptdp:pp=2",
-                 "hf-zero3", "autotp:tp=2", "autotp:tp=2,model=llama-tiny", "--model", str(model), "--steps", "2", "--seq-length", "32",
+    code = main(["run", "--nodes", "2", "--ranks-per-node", "1", "--inter-node", "1gbit", "--schemes", "hf-zero3",
+                 "autotp:tp=2", "autotp:tp=2,model=llama-tiny", "--model", str(model), "--steps", "2", "--seq-length", "32",
                  "--global-batch", "8", "--micro-batch", "2", "--no-predict", "--out", str(out), "--timeout", "300",
                  "--prefix", f"mtds-c{os.getpid()}-"])
     assert code == 0
     for name in ("results.md", "results.csv", "results.json", "tokens_vs_bandwidth.png", "link_bytes.png", "loss.png"):
         assert (out / name).stat().st_size > 0, name
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [(r["scheme"], r["status"]) for r in rows] == [("ptdp-t1p2", "ok"), ("hf-zero3", "ok"),
-                                                          ("autotp-t2", "error"), ("autotp-t2-llama-tiny", "ok")]
-    assert "AutoTP not supported" in rows[2]["error"]
+    assert [(r["scheme"], r["status"]) for r in rows] == [("hf-zero3", "ok"), ("autotp-t2", "error"),
+                                                          ("autotp-t2-llama-tiny", "ok")]
+    assert "AutoTP not supported" in rows[1]["error"]
     # DeepSpeed's AutoTP trains a Llama: same losses as mtds on one rank on one host (same model and data)
-    llama = rows[3]
+    llama = rows[2]
     assert len(json.loads((out / "results.json").read_text())["meta"]["references"]["llama-tiny"]) == 2
     assert llama["loss_max_rel_diff"] <= 1e-5 and llama["model_state"]["psi"] < 2_901_120, llama   # TP-sharded
-    for r in (rows[0], rows[1], llama):    # one rank per node: every byte a rank sends crosses the link
+    for r in (rows[0], llama):    # one rank per node: every byte a rank sends crosses the link
         assert r["traced_intra_bytes_per_step_per_node"] == 0 and r["traced_inter_bytes_per_step_per_node"] > 0, r
-    ptdp, hf = rows[0], rows[1]
-    for a, b in zip(ptdp["losses"], hf["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(a), (ptdp["losses"], hf["losses"])
+    hf = rows[0]
+    assert len(hf["losses"]) == 2
+    print("hf-zero3 against mtds (1,1,1): max rel diff", max(abs(a - b) / abs(b) for a, b in zip(hf["losses"], ref_losses)))
+    for a, b in zip(hf["losses"], ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (hf["losses"], ref_losses)
     assert hf["comm_by_family_max_rank"]["all_gather"] > 0 and hf["comm_by_family_max_rank"]["reduce_scatter"] > 0
-    for r in (ptdp, hf):    # counters vs formula: within 3% (tests/test_cluster.py states the overhead)
-        assert r["link_formula_bytes"] * 0.99 <= r["link_bytes_per_step_per_node"] <= r["link_formula_bytes"] * 1.03, r
+    # counters vs formula: within 3% (tests/test_cluster.py states the overhead)
+    assert hf["link_formula_bytes"] * 0.99 <= hf["link_bytes_per_step_per_node"] <= hf["link_formula_bytes"] * 1.03, hf
     assert "failed" in (out / "results.md").read_text()
 
 

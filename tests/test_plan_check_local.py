@@ -7,14 +7,33 @@ test suite would fail for reasons unrelated to the model. This test checks that 
 prediction and the measured runs work for every layout kind (tensor, pipeline, data parallel)
 and that each layout's prediction charges the communication it really does.
 """
+import json
 import math
 
 from lab.plan_check.check_local import LAYOUTS, check_local, main
 
 
-def test_local_calibration_prediction_and_measurement_run_end_to_end():
+def test_local_calibration_prediction_and_measurement_run_end_to_end(tmp_path):
+    """`mtds-plan --calibrate` writes a profile that the planner's command line reads and that the prediction
+    of each layout uses. One calibration for both (a calibration is two fresh interpreters measuring for a
+    few seconds, ~10 CPU-s); where a GPU is visible --calibrate refuses (tests/test_plan_calibrate.py) and
+    check_local calibrates by itself."""
+    from mtds.cli.plan import main as plan, visible_gpus
+    profile = None
+    if not visible_gpus():
+        profile = str(tmp_path / "prof.json")
+        assert plan(["--calibrate", "--profile", profile, "--json"]) == 0
+        with open(profile) as f:
+            prof = json.load(f)
+        for key in ("matmul_tflops", "memory_gbps", "allreduce_busbw_gbps", "allreduce_latency_s",
+                    "optimizer_s_per_param"):
+            assert prof[key] > 0
+        assert prof["concurrency"] == 2 and prof["host_cores"] >= 1     # the contention it was measured at
+        assert plan(["--gpu", "local", "--profile", profile, "--layers", "2", "--hidden", "64", "--heads", "4",
+                     "--vocab", "256", "--seq", "32", "--gpus", "2", "--global-batch", "4", "--tp", "2", "--pp", "1",
+                     "--json"]) == 0
     # one calibration and a small model keep the test short (it checks the plumbing, not the accuracy)
-    rows = check_local(steps=3, calibrate_each=False, hidden=128, seq=64)
+    rows = check_local(steps=3, calibrate_each=False, hidden=128, seq=64, profile=profile)
     assert [r["layout"] for r in rows] == ["t{} p{} d{}".format(*lay) for lay in LAYOUTS]
     by_layout = {r["layout"]: r for r in rows}
     for r in rows:

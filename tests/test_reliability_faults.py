@@ -18,10 +18,30 @@ from lab.testing import free_port, needs_ranks, spawn
 from tests.training_helpers import ds_config, train_config
 
 
+def _resume(argv):
+    """train.py's run of these flags on a pooled rank: (final step, steps trained)."""
+    from mtds.training import run
+    from mtds.training.cli import build_parser, config_from_args
+    result = run(config_from_args(build_parser().parse_args(argv)))
+    return result.final_step, len(result.losses)
+
+
+def _pooled_restart(argv):
+    """The restart after the kill on warm pooled ranks (torchrun's own restart with --load after a kill -9 with
+    a write in flight is tests/test_recovery.py's first fault, its losses held to the uninterrupted run's; a
+    second launch here added only its start-up): (ok, the step it resumed from)."""
+    try:
+        final_step, trained = spawn(_resume, 2, argv, timeout=240)[0]
+    except Exception as err:          # a rank failed: the restart is not ok
+        print(f"restart failed: {err}")
+        return False, None
+    return True, final_step - trained
+
+
 @pytest.mark.parametrize("mode, seed", [("save", 1)])
 def test_kill_9_of_one_rank(tmp_path, mode, seed):
     needs_ranks(2)      # a launcher starts 2 ranks: under MTDS_TEST_DEVICE=cuda, one GPU each
-    r = run_try(str(tmp_path), seed, mode)
+    r = run_try(str(tmp_path), seed, mode, restart=_pooled_restart)
     where = f"{mode} try: {r}; see {tmp_path}"
     assert r.exit_s < EXIT_BOUND_S, where
     assert r.launcher_named_rank, where
@@ -29,6 +49,13 @@ def test_kill_9_of_one_rank(tmp_path, mode, seed):
     assert r.complete_after_kill, where           # saves every step: something was complete before the kill
     assert r.restart_ok and r.resumed_step == max(r.complete_after_kill), where
     assert not r.lost_complete, where
+    # torchrun without --max-restarts has none: the survivor's one line says so, the job exits non-zero, no
+    # rank's traceback (torchrun prints its own)
+    out = (tmp_path / "first.out").read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert r.exit_code != 0, where
+    assert len(errors) == 1 and "no restarts left (0 of torchrun's --max-restarts 0 used)" in errors[0], out[-3000:]
+    assert "mtds/training" not in out, out[-3000:]
 
 
 def _train(argv):
@@ -71,8 +98,8 @@ def test_sigterm_and_sigint_finish_the_step_save_exit_0_and_resume_exactly(tmp_p
     assert os.path.basename(find_complete(os.path.join(work, "ck"))[0]) == f"global_step{last}"
 
     # The restart and the uninterrupted reference run the same flags on warm pooled ranks (torchrun's own
-    # restart with --load is test_kill_9_of_one_rank's and tests/test_recovery.py's; a pooled run of these
-    # flags gives a torchrun run's losses bit for bit, which tests/test_recovery.py asserts).
+    # restart with --load is tests/test_recovery.py's; a pooled run of these flags gives a torchrun run's
+    # losses bit for bit, which tests/test_recovery.py asserts).
     args = cmd[cmd.index(os.path.join(REPO, "train.py")) + 1:]
     spawn(_train, 2, args + ["--load", os.path.join(work, "ck")], timeout=300)
     os.rename(os.path.join(work, "log.jsonl"), os.path.join(work, "interrupted.jsonl"))

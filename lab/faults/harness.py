@@ -37,6 +37,7 @@ class FaultResult:
     resumed_step: int | None = None
     restart_ok: bool = False
     lost_complete: list[int] = field(default_factory=list)
+    exit_code: int | None = None    # the killed launch's (torchrun's default --max-restarts 0: no restart)
 
     @property
     def corrupt_load(self) -> bool:
@@ -114,9 +115,12 @@ def write_inputs(work: str) -> None:
             json.dump(content, f)
 
 
-def run_try(work: str, seed: int, mode: str, *, steps: int = 40, timeout: float = 240.0) -> FaultResult:
+def run_try(work: str, seed: int, mode: str, *, steps: int = 40, timeout: float = 240.0,
+            restart=None) -> FaultResult:
     """``mode`` "train": kill after a random number of logged steps; "save": kill at a random moment
-    after a checkpoint's staging folder appears (so most kills land inside a save)."""
+    after a checkpoint's staging folder appears (so most kills land inside a save). ``restart``: runs
+    the restart's train.py flags itself and returns (ok, resumed step) -- the suite's warm pooled ranks;
+    by default a second torchrun launch."""
     rng = random.Random(seed)
     write_inputs(work)
     layout = LAYOUTS[rng.randrange(len(LAYOUTS))]
@@ -156,17 +160,21 @@ def run_try(work: str, seed: int, mode: str, *, steps: int = 40, timeout: float 
     named = bool(re.search(rf"rank\s*:\s*{victim} \(local_rank: {victim}\)\s*\n\s*exitcode\s*:\s*-9", text))
     complete, broken = _complete_steps(os.path.join(work, "ck"))
     result = FaultResult(mode=mode, layout=" ".join(layout), killed_rank=victim, killed_at_step=step, exit_s=exit_s,
-                         launcher_named_rank=named, complete_after_kill=complete, broken_visible=broken)
+                         launcher_named_rank=named, complete_after_kill=complete, broken_visible=broken,
+                         exit_code=launcher.returncode)
     if complete:
         find_complete(os.path.join(work, "ck"))        # what --load will pick must be loadable
-    restart = subprocess.run(_command(work, layout, max(complete, default=0) + 1,
-                                      ["--load", os.path.join(work, "ck")] if complete else []),
-                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-    with open(os.path.join(work, "restart.out"), "w") as f:
-        f.write(restart.stdout + restart.stderr)
-    result.restart_ok = restart.returncode == 0
-    m = re.search(r"resumed from \S+ at step (\d+)", restart.stdout + restart.stderr)
-    result.resumed_step = int(m.group(1)) if m else (0 if not complete and result.restart_ok else None)
+    command = _command(work, layout, max(complete, default=0) + 1,
+                       ["--load", os.path.join(work, "ck")] if complete else [])
+    if restart is not None:
+        result.restart_ok, result.resumed_step = restart(command[command.index(os.path.join(REPO, "train.py")) + 1:])
+    else:
+        restarted = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+        with open(os.path.join(work, "restart.out"), "w") as f:
+            f.write(restarted.stdout + restarted.stderr)
+        result.restart_ok = restarted.returncode == 0
+        m = re.search(r"resumed from \S+ at step (\d+)", restarted.stdout + restarted.stderr)
+        result.resumed_step = int(m.group(1)) if m else (0 if not complete and result.restart_ok else None)
     after, _ = _complete_steps(os.path.join(work, "ck"))
     result.lost_complete = sorted(set(complete) - set(after))
     return result
