@@ -5,7 +5,7 @@
 RATE=${1:-100mbit}; REPS=${2:-2}; OUT=${3:-runs/dpv_overlap}
 mkdir -p "$OUT"
 common="--deepspeed_config ds_configs/cpu_fp32.json --model lab/dualpipev_overlap/mixtral_small.json --pp 2
-  --expert-model-parallel-size 2 --seq-length 128 --global-batch-size 16 --micro-batch-size 1 --steps 6
+  --expert-model-parallel-size 2 --seq-length 32 --global-batch-size 16 --micro-batch-size 1 --steps 5 --lr 1e-4
   --pipeline-balance uniform"
 for rep in $(seq 1 "$REPS"); do
   for variant in dualpipev overlap 1f1b; do
@@ -15,7 +15,7 @@ for rep in $(seq 1 "$REPS"); do
       1f1b) extra="--pipeline-schedule 1f1b";;
     esac
     /usr/bin/time -f "%U %S %e" -o "$OUT/$variant.$rep.time" \
-      python -m mtds.cluster run --prefix dpv- --nodes 4 --ranks-per-node 1 --inter-node "$RATE" --out "$OUT/$variant.$rep" \
+      python -m mtds.cluster run --prefix dpv- --timeout 300 --nodes 4 --ranks-per-node 1 --inter-node "$RATE" --out "$OUT/$variant.$rep" \
       -- train.py $common $extra > "$OUT/$variant.$rep.log" 2>&1
     echo "$variant rep $rep rc $? $(cat $OUT/$variant.$rep.time)"
   done
