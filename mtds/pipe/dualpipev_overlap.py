@@ -141,18 +141,21 @@ def _pair(cmd, nxt) -> bool:
         and cmd.kwargs.get("phase") != nxt.kwargs.get("phase")
 
 
-def install_cross_chunk_overlap(engine, groups, tracer=None) -> int:
+def install_cross_chunk_overlap(engine, groups, tracer=None, timeout_s: float = 600.0) -> int:
     """Turn a built ``DualPipeVEngine`` into :class:`OverlappedDualPipeVEngine`: a duplicate of the expert
     group for the all-to-alls' backward (collective: every rank creates every expert group's duplicate, in
     the same order), given to every MoE block's dispatcher, each block told its phase (``comm_chunk``, the
-    timeline's chunk of its ``a2a`` spans). Returns the number of MoE blocks on this rank."""
+    timeline's chunk of its ``a2a`` spans). ``timeout_s``: the duplicate group's, as the layout's groups
+    (--dist-timeout), so a dead peer ends a pair's backward thread with an error, not a hang. Returns the number of
+    MoE blocks on this rank."""
+    import datetime
     from mtds.model.dispatch import AllToAllDispatcher
     from mtds.model.moe import MoEBlock
     if not isinstance(engine, DualPipeVEngine):
         raise TypeError(f"the cross-chunk overlap runs on DeepSpeed's DualPipeVEngine, not {type(engine).__name__}")
     backward_group = None
     for ranks in groups.layout.ep_groups():
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
         if groups.rank in ranks:
             backward_group = group
     if tracer is not None:
