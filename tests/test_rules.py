@@ -58,7 +58,11 @@ RULE_CASES = {
                              "--expert-model-parallel-size 2 with bf16 needs ZeRO-1 or 2"),
     "overlap-comm": (Job(MOE, 2, ep=2, moe_overlap_comm=True),
                      "--overlap-moe-expert-parallel-comm overlaps an MoE block's dispatch all-to-all with its shared "
-                     "expert: it needs --expert-model-parallel-size > 1 and a model with a shared expert"),
+                     "expert, or on --pipeline-schedule dualpipev one chunk's all-to-alls with the other chunk's "
+                     "compute: it needs --expert-model-parallel-size > 1"),
+    "dualpipev-overlap": (Job(MOE, 8, tp=2, pp=2, ep=2, pipeline_schedule="dualpipev", moe_overlap_comm=True),
+                          "--overlap-moe-expert-parallel-comm on dualpipev (one chunk's forward beside the other's "
+                          "backward, on two threads) with --tp 2 --context-parallel-size 1 is not built"),
     "expert-width": (Job(dataclasses.replace(MOE, moe_ffn_size=98), 4, tp=4),
                      "tensor parallel size 4 does not divide the expert FFN size 98"),
     "async-save-needs-save": (Job(DENSE, 1, async_save=True), "--async-save without --save"),

@@ -94,13 +94,16 @@ class AllToAllDispatcher(LocalDispatcher):
     def __init__(self, num_experts: int, group):
         super().__init__(num_experts)
         self.group = group
+        # the exchanges' backward (None: ``group``): a duplicate of it under DualPipeV's cross-chunk overlap
+        self.backward_group = None
         self.world = dist.get_world_size(group)
         self.local = num_experts // self.world
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> Dispatched:
         plan = self._plan(routing)
-        return self._regroup(all_to_all(tokens.index_select(0, plan.token), self.group, plan.received, plan.sent),
-                             plan)
+        rows = all_to_all(tokens.index_select(0, plan.token), self.group, plan.received, plan.sent,
+                          self.backward_group)
+        return self._regroup(rows, plan)
 
     def plan(self, routing: Routing) -> "_Plan":
         """Who sends which rows where: the routing sorted, the counts exchanged (waited for: their host copy
@@ -112,7 +115,7 @@ class AllToAllDispatcher(LocalDispatcher):
         (``--overlap-moe-expert-parallel-comm``); :meth:`receive_rows` waits for it. The same rows, bit for bit.
         ``span``: a timeline record from the issue to the wait's return (mtds.tp.async_all_to_all)."""
         rows, pending = start_all_to_all(tokens.index_select(0, plan.token), self.group, plan.received, plan.sent,
-                                         span)
+                                         span, self.backward_group)
         return _InFlight(rows, pending, plan)
 
     @staticmethod
@@ -151,5 +154,5 @@ class AllToAllDispatcher(LocalDispatcher):
         x = sent.exchange
         # back to source order, then home: the rows return in the order this rank sent them
         in_source_order = outputs.new_empty(outputs.shape).index_copy(0, x.by_expert, outputs)
-        home = all_to_all(in_source_order, self.group, x.sent, x.received)
+        home = all_to_all(in_source_order, self.group, x.sent, x.received, self.backward_group)
         return super().combine(home, routing, sent, num_tokens)

@@ -79,6 +79,9 @@ class MoEBlock(nn.Module):
         # all-to-all is in flight; ``comm_timeline``, a TimelineRecorder (--timeline) that records both spans
         self.overlap_dispatch = False
         self.comm_timeline = None
+        # DualPipeV's cross-chunk overlap (mtds.pipe.dualpipev_overlap): the phase holding this block, the chunk
+        # of its "a2a" spans (the dispatch's and the combine's exchanges) on the timeline
+        self.comm_chunk = None
 
     def note(self, stats: RouterStats) -> None:
         """One training forward's statistics into the step log's counters (mtds.training.expert_load)."""
@@ -104,9 +107,12 @@ class MoEBlock(nn.Module):
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
         routing = self._route(tokens, shape[0])
-        sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
+        with self._span("a2a") or contextlib.nullcontext():
+            sent = self.dispatcher.dispatch(copy_to_tensor_parallel_region(tokens, self.group), routing)
         outputs = self.experts(sent.rows, sent.counts)
-        return self.dispatcher.combine(outputs, routing, sent, tokens.shape[0]).reshape(shape)
+        with self._span("a2a") or contextlib.nullcontext():
+            combined = self.dispatcher.combine(outputs, routing, sent, tokens.shape[0])
+        return combined.reshape(shape)
 
     def _route(self, tokens: torch.Tensor, batch: int) -> Routing:
         """The routing of ``tokens`` [N, h] (keeping this forward's statistics), capacity drops applied."""
@@ -137,7 +143,7 @@ class MoEBlock(nn.Module):
 
     def _span(self, kind: str):
         recording = self.comm_timeline is not None and torch.is_grad_enabled()   # not evaluation's
-        return self.comm_timeline.record(kind) if recording else None
+        return self.comm_timeline.record(kind, chunk=self.comm_chunk) if recording else None
 
     def _forward_sequence_slices(self, hidden: torch.Tensor) -> torch.Tensor:
         b, s_local, h = hidden.shape

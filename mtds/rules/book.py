@@ -79,6 +79,9 @@ RULES: tuple[Rule, ...] = (
     Rule("overlap-comm", experts.overlap_comm, "--overlap-moe-expert-parallel-comm, --expert-model-parallel-size, "
          "--sequence-parallel, the model", "the dispatch's overlap without an all-to-all or a shared expert "
          "(with sequence parallelism: not built)"),
+    Rule("dualpipev-overlap", experts.dualpipev_overlap, "--overlap-moe-expert-parallel-comm, "
+         "--pipeline-schedule dualpipev, --tp, --context-parallel-size, --recompute, dropout, ZeRO stage, precision",
+         "DualPipeV's cross-chunk overlap with TP/CP, recompute, dropout, ZeRO-2/3 or 16 bits", kind=NOT_BUILT),
     Rule("expert-width", experts.expert_width, "--tp, the model's expert width", "t not dividing the expert (or shared expert) FFN size"),
     Rule("async-save-needs-save", checkpoint.async_save_needs_save, "--async-save, --save",
          "a background save with no checkpoint directory"),

@@ -68,17 +68,42 @@ def expert_parallel_zero(job: Job) -> str | None:
 
 def overlap_comm(job: Job) -> str | None:
     """--overlap-moe-expert-parallel-comm hides the dispatch all-to-all behind the block's shared expert
-    (mtds.model.moe): without an all-to-all or a shared expert it would do nothing; with sequence parallelism
-    it is not built."""
+    (mtds.model.moe) and, on DualPipeV, one chunk's all-to-alls behind the other chunk's compute
+    (mtds.pipe.dualpipev_overlap). Without an all-to-all, or off DualPipeV without a shared expert, it would
+    do nothing; with sequence parallelism it is not built."""
     if not job.moe_overlap_comm:
         return None
     flag = "--overlap-moe-expert-parallel-comm"
-    if job.ep == 1 or not job.model.shared_expert_ffn_size:
-        return f"{flag} overlaps an MoE block's dispatch all-to-all with its shared expert: it needs " \
-               f"--expert-model-parallel-size > 1 and a model with a shared expert (Qwen2-MoE, DeepSeek-V3); " \
-               f"drop the flag"
+    dualpipev = job.pipeline_schedule == "dualpipev"
+    if job.ep == 1 or not (job.model.shared_expert_ffn_size or dualpipev):
+        return f"{flag} overlaps an MoE block's dispatch all-to-all with its shared expert, or on " \
+               f"--pipeline-schedule dualpipev one chunk's all-to-alls with the other chunk's compute: it needs " \
+               f"--expert-model-parallel-size > 1 and a model with a shared expert (Qwen2-MoE, DeepSeek-V3) or " \
+               f"dualpipev; drop the flag"
     if job.sequence_parallel:
         return f"{flag} with --sequence-parallel is not built: drop one of them"
+    return None
+
+
+def dualpipev_overlap(job: Job) -> str | None:
+    """DualPipeV's cross-chunk overlap (mtds.pipe.dualpipev_overlap) runs a forward and a backward of the two
+    phases at once on two threads, keeping every collective of a pass on a group of its own side: only the
+    expert groups are duplicated, so what puts another collective (or the shared RNG state) inside a pass is
+    not built."""
+    if not (job.moe_overlap_comm and job.pipeline_schedule == "dualpipev" and job.ep > 1):
+        return None
+    flag = "--overlap-moe-expert-parallel-comm"
+    on = f"{flag} on dualpipev (one chunk's forward beside the other's backward, on two threads)"
+    if job.tp > 1 or job.cp > 1:
+        return f"{on} with --tp {job.tp} --context-parallel-size {job.cp} is not built: only the expert groups " \
+               f"are duplicated for the two threads; use --tp 1 and --context-parallel-size 1, or drop the flag"
+    if job.recompute or job.model.attention_dropout or job.model.hidden_dropout:
+        return f"{on} with recompute or dropout is not built: the recomputed forward's collectives and the " \
+               f"dropout RNG state would be shared by the two threads; use --recompute none and a model without " \
+               f"dropout, or drop the flag"
+    if job.zero_stage >= 2 or job.precision != "fp32":
+        return f"{on} is built for fp32 with ZeRO-0/1 (ZeRO-{job.zero_stage}, {job.precision} here): ZeRO-2/3 " \
+               f"reduce inside the backward, and 16 bits is not verified; use fp32 ZeRO-1, or drop the flag"
     return None
 
 

@@ -67,6 +67,7 @@ class Job:
     moe_seq_aux: bool = False               # --moe-router-load-balancing-type seq_aux_loss
     moe_aux_coeff: bool = False             # --moe-aux-loss-coeff > 0
     moe_overlap_comm: bool = False          # --overlap-moe-expert-parallel-comm
+    recompute: bool = False                 # --recompute selective or full
     save: bool = False                      # --save given
     async_save: bool = False                # --async-save
     purpose: str = TRAIN                    # train | eval (mtds-eval: no router statistics carried)

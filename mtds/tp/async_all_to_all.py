@@ -34,8 +34,8 @@ class Pending:
 
 class _StartAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits, pending):
-        ctx.group, ctx.splits = group, (out_splits, in_splits)
+    def forward(ctx, x, group, out_splits, in_splits, pending, backward_group):
+        ctx.group, ctx.splits = backward_group, (out_splits, in_splits)
         source = x.contiguous()
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         pending.issued(dist.all_to_all_single(out, source, out_splits, in_splits, group=group, async_op=True), source)
@@ -47,11 +47,14 @@ class _StartAllToAll(torch.autograd.Function):
         grad = grad.contiguous()
         out = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         dist.all_to_all_single(out, grad, in_splits, out_splits, group=ctx.group)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
-def start_all_to_all(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int], span=None):
+def start_all_to_all(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int], span=None,
+                     backward_group=None):
     """(output rows, :class:`Pending`): the exchange of :func:`mtds.tp.all_to_all` started; read the output
-    only after ``pending.wait()``. ``span``: see :class:`Pending`."""
+    only after ``pending.wait()``. ``span``: see :class:`Pending`; ``backward_group``: as
+    :func:`mtds.tp.all_to_all`'s."""
     pending = Pending(span)
-    return _StartAllToAll.apply(x, group, list(out_splits), list(in_splits), pending), pending
+    back = group if backward_group is None else backward_group
+    return _StartAllToAll.apply(x, group, list(out_splits), list(in_splits), pending, back), pending

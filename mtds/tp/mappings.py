@@ -242,18 +242,24 @@ def _all_to_all_rows(x: torch.Tensor, group, out_splits: list[int], in_splits: l
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits):
-        ctx.group, ctx.splits = group, (out_splits, in_splits)
+    def forward(ctx, x, group, out_splits, in_splits, backward_group):
+        ctx.group, ctx.splits = backward_group, (out_splits, in_splits)
         return _all_to_all_rows(x, group, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _all_to_all_rows(grad, ctx.group, in_splits, out_splits), None, None, None
+        return _all_to_all_rows(grad, ctx.group, in_splits, out_splits), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int],
+               backward_group=None) -> torch.Tensor:
     """Rows ``x`` [sum(in_splits), ...]: ``in_splits[j]`` consecutive rows go to rank j of ``group``, and
     ``out_splits[j]`` rows come from it, in rank order (uneven splits: expert parallelism's token
-    exchange). Backward is the same exchange with the splits swapped."""
-    return x if _world(group) == 1 else _AllToAll.apply(x, group, list(out_splits), list(in_splits))
+    exchange). Backward is the same exchange with the splits swapped, on ``backward_group`` (the same ranks;
+    None: ``group``) -- a second group lets a backward run beside another chunk's forward on its own thread
+    (mtds.deepspeed_compat.dualpipev_overlap) with each group seeing one collective order on every rank."""
+    if _world(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, list(out_splits), list(in_splits),
+                           group if backward_group is None else backward_group)

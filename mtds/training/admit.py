@@ -73,6 +73,7 @@ def describe(cfg: TrainConfig, world_size: int, model_cfg: ModelConfig, ds_confi
                moe_seq_aux=cfg.moe_router_load_balancing_type == "seq_aux_loss",
                moe_aux_coeff=cfg.moe_aux_loss_coeff > 0,
                moe_overlap_comm=cfg.overlap_moe_expert_parallel_comm,
+               recompute=cfg.recompute != "none",
                save=bool(cfg.save), async_save=cfg.async_save, purpose=TRAIN)
 
 

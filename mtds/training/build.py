@@ -148,6 +148,10 @@ def build_run(cfg: TrainConfig, world: World, watchdog: BuildLockWatchdog,
     engine = create_engine(cfg, world, model, ds_config, batch)
     watchdog.stop()     # JIT builds happen while DeepSpeed starts, not later
     install_engine_patches(engine, cfg, world, prec, zero)
+    if cfg.overlap_moe_expert_parallel_comm and cfg.pipeline_schedule == "dualpipev":
+        # one phase's forward beside the other's backward, on two threads (rules: experts.dualpipev_overlap)
+        from mtds.pipe.dualpipev_overlap import install_cross_chunk_overlap
+        install_cross_chunk_overlap(engine, world.groups, world.tracer, cfg.dist_timeout_s)
     check_engine(engine)   # attributes DeepSpeed creates in __init__ that mtds reads or sets
     for probe in on_engine_ready:
         probe(engine, groups)

@@ -81,13 +81,16 @@ class TrainConfig:
              "data-parallel ranks (consecutive data ranks, as DeepSpeed's expert groups), tokens sent to their "
              "experts' ranks and back by all-to-all; e divides d and the number of experts. ZeRO-0/1/2 (16-bit: "
              "ZeRO-1/2), no checkpoints yet (docs/moe.md) [1]")
-    overlap_moe_expert_parallel_comm: bool = opt(   # mtds.model.moe: the dispatch all-to-all beside the shared expert
+    overlap_moe_expert_parallel_comm: bool = opt(   # mtds.model.moe; on dualpipev also mtds.pipe.dualpipev_overlap
         False, "--overlap-moe-expert-parallel-comm", section=LAYOUT,
-        help="MoE models with a shared expert (Qwen2-MoE, DeepSeek-V3) and --expert-model-parallel-size > 1: "
-             "issue each block's dispatch all-to-all without waiting and compute the shared expert while the "
-             "tokens travel, waiting only before the routed experts read them (Megatron-core's flag; here "
-             "within one block, not across DualPipeV's chunks; not with --sequence-parallel). The same values; the "
-             "backward runs the two branches in another order, so gradients may differ in the last bits. Off by "
+        help="MoE models with --expert-model-parallel-size > 1 (Megatron-core's flag). With a shared expert "
+             "(Qwen2-MoE, DeepSeek-V3): issue each block's dispatch all-to-all without waiting and compute the "
+             "shared expert while the tokens travel, waiting only before the routed experts read them (not with "
+             "--sequence-parallel). On --pipeline-schedule dualpipev also, any MoE model: run each steady-state "
+             "forward of one phase beside the other phase's backward (a second thread, the all-to-alls' backward "
+             "on a duplicate expert group), so one chunk's all-to-all overlaps the other chunk's compute (fp32, "
+             "ZeRO-0/1, --tp 1, no CP, recompute or dropout). The same values; the shared-expert overlap's "
+             "backward sums two branches in another order, so gradients may differ in the last bits. Off by "
              "default")
     moe_z_loss_coeff: float = opt(              # Megatron-core's router z-loss (ST-MoE), mtds.model.aux_loss
         0.0, "--moe-z-loss-coeff", section=LAYOUT, at_least=0, metavar="C",
