@@ -54,6 +54,8 @@ class Candidate:
     ep: int = 1
     zero2_pipeline_reduce: str = "micro-batch"     # ZeRO-2 at p > 1: "micro-batch" | "step" (docs/training.md)
     zero3_pipeline_gather: str = "step"            # ZeRO-3 at p > 1: "step" | "micro-batch" (docs/training.md)
+    # --overlap-moe-expert-parallel-comm: under DualPipeV one chunk's all-to-alls run under the other's compute
+    overlap_moe_expert_parallel_comm: bool = False
 
     def __post_init__(self):
         if not self.pipeline_schedule:
