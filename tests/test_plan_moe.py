@@ -171,3 +171,55 @@ def test_expert_parallelism_folds_over_context_parallelism():
     one = comm.all_to_all(nbytes, 2, 4, H100_16)
     assert one < comm.all_to_all(nbytes, 2, 8, H100_16)
     assert ep_comm.layer_time(MIXTRAL, lay, WORK32, H100_16) == pytest.approx(4 * one, rel=1e-12)
+
+
+def test_dualpipev_overlap_hides_the_all_to_all_under_the_other_chunks_compute():
+    """--overlap-moe-expert-parallel-comm under DualPipeV (ep_comm.exposed_layer_time): in the overlapped pairs
+    each direction's all-to-alls are exposed only beyond the other chunk's compute. On slow links (1 GB/s across
+    nodes: the all-to-all longer than the compute) the predicted step falls by the hidden compute's worth; where
+    nothing overlaps -- the flag off, another schedule, or e = 1 (no all-to-all) -- the step is unchanged.
+    The pair count is DeepSpeed's own schedule's (tests/test_plan_pipeline.py), rank 0 the fewest."""
+    from mtds.plan import compute
+    work = Workload(global_batch=64, precision="bf16")
+    slow = Cluster(get_gpu("H100"), 16, gpus_per_node=4, inter_gbps=1.0)     # e = 8 spans two nodes
+
+    def step(cluster, overlap, **kw):
+        lay = Candidate(**{**dict(tp=1, pp=2, dp=8, microbatch=1, ep=8, zero_stage=1, recompute="none",
+                                  pipeline_schedule="dualpipev"), **kw}, overlap_moe_expert_parallel_comm=overlap)
+        return predict(MIXTRAL, lay, work, cluster, found=[]), lay
+
+    (off, lay), (on, _) = step(slow, False), step(slow, True)
+    m = lay.microbatches(work.global_batch)
+    a2a = ep_comm.layer_time(MIXTRAL, lay, work, slow)
+    layer = compute.layer_compute_time(MIXTRAL, lay, work, slow)
+    assert a2a > layer       # the all-to-alls exceed the compute: all the compute hides some
+    share = (2 * m - 3 * 2 + 1) / (2 * m)
+    hidden = share * layer * m * MIXTRAL.layers / 2     # the whole compute, of the overlapped passes
+    assert off.step_time_s - on.step_time_s == pytest.approx(hidden, rel=1e-9)
+    assert on.time_breakdown_s["ep_comm"] < off.time_breakdown_s["ep_comm"]
+    # nothing overlaps: the flag on 1F1B, no all-to-all at e = 1, no links to cross at 8 GPUs (e = 8 in one node:
+    # NVLink, the all-to-all far below the compute, so each pair hides it whole)
+    for kw in (dict(pipeline_schedule="1f1b"), dict(ep=1)):
+        assert step(slow, True, **kw)[0].step_time_s == step(slow, False, **kw)[0].step_time_s, kw
+    fast = Cluster(get_gpu("H100"), 16, gpus_per_node=8)
+    (f_off, f_lay), (f_on, _) = step(fast, False, tp=2, dp=4, ep=4), step(fast, True, tp=2, dp=4, ep=4)
+    f_a2a = ep_comm.layer_time(MIXTRAL, f_lay, work, fast)
+    assert f_a2a < compute.layer_forward(MIXTRAL, f_lay, work, fast).forward
+    f_m = f_lay.microbatches(work.global_batch)
+    assert f_off.step_time_s - f_on.step_time_s == pytest.approx(
+        (2 * f_m - 5) / (2 * f_m) * f_a2a * f_m * MIXTRAL.layers / 2, rel=1e-9)
+    # which compute each direction hides under: under full recomputation the backward's exchanges are twice the
+    # forward's (4 against 2) and run under the other chunk's forward (F), the forward's under its backward (3F);
+    # across link speeds one direction can be exposed alone (4o > F > 2o)
+    one_side = 0
+    for gbps in (5.0, 20.0, 50.0, 200.0):
+        cluster = Cluster(get_gpu("H100"), 16, gpus_per_node=4, inter_gbps=gbps)
+        lay = Candidate(1, 2, 8, 1, ep=8, zero_stage=1, recompute="full", pipeline_schedule="dualpipev",
+                        overlap_moe_expert_parallel_comm=True)
+        o = comm.all_to_all(ep_comm.a2a_tensor_bytes(MIXTRAL, lay, work), 8, 1, cluster)
+        f = compute.layer_forward(MIXTRAL, lay, work, cluster).forward
+        share = ep_comm.overlapped_share(lay, m)
+        want = (1 - share) * 6 * o + share * (max(0.0, 2 * o - 3 * f) + max(0.0, 4 * o - f))
+        assert ep_comm.exposed_layer_time(MIXTRAL, lay, work, cluster, m) == pytest.approx(want, rel=1e-12), gbps
+        one_side += 4 * o > f > 2 * o
+    assert one_side, "no link speed exposes one direction alone"

@@ -45,6 +45,20 @@ def test_dualpipev_formula_bounds_deepspeeds_own_order(p, chunk):
             assert all(0 <= formula - idle <= f_chunk for idle in sim.idle), (sim.idle, formula)
 
 
+def test_dualpipev_overlapped_pairs_are_the_planners():
+    """Rank r of DeepSpeed's DualPipeV order runs 2m − 3p + 1 + r of its 2m chunk forwards right before the other
+    chunk's backward (an overlapped pair): the count mtds.plan.ep_comm.overlapped_share takes (rank 0's)."""
+    from lab.pipe_sim.dualpipev_sim import deepspeed_dualpipev_steps
+    from mtds.plan.ep_comm import overlapped_share
+    for p, m in ((2, 4), (2, 16), (3, 6), (4, 8), (4, 32)):
+        for r in range(p):
+            passes = [s for s in deepspeed_dualpipev_steps(p, m, r) if s[0] in "FB"]
+            pairs = sum(a[0] == "F" and b[0] == "B" and a[1] != b[1] for a, b in zip(passes, passes[1:]))
+            assert pairs == 2 * m - 3 * p + 1 + r, (p, m, r, pairs)
+        lay = Candidate(1, p, 2, 1, pipeline_schedule="dualpipev", overlap_moe_expert_parallel_comm=True)
+        assert overlapped_share(lay, m) == (2 * m - 3 * p + 1) / (2 * m)
+
+
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_dualpipev_order_is_complete_and_holds_2p_plus_1_chunks(p):
     m = 2 * p + 1

@@ -57,6 +57,8 @@ class Candidate:
     # each of the t ranks sends its 1/t of a pipeline message, gathered on the other side (PTD-P Section 4.1), as
     # mtds does; False: every rank sends the whole activation (Megatron-core without sequence parallelism)
     pipeline_scatter_gather: bool = True
+    # --overlap-moe-expert-parallel-comm: under DualPipeV one chunk's all-to-alls run under the other's compute
+    overlap_moe_expert_parallel_comm: bool = False
 
     def __post_init__(self):
         if not self.pipeline_schedule:

@@ -160,7 +160,8 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     grad_bytes_tp = grad_buffer_bytes(layout, work, cluster.calib.main_grad_bytes)
     tp_s = tp_comm.per_step_time(model, layout, work, cluster, "last" if p > 1 else "all", m, grad_bytes_tp)
     cp_s = m * layers_per_stage * cp_comm.layer_time(model, layout, work, cluster)
-    ep_s = m * layers_per_stage * ep_comm.layer_time(model, layout, work, cluster)
+    # the steady state's exposed all-to-alls (DualPipeV's overlapped pairs hide some); the bubble's passes carry theirs
+    ep_s = m * layers_per_stage * ep_comm.exposed_layer_time(model, layout, work, cluster, m)
     bubble_s = pipeline.bubble_time(layout.pipeline_schedule, p, v,
                                     *stage_pass_times(model, layout, work, cluster, t_tp_one, t_acc))
     pp_s = 0.0

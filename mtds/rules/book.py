@@ -89,12 +89,7 @@ RULES: tuple[Rule, ...] = (
 
 # Rules of the stage partition (blocks per virtual stage), which start-up settles once the rules above hold: the
 # cost balancer needs a valid layout and batch (mtds.training.stage_plan).
-PARTITION_RULES: tuple[Rule, ...] = (
-    Rule("experts-on-every-stage", experts.experts_on_every_stage,
-         "--expert-model-parallel-size, --pp, ZeRO stage, precision, the stage partition",
-         "a pipeline stage without MoE blocks under expert parallelism with ZeRO-1/2 in bf16/fp16", kind=NOT_BUILT,
-         applies=experts.partition_matters),
-)
+PARTITION_RULES: tuple[Rule, ...] = ()     # none now: any stage partition runs (MoE: docs/moe.md)
 ALL_RULES = RULES + PARTITION_RULES
 
 

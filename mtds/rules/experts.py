@@ -114,33 +114,3 @@ def expert_width(job: Job) -> str | None:
         return f"tensor parallel size {job.tp} does not divide the shared expert FFN size " \
                f"{job.model.shared_expert_ffn_size}"
     return None
-
-
-def partition_matters(job: Job) -> bool:
-    """Whether :func:`experts_on_every_stage` weighs the stage partition of ``job``."""
-    return job.ep > 1 and job.pp > 1 and job.zero_stage >= 1 and job.precision != "fp32"
-
-
-def experts_on_every_stage(job: Job) -> str | None:
-    """DeepSpeed's ZeRO runs its norm per optimizer param group, each with a collective over the pipeline's
-    model-parallel group. In fp32 a stage without MoE blocks runs the expert groups' collectives empty
-    (mtds.deepspeed_compat.stage_expert_norms); bf16 and fp16 (DeepSpeed's BF16 optimizer takes another norm
-    path) are not built for such a stage."""
-    if not partition_matters(job) or job.stage_blocks is None:
-        return None
-    moe, start, held = set(job.model.moe_blocks), 0, [False] * job.pp
-    for k, n in enumerate(job.stage_blocks):
-        held[rank_of_virtual_stage(k, job.pp, job.pipeline_schedule)] |= any(b in moe for b in range(start, start + n))
-        start += n
-    if all(held):
-        return None
-    return f"--expert-model-parallel-size {job.ep} with --pp {job.pp}, ZeRO-1/2 and {job.precision} needs MoE " \
-           f"blocks on every pipeline stage (a stage without experts is built in fp32 only): use " \
-           f"--pipeline-balance uniform or a --pipeline-layout that gives each stage one, fp32, or ZeRO-0"
-
-
-def rank_of_virtual_stage(k: int, p: int, schedule: str) -> int:
-    """Interleaved placement (stage k on rank k mod p); DualPipeV's V (k and 2p - 1 - k on one rank)."""
-    if schedule == "dualpipev":
-        return k if k < p else 2 * p - 1 - k
-    return k % p
