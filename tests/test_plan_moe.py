@@ -117,6 +117,10 @@ def test_train_py_runs_ep_as_moe_layout_allows_and_moe_pipelines_on_every_schedu
     assert not_runnable(Candidate(1, 2, 8, 1), "fp32") == []      # 1f1b carries the router statistics
     assert not_runnable(Candidate(1, 2, 8, 1, virtual_stages=2), "fp32") == []      # and interleaved
     assert predict(MIXTRAL, _lay(2), Workload(64), H100_16).not_runnable      # bf16: reported, not hidden
+    # the cross-chunk overlap's knob reaches the rule train.py asks (built at t 1, fp32)
+    over = dict(pipeline_schedule="dualpipev", ep=2, zero_stage=1, overlap_moe_expert_parallel_comm=True)
+    assert not_runnable(Candidate(1, 2, 8, 1, **over), "fp32") == []
+    assert any("dualpipev" in m for m in not_runnable(Candidate(2, 2, 4, 1, **over), "fp32"))
 
 
 @pytest.mark.parametrize("e", [1, 2, 8])     # not all the search's own choice: the flag must hold it

@@ -34,7 +34,8 @@ def job_of(model, layout, work, stages=None) -> Job:
                virtual_stages=1 if dualpipev else layout.virtual_stages, pipeline_schedule=layout.pipeline_schedule,
                sequence_parallel=layout.sequence_parallel, cp_comm_type=layout.cp_comm_type, seq_length=model.seq,
                zero_stage=layout.zero_stage, precision=work.precision, global_batch=work.global_batch,
-               micro_batch=layout.microbatch, stage_blocks=None if stages is None else tuple(stages.blocks),
+               micro_batch=layout.microbatch, moe_overlap_comm=layout.overlap_moe_expert_parallel_comm,
+               stage_blocks=None if stages is None else tuple(stages.blocks),
                deepspeed_version=installed_deepspeed())
 
 
