@@ -227,3 +227,15 @@ def test_dualpipev_overlap_hides_the_all_to_all_under_the_other_chunks_compute()
         assert ep_comm.exposed_layer_time(MIXTRAL, lay, work, cluster, m) == pytest.approx(want, rel=1e-12), gbps
         one_side += 4 * o > f > 2 * o
     assert one_side, "no link speed exposes one direction alone"
+
+
+def test_explicit_partition_keeps_the_all_to_all():
+    """With an explicit stage partition the critical rank's blocks carry the all-to-alls (the block costs the
+    balancer shares with train.py leave them out): an even partition predicts the uniform split's ep_comm, and a
+    rank with more blocks more."""
+    from mtds.parallel.pipeline_layout import StageLayout
+    lay = Candidate(1, 2, 8, 1, ep=8, zero_stage=1, recompute="none")
+    uniform = predict(MIXTRAL, lay, Workload(64), H100_16).time_breakdown_s["ep_comm"]
+    even = predict(MIXTRAL, lay, Workload(64), H100_16, stages=StageLayout((16, 16))).time_breakdown_s["ep_comm"]
+    skew = predict(MIXTRAL, lay, Workload(64), H100_16, stages=StageLayout((20, 12))).time_breakdown_s["ep_comm"]
+    assert uniform > 0 and even == pytest.approx(uniform, rel=1e-12) and skew == pytest.approx(uniform * 20 / 16)

@@ -225,7 +225,10 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
     if stages is not None and p > 1:
         compute_s, tp_s, bubble_s, stage_info = partition_times(model, layout, work, cluster, stages, m, t_acc,
                                                                 compute_s, t_tp_one)
-        cp_s = ep_s = 0.0   # the critical rank's block costs carry them, as they carry the layers' TP collectives
+        cp_s = 0.0   # the critical rank's block costs carry it, as they carry the layers' TP collectives
+        # the all-to-alls are not in the block costs (the balancer's, which train.py's default partition shares):
+        # the critical rank's blocks carry them here
+        ep_s *= critical_blocks(layout, stages, stage_info["critical_rank"]) / layers_per_stage
     engine_s = host_costs.engine_overhead(model, ds_stage, m, cluster, p)
     step = compute_s + tp_s + cp_s + ep_s + bubble_s + pp_s + dp_s + engine_s
     mem = predict_memory(model, layout, work, cluster)
@@ -249,6 +252,12 @@ def predict(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluste
         mfu=mf / peak, hfu=hw / peak, days_to_train=days, fits=fits, reasons=tuple(reasons),
         not_runnable=tuple(problem.message for problem in found), stages=stage_info,
     )
+
+
+def critical_blocks(layout: Candidate, stages, rank: int) -> int:
+    """Transformer blocks held by pipeline rank ``rank`` under ``stages`` (its virtual stages summed)."""
+    from mtds.plan.balance import rank_of_stage
+    return sum(n for k, n in enumerate(stages.blocks) if rank_of_stage(k, layout.pp, layout.pipeline_schedule) == rank)
 
 
 def partition_times(model: ModelSpec, layout: Candidate, work: Workload, cluster: Cluster, stages, m: int,
