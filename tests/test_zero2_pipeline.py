@@ -115,8 +115,11 @@ CASES = tuple((s, m) for s in SCHEDULES for m in MODES) + (("dualpipev", "micro-
 # --zero3-pipeline-gather: both modes on DeepSpeed's 1F1B, micro-batch on mtds's engine, step on DualPipeV
 ZERO3_CASES = (("1f1b", "step"), ("1f1b", "micro-batch"), ("zb-h1", "micro-batch"), ("dualpipev", "step"))
 # bf16 (BF16_Optimizer, fp32 accumulation; mtds.deepspeed_compat.bf16_zero2), 5 steps: ZeRO-1 on 1F1B (the
-# baseline), ZeRO-2 both modes on 1F1B and micro-batch on ZB-H1 (mtds's engine)
-BF16_CASES = ((1, "1f1b", None), (2, "1f1b", "step"), (2, "1f1b", "micro-batch"), (2, "zb-h1", "micro-batch"))
+# baseline, saving at step 3), ZeRO-2 both modes on 1F1B, ZeRO-3 micro-batch on ZB-H1 (mtds's engine; saving at
+# step 3); then, resuming step 3 (steps 4-5: two runs fewer than separate resume runs), ZeRO-2 micro-batch on
+# ZB-H1 from ZeRO-3's checkpoint and ZeRO-3 step on 1F1B from ZeRO-1's
+BF16_CASES = ((1, "1f1b", None), (2, "1f1b", "step"), (2, "1f1b", "micro-batch"), (3, "zb-h1", "micro-batch"),
+              (2, "zb-h1", "micro-batch"), (3, "1f1b", "step"))
 BF16_STEPS = 5
 
 
@@ -130,8 +133,11 @@ def four_rank_runs():
     parity = [zero2(mode, schedule, **(dict(save=a, save_interval=5) if k == 0 else {}))
               for k, (schedule, mode) in enumerate(CASES)]
     parity += [zero2(mode, schedule, stage=3) for schedule, mode in ZERO3_CASES]
-    parity += [zero2(mode, schedule, stage=stage, precision="bf16", steps=BF16_STEPS)
-               for stage, schedule, mode in BF16_CASES]
+    e, f = (tempfile.mkdtemp(prefix=f"mtds-z2{x}-") for x in "ef")
+    extra = {0: dict(save=e, save_interval=3), 3: dict(save=f, save_interval=3),
+             4: dict(load=os.path.join(f, "global_step3")), 5: dict(load=os.path.join(e, "global_step3"))}
+    parity += [zero2(mode, schedule, stage=stage, precision="bf16", steps=BF16_STEPS, **extra.get(j, {}))
+               for j, (stage, schedule, mode) in enumerate(BF16_CASES)]
     chain = [train_config(pp=2, steps=7, load=os.path.join(a, "global_step5"), save=b, save_interval=6),
              zero2("step", stage=3, steps=8, load=os.path.join(b, "global_step6"), save=c, save_interval=7),
              zero2("step", steps=8, load=os.path.join(c, "global_step7"))]
@@ -219,25 +225,40 @@ def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str, gath
 BF16_LOSS_BOUND, BF16_NORM_BOUND = 1e-4, 2e-3   # the suite's bounds for bf16 reductions in another order
 
 
-def test_zero2_pipeline_bf16_matches_zero1_memory_and_bytes_formulas():
-    """bf16 ZeRO-2 at p > 1 (mtds.deepspeed_compat.bf16_zero2), BF16_CASES at (1,2,2), 5 clipped steps, against
-    ZeRO-1 bf16 on the same layout: the step mode is ZeRO-1's arithmetic operation for operation (bit-identical
-    losses and norms); the micro-batch mode rounds each micro-batch's gradient to bf16 for its reduction and sums
-    the micro-batches in fp32 after it (ZeRO-1: in fp32 before one rounding), so it stays within the suite's
-    bf16 bounds for reductions in another order (measured 2026-11-29 over 10 steps: loss 1.7e-5, norm 4.8e-4;
-    the bounds of tests/test_context_parallel.py's bf16 runs: 1e-4 and 2e-3). And the HF fp32 reference within
-    the suite's bf16 bound (2e-2). Memory at the end of step 2's last backward: the bf16 working weights 2Ψ,
-    master and Adam 12Ψ/d, gradients 6Ψ (fp32 + bf16 buffers, step mode; 0 between steps) or 4(Ψ/d + Ψ_late)
-    (micro-batch mode: no full-size buffer). Bytes: as fp32's formula in 2-byte elements."""
+def test_zero2_zero3_pipeline_bf16_match_zero1_memory_and_bytes_formulas():
+    """bf16 ZeRO-2/3 at p > 1 (mtds.deepspeed_compat.bf16_zero2, zero3_params), BF16_CASES at (1,2,2), 5 clipped
+    steps, against ZeRO-1 bf16 on the same layout: ZeRO-2's step mode is ZeRO-1's arithmetic operation for
+    operation (bit-identical losses and norms), and so is ZeRO-3's (its gathered weights the bf16 casts DeepSpeed's
+    step makes: resuming ZeRO-1's step 3, its steps 4-5 are ZeRO-1's bit for bit); the micro-batch mode rounds
+    each micro-batch's gradient to bf16 for its reduction and sums the micro-batches in fp32 after it (ZeRO-1: in
+    fp32 before one rounding), so it stays within the suite's bf16 bounds for reductions in another order
+    (measured 2026-11-29 over 10 steps: loss 1.7e-5, norm 4.8e-4; the bounds of tests/test_context_parallel.py's
+    bf16 runs: 1e-4 and 2e-3); ZeRO-3's micro-batch mode is ZeRO-2's arithmetic (resuming ZeRO-3's step 3, ZeRO-2
+    runs its steps 4-5 bit for bit). ZeRO-1 itself within the
+    suite's bf16 bound (2e-2) of the HF fp32 reference. Memory at the end of step 2's last backward: the bf16
+    working weights 2Ψ (ZeRO-3 micro-batch: 0), master and Adam 12Ψ/d, gradients 6Ψ (fp32 + bf16 buffers, step
+    mode) or 4(Ψ/d + Ψ_late) (micro-batch mode: no full-size buffer); between steps no gradients (ZeRO-3: no
+    weights either). Bytes: fp32's formulas in 2-byte elements."""
     from tests.bounds import same, within
     per_rank, ref = four_rank_runs(), hf_reference()
     first = len(CASES) + len(ZERO3_CASES)
     base = per_rank[-1][first]
     assert max_rel_diff(base.losses, ref.losses[:BF16_STEPS]) < 2e-2, (base.losses, ref.losses)
     for j, (stage, schedule, mode) in enumerate(BF16_CASES[1:], start=1):
-        k, what = first + j, f"bf16 ZeRO-2 {mode} {schedule} (1,2,2)"
+        k, what = first + j, f"bf16 ZeRO-{stage} {mode} {schedule} (1,2,2)"
         r = per_rank[-1][k]
-        if mode == "step":
+        if j == 4:      # ZeRO-2 resuming ZeRO-3's step 3, the same arithmetic: ZeRO-3's steps 4-5 bit for bit
+            saved = per_rank[-1][first + 3]
+            assert same("zero2_pipeline.bf16_zero2_resumes_zero3.losses", r.losses, saved.losses[3:]), \
+                (what, r.losses, saved.losses)
+            assert same("zero2_pipeline.bf16_zero2_resumes_zero3.norms", r.grad_norms, saved.grad_norms[3:]), \
+                (what, r.grad_norms, saved.grad_norms)
+        elif j == 5:    # ZeRO-3 step resuming ZeRO-1's step 3, the same arithmetic: ZeRO-1's steps 4-5 bit for bit
+            assert same("zero2_pipeline.bf16_zero3_step_resumes_zero1.losses", r.losses, base.losses[3:]), \
+                (what, r.losses, base.losses)
+            assert same("zero2_pipeline.bf16_zero3_step_resumes_zero1.norms", r.grad_norms, base.grad_norms[3:]), \
+                (what, r.grad_norms, base.grad_norms)
+        elif mode == "step":
             assert same("zero2_pipeline.bf16_step_vs_zero1.losses", r.losses, base.losses), (what, r.losses, base.losses)
             assert same("zero2_pipeline.bf16_step_vs_zero1.norms", r.grad_norms, base.grad_norms), \
                 (what, r.grad_norms, base.grad_norms)
@@ -249,10 +270,14 @@ def test_zero2_pipeline_bf16_matches_zero1_memory_and_bytes_formulas():
             r = results[k]
             psi, d, late = r.params, r.where[2], r.held["late"]
             grads = 6 * psi if mode == "step" else 4 * (psi / d + late)
-            assert_held(r.held, dict(params=2 * psi, grads=grads, optimizer=12 * psi / d), f"{what} rank {rank}")
-            if mode == "step":
-                assert_held(r.between, dict(grads=0), f"{what} rank {rank} between steps")
-        assert_zero2_dp_bytes(per_rank, k, mode, what, element=2)
+            params = 0 if (stage, mode) == (3, "micro-batch") else 2 * psi
+            assert_held(r.held, dict(params=params, grads=grads, optimizer=12 * psi / d), f"{what} rank {rank}")
+            assert_held(r.between, dict(params=0 if stage == 3 else 2 * psi, grads=0, optimizer=12 * psi / d),
+                        f"{what} rank {rank} between steps")
+            if stage == 3:
+                assert_held(r.reduced, dict(params=0), f"{what} rank {rank} after its last backward's reduction")
+        gathers = 1 if stage == 2 or mode == "step" else None
+        assert_zero2_dp_bytes(per_rank, k, mode, what, gathers=gathers, element=2)
 
 
 def test_resume_between_zero1_and_zero2_is_exact():

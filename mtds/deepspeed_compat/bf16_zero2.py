@@ -18,7 +18,8 @@ its partitions reduced in the communication dtype, bf16, and divided by d there)
   rank's own fp32 gradient partition (Ψ/d), then dropped. The late weights (tied, summed across stages
   after the last backward: DeepSpeed's tied reduction reads ``_hp_grad``) accumulate in fp32 buffers of
   their own, whole, after every backward, and are reduce-scattered once at the end of the step. Between
-  micro-batches a rank holds 4Ψ/d + 4Ψ_late gradient bytes. m x the reduce-scatter's bytes per step.
+  micro-batches a rank holds 4Ψ/d + 4Ψ_late gradient bytes, between steps none (released after the step,
+  re-allocated at the next one's first gradient). m x the reduce-scatter's bytes per step.
   The arithmetic differs from ZeRO-1's: each micro-batch's gradient is rounded to bf16 for the reduction and
   summed over micro-batches in fp32 after it, where ZeRO-1 sums the micro-batches in fp32 and rounds once
   (within a micro-batch the gradients of one parameter from two passes, ZB-H1's B and W, add in bf16).
@@ -154,12 +155,25 @@ class Bf16Zero2MicroBatch(Bf16Zero2):
             _free(t)
 
     def free(self) -> None:
-        return None     # nothing full-size is ever allocated
+        """After the step: the partitions and late buffers released too (nothing full-size is ever allocated)."""
+        for t in self.partitions + list(self.late.values()):
+            if _allocated(t):
+                _free(t)
+        self.__dict__.pop("_piece_cache", None)
+
+    def _ensure(self) -> None:
+        """The step's first use: the partitions and late buffers re-allocated, zeroed."""
+        if _allocated(self.partitions[0]):
+            return
+        for t in self.partitions + list(self.late.values()):
+            _reallocate(t)
+            t.zero_()
 
     # -- each backward (and W): the late weights into fp32; the rest waits in param.grad -----------------
     @torch.no_grad()
     def update_hp_grads(self, clear_lp_grads: bool = False) -> None:
         self.flat.book.mark(bf16_flat.UPDATE)
+        self._ensure()
         opt = self.opt
         for i, group in enumerate(opt.bf16_groups):
             for j, lp in enumerate(group):
@@ -214,6 +228,7 @@ class Bf16Zero2MicroBatch(Bf16Zero2):
     @torch.no_grad()
     def micro_batch_done(self) -> None:
         """Reduce-scatter (and add) every gradient but the late ones into this rank's fp32 partitions; drop them."""
+        self._ensure()
         opt = self.opt
         for i, group in enumerate(opt.bf16_groups):
             self._reduce_into(i, self.ranges[i][0], late=False)
@@ -245,8 +260,9 @@ class Bf16Zero2MicroBatch(Bf16Zero2):
         return None
 
     def clear_hp_grads(self) -> None:
-        for t in self.partitions + list(self.late.values()):
-            t.zero_()
+        if _allocated(self.partitions[0]):
+            for t in self.partitions + list(self.late.values()):
+                t.zero_()
         for i, group in enumerate(self.opt.fp32_groups_gradients):
             self.opt.fp32_groups_has_gradients[i] = [False] * len(group)
 
