@@ -143,7 +143,9 @@ def test_bad_input_doc_holds_the_rulebook():
 
 # ---- the grid: train.py's start-up and the planner accept the same jobs ---------------------------------------
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
+# bf16 as the shipped configs (ds_configs/cpu_bf16.json, ptdp_bf16.json) and the planner have it: fp32 accumulation
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+              "fp16": {"fp16": {"enabled": True}}}
 
 
 def _models():
