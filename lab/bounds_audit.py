@@ -30,7 +30,8 @@ KERNELS = {
 # tests/training_helpers.py's are reached through test_pipe_parity and test_pipe_matrix)
 FILES = ("tests/test_moe.py", "tests/test_moe_checkpoint.py", "tests/test_reshard.py", "tests/test_pipe_parity.py",
          "tests/test_pipe_matrix.py", "tests/test_context_parallel.py", "tests/test_training_features.py",
-         "tests/test_fused_cross_entropy.py", "tests/test_cross_entropy_16bit.py", "tests/test_bf16_flat.py")
+         "tests/test_fused_cross_entropy.py", "tests/test_cross_entropy_16bit.py", "tests/test_bf16_flat.py",
+         "tests/test_zero2_pipeline.py")
 
 
 def run(isa: str, files, out: str, extra: list[str]) -> str:

@@ -108,9 +108,9 @@ def test_infeasible_reasons():
     assert any("t*p*d" in r for r in pr.reasons) and any("layers=96" in r for r in pr.reasons)
     pr = predict(GPT3, Candidate(1, 1, 1536, 1, zero_stage=0, recompute="none"), work, cluster)
     assert not pr.fits and any("GiB" in r for r in pr.reasons)
-    pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), work, cluster)     # not built: runnable, not reasons
-    assert pr.feasible and pr.as_dict()["runnable"] is False
-    assert any("ZeRO-3 with --pp 12 is built for fp32 only" in r for r in pr.not_runnable)
+    pr = predict(GPT3, Candidate(8, 12, 16, 1, zero_stage=3), Workload(1536, "fp16"), cluster)   # not built: runnable,
+    assert pr.feasible and pr.as_dict()["runnable"] is False                                    # not reasons
+    assert any("ZeRO-3 with --pp 12 is built for fp32 and bf16" in r for r in pr.not_runnable)
 
 
 def test_search_ranks_and_respects_fixed_knobs():

@@ -43,7 +43,8 @@ RULE_CASES = {
                         "holds 5 transformer blocks but the model has 4"),
     "zero-stage": (Job(DENSE, 1, zero_stage=4), "zero_optimization.stage must be 0-3, got 4"),
     "zero-pipeline": (Job(DENSE, 2, pp=2, zero_stage=3, precision="bf16"),
-                      "ZeRO-3 with --pp 2 is built for fp32 only: use ZeRO-1"),
+                      "ZeRO-3 with --pp 2 in bf16 accumulates its gradients in fp32 (DeepSpeed's BF16_Optimizer): "
+                      "set data_types.grad_accum_dtype to \"fp32\""),
     "one-precision": (Job(DENSE, 1, both_precisions=True), "enables both fp16 and bf16: keep one"),
     "batch": (Job(DENSE, 1, global_batch=10, micro_batch=4),
               "train_batch_size 10 is not divisible by micro batch 4 x data parallel size 1: use a multiple of 4"),
@@ -142,7 +143,9 @@ def test_bad_input_doc_holds_the_rulebook():
 
 # ---- the grid: train.py's start-up and the planner accept the same jobs ---------------------------------------
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
+# bf16 as the shipped configs (ds_configs/cpu_bf16.json, ptdp_bf16.json) and the planner have it: fp32 accumulation
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+              "fp16": {"fp16": {"enabled": True}}}
 
 
 def _models():

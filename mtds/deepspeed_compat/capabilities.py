@@ -80,6 +80,11 @@ CAPABILITIES = (
         Target(ENGINE, "_config.bfloat16_config.immediate_grad_update", A, instance=True),
         Target(BF16, "clear_lp_grads", M),
         Target(BF16, "update_hp_grads", ("clear_lp_grads",)))),
+    Capability("release BF16_Optimizer's gradient buffers and bf16 weights (bf16 ZeRO-2/3 on a pipeline)", (
+        Target(BF16, "clear_hp_grads", M),
+        Target(BF16, "update_lp_params", M),
+        Target(BF16, "fp32_groups_gradient_flat_partition", A, instance=True),
+        Target(BF16, "fp32_groups_flat_partition", A, instance=True))),
     Capability("fold deferred weight gradients into ZeRO's fp32 accumulation", (
         Target(ZERO12, "fill_grad_accum_attribute", M),
         Target(ZERO12, "use_grad_accum_attribute", A, instance=True))),

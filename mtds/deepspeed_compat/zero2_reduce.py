@@ -101,7 +101,8 @@ def install_zero2_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, lat
 
 
 def micro_batch_done(engine) -> None:
-    """A micro-batch's last gradient-producing action on this rank has ended (no-op without ZeRO-2's reducer)."""
-    reducer = engine.__dict__.get("mtds_zero1_reduce")
-    if isinstance(reducer, Zero2ReduceScatter):
-        reducer.micro_batch_done()
+    """A micro-batch's last gradient-producing action on this rank has ended (no-op without ZeRO-2's reducer:
+    this module's, or bf16_zero2.py's)."""
+    done = getattr(engine.__dict__.get("mtds_zero1_reduce"), "micro_batch_done", None)
+    if done is not None:
+        done()

@@ -10,7 +10,12 @@ and gathers the working parameters -- the flat buffer DeepSpeed laid each parame
 storage is released (``resize_(0)``: every parameter, a view into it, keeps its shape) and re-allocated and
 all-gathered on demand. In fp32 the gather's source is the fp32 master partition itself (DeepSpeed's step
 copies it into the working partition unchanged), so between gathers a rank holds no working parameters at
-all: 4Ψ/d of master weights plus 8Ψ/d of Adam state per rank. Two modes (``--zero3-pipeline-gather``):
+all: 4Ψ/d of master weights plus 8Ψ/d of Adam state per rank. In bf16 (DeepSpeed's BF16_Optimizer, fp32
+accumulation; the gradients by bf16_zero2.py) the source is the same fp32 master partition, cast to bf16 for
+the gather -- exactly the copy DeepSpeed's step makes into its bf16 partition before its own all-gather, so a
+gathered weight is the one ZeRO-1 bf16 holds; keeping a bf16 partition instead would hold 2Ψ/d more per rank
+to save one cast of Ψ/d per gather. Between gathers a rank holds the same 12Ψ/d, the gathered weights 2Ψ.
+Two modes (``--zero3-pipeline-gather``):
 
 * ``step`` (torchtitan's choice for pipelines): gathered once per step, at the stage's first forward, kept
   until its last backward ends (then freed); the gradients reduce-scattered once then (ZeRO-2's ``step``).
@@ -22,7 +27,8 @@ all: 4Ψ/d of master weights plus 8Ψ/d of Adam state per rank. Two modes (``--z
 DeepSpeed's own post-step all-gather is skipped (the next forward gathers): during ``step`` the optimizer sees
 no flat buffers to gather into and writes the updated master partition onto itself. Forward pre-hooks of the
 stage module gather for evaluation too; checkpoint save gathers first (the files hold the weights), load frees
-after (its fp32 partitions are the truth). fp32 only. Checked against DeepSpeed 0.19.8.
+after (its fp32 partitions are the truth). fp32, and bf16 with fp32 accumulation. Checked against DeepSpeed
+0.19.8.
 """
 from __future__ import annotations
 
@@ -41,9 +47,13 @@ class StageParameterShards:
         if mode not in MODES:
             raise ValueError(f"ZeRO-3 pipeline gather mode must be one of {MODES}, got {mode!r}")
         opt = engine.optimizer
-        if opt.dtype != torch.float32 or any(p.dtype != torch.float32 for p in opt.single_partition_of_fp32_groups):
-            raise RuntimeError("ZeRO-3 with a pipeline is built for fp32 only (the master partition is the gather's "
-                               "source)")
+        self.bf16 = hasattr(opt, "bf16_groups_flat")    # DeepSpeed's BF16_Optimizer (bf16 with fp32 accumulation)
+        self.flats = opt.bf16_groups_flat if self.bf16 else opt.bit16_groups_flat
+        self.masters = opt.fp32_groups_flat_partition if self.bf16 else opt.single_partition_of_fp32_groups
+        want = torch.bfloat16 if self.bf16 else torch.float32
+        if any(f.dtype != want for f in self.flats) or any(p.dtype != torch.float32 for p in self.masters):
+            raise RuntimeError("ZeRO-3 with a pipeline is built for fp32, and bf16 with fp32 master weights (the "
+                               "master partition is the gather's source)")
         self.opt, self.mode = opt, mode
         self.all_gather_single = all_gather_single     # (out, x, group): the caller's, torch's current name
         self.whole = True       # DeepSpeed built the flat buffers whole
@@ -53,24 +63,25 @@ class StageParameterShards:
         """Release every group's flat buffer (the parameters keep shape, no storage)."""
         if not self.whole:
             return
-        for flat in self.opt.bit16_groups_flat:
+        for flat in self.flats:
             flat.untyped_storage().resize_(0)
         self.whole = False
 
     @torch.no_grad()
     def gather(self) -> None:
-        """Re-allocate every group's flat buffer and all-gather it from the ranks' fp32 master partitions."""
+        """Re-allocate every group's flat buffer and all-gather it from the ranks' fp32 master partitions (bf16:
+        each cast to bf16 first, as DeepSpeed's step copies it into its bf16 partition)."""
         if self.whole:
             return
         opt = self.opt
-        for i, flat in enumerate(opt.bit16_groups_flat):
+        for i, flat in enumerate(self.flats):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             group = opt.real_dp_process_group[i]
-            master = opt.single_partition_of_fp32_groups[i]
+            master = self.masters[i]
             if dist.get_world_size(group=group) == 1:
                 flat.copy_(master)
             else:
-                self.all_gather_single(flat, master, group=group)
+                self.all_gather_single(flat, master.to(flat.dtype), group=group)
         self.whole = True
         self.gathers += 1
 
@@ -79,6 +90,12 @@ class StageParameterShards:
         dropped after it), the master partition is the next gather's source."""
         opt = self.opt
         self.free()
+        if self.bf16:       # BF16_Optimizer's step ends copying into its bf16 partition and all-gathering: skipped
+            opt.update_lp_params = lambda: None
+            try:
+                return original(closure)
+            finally:
+                del opt.update_lp_params
         saved = opt.bit16_groups_flat, opt.parallel_partitioned_bit16_groups, opt.__dict__.get("_update_model_bit16_weights")
         stand_in = []
         for i, parts in enumerate(saved[1]):

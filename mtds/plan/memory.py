@@ -75,10 +75,12 @@ def grad_buffer_bytes(layout: Candidate, work: Workload, main_grad_bytes: float 
 
     The ZeRO paper counts 16-bit gradients (2 bytes). Frameworks that accumulate in fp32
     (Megatron `main_grad`, DeepSpeed bf16 optimizer) keep `main_grad_bytes` (4) per parameter
-    instead, unless ZeRO-2/3 partitions the gradients. fp32 training: 4.
+    instead, unless DeepSpeed's own ZeRO-2/3 (p = 1) partitions the gradients. On a pipeline mtds's bf16 ZeRO-2/3
+    keep BF16_Optimizer's fp32 accumulation (mtds.deepspeed_compat.bf16_zero2): whole in the step modes, the
+    fp32 partition in the micro-batch modes (the division by d: ``whole_gradients``). fp32 training: 4.
     """
     w = work.bytes_per_value
-    if main_grad_bytes is None or work.precision == "fp32" or layout.zero_stage >= 2:
+    if main_grad_bytes is None or work.precision == "fp32" or (layout.zero_stage >= 2 and layout.pp == 1):
         return float(w)
     return float(max(w, main_grad_bytes))
 

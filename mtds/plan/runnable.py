@@ -34,6 +34,8 @@ def job_of(model, layout, work, stages=None) -> Job:
                virtual_stages=1 if dualpipev else layout.virtual_stages, pipeline_schedule=layout.pipeline_schedule,
                sequence_parallel=layout.sequence_parallel, cp_comm_type=layout.cp_comm_type, seq_length=model.seq,
                zero_stage=layout.zero_stage, precision=work.precision, global_batch=work.global_batch,
+               # the planner counts DeepSpeed's bf16 optimizer with fp32 accumulation (the shipped bf16 configs)
+               grad_accum_dtype="fp32" if work.precision == "bf16" else None,
                micro_batch=layout.microbatch, moe_overlap_comm=layout.overlap_moe_expert_parallel_comm,
                stage_blocks=None if stages is None else tuple(stages.blocks),
                deepspeed_version=installed_deepspeed())

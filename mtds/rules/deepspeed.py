@@ -11,16 +11,27 @@ def zero_stage_known(job: Job) -> str | None:
     return None
 
 
+FP32_NAMES = ("fp32", "float32", "float", "torch.float32")    # data_types.grad_accum_dtype's spellings of fp32
+
+
 def zero_with_pipeline(job: Job) -> str | None:
     """DeepSpeed's pipeline engine asserts ZeRO 0-1; mtds partitions ZeRO-2's gradients itself at p > 1
-    (mtds.deepspeed_compat.zero2_reduce) in fp32, on every schedule, dense models, and ZeRO-3's parameters
+    (mtds.deepspeed_compat.zero2_reduce; bf16 with fp32 accumulation: bf16_zero2) on every schedule, dense
+    models, and ZeRO-3's parameters (fp32 and bf16)
     (mtds.deepspeed_compat.zero3_params; the schedules its rule below allows)."""
     stage, pp = job.zero_stage, job.pp
     if pp <= 1 or stage <= 1:
         return None
     z = f"ZeRO-{stage}"
-    if job.precision != "fp32":
-        return f"{z} with --pp {pp} is built for fp32 only: use ZeRO-1 with --pp {pp} for {job.precision}"
+    if job.precision == "fp16":
+        return f"{z} with --pp {pp} is built for fp32 and bf16 (fp16's loss scaling is not): use ZeRO-1 with --pp {pp} " \
+               f"for fp16, or bf16"
+    if job.precision == "bf16" and job.grad_accum_dtype not in FP32_NAMES:
+        return f"{z} with --pp {pp} in bf16 accumulates its gradients in fp32 (DeepSpeed's BF16_Optimizer): set " \
+               f"data_types.grad_accum_dtype to \"fp32\" in the DeepSpeed config"
+    if job.bf16_immediate_grad_update:
+        return f"{z} with --pp {pp} folds each micro-batch's bf16 gradients itself: set bf16.immediate_grad_update to " \
+               f"false"
     if job.model.num_experts:
         return f"{z} with --pp {pp} and a mixture-of-experts model is not built: use ZeRO-1 with --pp {pp}"
     if job.zero_overlap_comm:

@@ -49,6 +49,7 @@ class Job:
     zero_stage: int = 0
     precision: str = "fp32"                 # fp32 | bf16 | fp16
     both_precisions: bool = False           # the DeepSpeed config enables fp16 and bf16
+    grad_accum_dtype: str | None = None     # data_types.grad_accum_dtype as written (None: the model's dtype)
     global_batch: int | None = None         # B, sequences per step over the d data-parallel ranks
     micro_batch: int | None = None          # b
     accumulation: int | None = None         # m as the DeepSpeed config states it (None: derived)

@@ -60,6 +60,7 @@ def describe(cfg: TrainConfig, world_size: int, model_cfg: ModelConfig, ds_confi
                cp_comm_type=cfg.cp_comm_type, seq_length=cfg.seq_length, zero_stage=stage,
                precision=precision(ds_config),
                both_precisions=bool(ds_config.get("fp16", {}).get("enabled") and bf16.get("enabled")),
+               grad_accum_dtype=(ds_config.get("data_types") or {}).get("grad_accum_dtype"),
                global_batch=B, micro_batch=b, accumulation=m, pipeline_layout=cfg.pipeline_layout,
                reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask,
                compile=cfg.compile,

@@ -15,6 +15,7 @@ from mtds.deepspeed_compat.expert_checkpoint import EXPERT_GROUPS, install_exper
 from mtds.deepspeed_compat.expert_groups import create_expert_groups, expert_groups_module, mark_expert_parameters
 from mtds.model.experts import expert_parallel_parameters
 from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
+from mtds.deepspeed_compat.bf16_zero2 import install_bf16_zero2
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.deepspeed_compat.zero2_reduce import install_zero2_reduce_scatter, micro_batch_done
 from mtds.deepspeed_compat.zero3_params import free_parameters, gather_parameters, install_stage_parameter_shards
@@ -110,7 +111,8 @@ def install_zero2_pipeline(engine, cfg: TrainConfig, zero_stage: int = 2) -> Non
     reduction, and the working parameters freed after the stage's last backward (``step``) or after each
     forward and backward (``micro-batch``)."""
     mode = cfg.zero3_pipeline_gather if zero_stage == 3 else cfg.zero2_pipeline_reduce
-    reducer = install_zero2_reduce_scatter(engine, reduce_scatter_sum, split_by_spans, _late_params(engine), mode)
+    install = install_bf16_zero2 if engine.using_bf16_optimizer else install_zero2_reduce_scatter
+    reducer = install(engine, reduce_scatter_sum, split_by_spans, _late_params(engine), mode)
     if zero_stage == 3:
         install_zero3_pipeline(engine, reducer, mode, own_engine=cfg.pipeline_schedule in OWN_ENGINE)
     if cfg.pipeline_schedule not in OWN_ENGINE:
