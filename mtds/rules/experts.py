@@ -86,7 +86,7 @@ def overlap_comm(job: Job) -> str | None:
 
 
 def dualpipev_overlap(job: Job) -> str | None:
-    """DualPipeV's cross-chunk overlap (mtds.pipe.dualpipev_overlap) runs a forward and a backward of the two
+    """DualPipeV's cross-chunk overlap (mtds.deepspeed_compat.dualpipev_overlap) runs a forward and a backward of the two
     phases at once on two threads, keeping every collective of a pass on a group of its own side: only the
     expert groups are duplicated, so what puts another collective (or the shared RNG state) inside a pass is
     not built."""
