@@ -152,6 +152,11 @@ class AllToAllDispatcher(LocalDispatcher):
 
     def combine(self, outputs: torch.Tensor, routing: Routing, sent: Dispatched, num_tokens: int) -> torch.Tensor:
         x = sent.exchange
+        if sent.rows.requires_grad and not outputs.requires_grad:
+            # the rows' exchange would skip its backward on this rank alone (its peers run theirs), and the group's
+            # next exchanges would pair up wrongly: the experts must keep even an empty output in the rows' graph
+            raise RuntimeError("the experts' output is not in the autograd graph of the rows they received "
+                               f"({outputs.shape[0]} rows): expert parallelism needs it there on every rank")
         # back to source order, then home: the rows return in the order this rank sent them
         in_source_order = outputs.new_empty(outputs.shape).index_copy(0, x.by_expert, outputs)
         home = all_to_all(in_source_order, self.group, x.sent, x.received, self.backward_group)

@@ -101,7 +101,11 @@ class TensorParallelExperts(nn.Module):
         """``rows`` [sum(counts), h] grouped by local expert (``counts[e]`` rows for expert e), replicated
         over TP and entered into the region by the caller; the full outputs, same order."""
         if not rows.shape[0]:
-            return rows.new_zeros(0, rows.shape[-1])
+            # No rows for any local expert (with expert parallelism: the router sent every token elsewhere).
+            # The empty output still derives from ``rows``: the all-to-all that brought them runs its backward
+            # only where its output is in the loss's graph, and it is a collective -- skipped on this rank
+            # alone, the group's next exchanges pair up wrongly (gloo: mismatched or garbage sizes).
+            return rows.clone()
         if self.grouped(rows):
             ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
             gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends)
