@@ -104,6 +104,8 @@ def runs_with_probe(configs):
         result.reduced = getattr(engine, "mtds_test_reduced", None)
         result.where = engine.mtds_test_where
         result.micro_batches = engine.micro_batches
+        shards = engine.__dict__.get("mtds_zero3_params")
+        result.prefetched = None if shards is None else shards.overlapped
         engines.clear()
         results.append(result)
     return results
@@ -185,7 +187,9 @@ def test_zero3_pipeline_matches_hf_memory_and_bytes_formulas():
     """ZeRO-3 at p > 1 (mtds.deepspeed_compat.zero3_params), ZERO3_CASES at (1,2,2): parity as ZeRO-2's; between steps a rank holds no working parameters and no gradients, only the
     fp32 master partition and Adam state (12Ψ/d); at the end of its last backward the step mode holds the
     whole parameters and gradients (4Ψ each), the micro-batch mode none of the parameters and ZeRO-2's
-    micro-batch gradients; the data-parallel bytes add one all-gather per step (step) or 2m (micro-batch)."""
+    micro-batch gradients; the data-parallel bytes add one all-gather per step (step) or 2m (micro-batch). The
+    micro-batch mode's gathers are prefetched (issued before the pass's receive, in flight while it waits) and
+    change no value: its losses and norms are ZeRO-2's micro-batch mode's on the same schedule bit for bit."""
     per_rank = four_rank_runs()
     for j, (schedule, mode) in enumerate(ZERO3_CASES):
         k, what = len(CASES) + j, f"ZeRO-3 {mode} {schedule} (1,2,2)"
@@ -200,6 +204,17 @@ def test_zero3_pipeline_matches_hf_memory_and_bytes_formulas():
             assert_held(r.reduced, dict(params=0), f"{what} rank {rank} after its last backward's reduction")
         assert_zero2_dp_bytes(per_rank, k, "step" if mode == "step" else "micro-batch", what,
                               gathers=1 if mode == "step" else None)
+        if mode == "micro-batch":
+            # prefetched: on each stage the passes after a receive (stage 0's backwards, stage 1's forwards, m
+            # a step) had their gather in flight while the receive waited; the bytes are the same, so the
+            # losses and norms are ZeRO-2's of the same mode and schedule bit for bit
+            for rank, results in enumerate(per_rank):
+                r = results[k]
+                want = r.micro_batches * len(per_rank[-1][k].losses)
+                assert r.prefetched == want, f"{what} rank {rank}: {r.prefetched} gathers prefetched, want {want}"
+            zero2 = per_rank[-1][CASES.index((schedule, mode))]
+            assert per_rank[-1][k].losses == zero2.losses, (what, per_rank[-1][k].losses, zero2.losses)
+            assert per_rank[-1][k].grad_norms == zero2.grad_norms, (what, per_rank[-1][k].grad_norms, zero2.grad_norms)
 
 
 def assert_zero2_dp_bytes(per_rank: list, index: int, mode: str, what: str, gathers: int | None = 1,
@@ -276,6 +291,10 @@ def test_zero2_zero3_pipeline_bf16_match_zero1_memory_and_bytes_formulas():
                         f"{what} rank {rank} between steps")
             if stage == 3:
                 assert_held(r.reduced, dict(params=0), f"{what} rank {rank} after its last backward's reduction")
+            if (stage, mode) == (3, "micro-batch"):     # prefetched (m a step on each stage) as in fp32, but the
+                # step-3 save gathers and leaves them whole for stage 1's first forward of step 4
+                want = r.micro_batches * BF16_STEPS - (1 if r.where[0] == 1 else 0)
+                assert r.prefetched == want, f"{what} rank {rank}: {r.prefetched} gathers prefetched, want {want}"
         gathers = 1 if stage == 2 or mode == "step" else None
         assert_zero2_dp_bytes(per_rank, k, mode, what, gathers=gathers, element=2)
 

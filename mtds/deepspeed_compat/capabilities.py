@@ -85,6 +85,12 @@ CAPABILITIES = (
         Target(BF16, "update_lp_params", M),
         Target(BF16, "fp32_groups_gradient_flat_partition", A, instance=True),
         Target(BF16, "fp32_groups_flat_partition", A, instance=True))),
+    # zero3_params.py / pipeline.around_passes: the instruction classes are matched by name; renamed, the gather
+    # would silently stop being prefetched (still gathered at the pass)
+    Capability("prefetch ZeRO-3's per-pass parameter gather at the pipeline's receives (ZeRO-3 on a pipeline)", (
+        *(Target("deepspeed.runtime.pipe.schedule", name, A) for name in (
+            "RecvActivation", "RecvGrad", "ForwardPass", "BackwardPass")),
+        Target(PIPE_ENGINE, "_INSTRUCTION_MAP", A))),
     Capability("fold deferred weight gradients into ZeRO's fp32 accumulation", (
         Target(ZERO12, "fill_grad_accum_attribute", M),
         Target(ZERO12, "use_grad_accum_attribute", A, instance=True))),

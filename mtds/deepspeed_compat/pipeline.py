@@ -209,11 +209,25 @@ def after_backward(engine, hook: Callable[[dict], None]) -> None:
     wrap_instruction_handlers(engine, wrap)
 
 
-def around_passes(engine, before: Callable[[], None], after: Callable[[], None]) -> None:
+def around_passes(engine, before: Callable[[], None], after: Callable[[], None],
+                  before_receive: Callable[[], None] | None = None,
+                  received: Callable[[], None] | None = None) -> None:
     """On DeepSpeed's pipeline engines: run ``before()`` and ``after()`` around each ForwardPass and
-    BackwardPass instruction (ZeRO-3's per-micro-batch parameter gather and free)."""
+    BackwardPass instruction (ZeRO-3's per-micro-batch parameter gather and free), and ``before_receive()`` and
+    ``received()`` around each RecvActivation and RecvGrad (the receive of the next pass's input: 1F1B and
+    DualPipeV schedule it before that pass; ZeRO-3 issues the pass's gather there)."""
     def wrap(instruction, handler):
-        if instruction.__name__ not in ("ForwardPass", "BackwardPass"):
+        name = instruction.__name__
+        if name in ("RecvActivation", "RecvGrad") and before_receive is not None:
+            def receive(self, **kwargs):
+                before_receive()
+                try:
+                    return handler(self, **kwargs)
+                finally:
+                    if received is not None:
+                        received()
+            return receive
+        if name not in ("ForwardPass", "BackwardPass"):
             return handler
 
         def run(self, **kwargs):

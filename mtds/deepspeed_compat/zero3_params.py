@@ -20,9 +20,15 @@ Two modes (``--zero3-pipeline-gather``):
 * ``step`` (torchtitan's choice for pipelines): gathered once per step, at the stage's first forward, kept
   until its last backward ends (then freed); the gradients reduce-scattered once then (ZeRO-2's ``step``).
   One all-gather and one reduce-scatter of Ψ per step: ZeRO-1's bytes.
-* ``micro-batch`` (least memory): gathered before each forward and each backward of a micro-batch and freed
-  after each (2m all-gathers a step, not prefetched); the gradients reduce-scattered per micro-batch
-  (ZeRO-2's ``micro-batch``).
+* ``micro-batch`` (least memory): gathered for each forward and each backward of a micro-batch and freed
+  after each (2m all-gathers a step); the gradients reduce-scattered per micro-batch (ZeRO-2's
+  ``micro-batch``). Prefetched, always (it is exact: the same bytes copied into the same buffer, only
+  issued earlier): a pass that receives its input (a forward's activation, a backward's output gradient)
+  issues its all-gather asynchronously (``prefetch``) just before that receive waits and waits for the gather
+  at the pass (``gather``), so the gather overlaps the wait for the peer stage. The parameters are then whole
+  from the issue, i.e. during the receive wait too, instead of from the pass's start; the peak is unchanged
+  (one whole stage, as before). A pass with no receive before it (the first stage's forward, the last
+  stage's backward) gathers blocking at its start, as before.
 
 DeepSpeed's own post-step all-gather is skipped (the next forward gathers): during ``step`` the optimizer sees
 no flat buffers to gather into and writes the updated master partition onto itself. Forward pre-hooks of the
@@ -55,25 +61,56 @@ class StageParameterShards:
             raise RuntimeError("ZeRO-3 with a pipeline is built for fp32, and bf16 with fp32 master weights (the "
                                "master partition is the gather's source)")
         self.opt, self.mode = opt, mode
-        self.all_gather_single = all_gather_single     # (out, x, group): the caller's, torch's current name
+        self.all_gather_single = all_gather_single     # (out, x, group, async_op): the caller's, torch's current name
         self.whole = True       # DeepSpeed built the flat buffers whole
         self.gathers = 0        # all-gathers run (each: every group)
+        self.pending = None     # a prefetch's (works, casts) until waited for
+        self.overlapped = 0     # prefetches still in flight when the receive after their issue had finished
+
+    def prefetch(self) -> None:
+        """Issue the gather asynchronously (no-op when whole or already issued): the buffers are allocated now
+        and filled by the time :meth:`gather` (or :meth:`free`) waits for it."""
+        if self.whole or self.pending is not None:
+            return
+        self.pending = self._issue(async_op=True)
+
+    def received(self) -> None:
+        """A receive has finished: count the prefetch that was in flight across it (the test's evidence)."""
+        if self.pending is not None:
+            self.overlapped += 1
 
     def free(self) -> None:
         """Release every group's flat buffer (the parameters keep shape, no storage)."""
+        self.wait()        # a prefetch in flight writes into them
         if not self.whole:
             return
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         self.whole = False
 
-    @torch.no_grad()
     def gather(self) -> None:
-        """Re-allocate every group's flat buffer and all-gather it from the ranks' fp32 master partitions (bf16:
-        each cast to bf16 first, as DeepSpeed's step copies it into its bf16 partition)."""
-        if self.whole:
+        """Whole parameters now: wait for a prefetch, or re-allocate every group's flat buffer and all-gather it
+        from the ranks' fp32 master partitions (bf16: each cast to bf16 first, as DeepSpeed's step copies it into
+        its bf16 partition)."""
+        if self.pending is not None:
+            self.wait()
+        elif not self.whole:
+            self._issue(async_op=False)
+
+    def wait(self) -> None:
+        """Wait for a prefetch in flight (no-op without one)."""
+        if self.pending is None:
             return
-        opt = self.opt
+        works, _casts = self.pending        # the casts stay referenced until their gathers are done
+        for work in works:
+            work.wait()
+        self.pending = None
+        self.whole = True
+        self.gathers += 1
+
+    @torch.no_grad()
+    def _issue(self, async_op: bool):
+        opt, works, casts = self.opt, [], []
         for i, flat in enumerate(self.flats):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             group = opt.real_dp_process_group[i]
@@ -81,9 +118,15 @@ class StageParameterShards:
             if dist.get_world_size(group=group) == 1:
                 flat.copy_(master)
             else:
-                self.all_gather_single(flat, master.to(flat.dtype), group=group)
+                casts.append(master.to(flat.dtype))
+                work = self.all_gather_single(flat, casts[-1], group=group, async_op=async_op)
+                if async_op:
+                    works.append(work)
+        if async_op:
+            return works, casts
         self.whole = True
         self.gathers += 1
+        return None
 
     def step(self, original, closure=None):
         """DeepSpeed's step without its working partition copy and all-gather: the flat buffers are freed (or
@@ -139,7 +182,7 @@ def install_stage_parameter_shards(engine, mode: str, all_gather_single) -> Stag
         try:
             return load(*args, **kwargs)
         finally:
-            shards.whole = True
+            shards.whole, shards.pending = True, None
             shards.free()       # the loaded fp32 partitions are the next gather's source
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
@@ -161,15 +204,38 @@ def gather_parameters(engine) -> None:
         shards.gather()
 
 
+def prefetch_parameters(engine) -> None:
+    """Before a receive that a pass of the ``micro-batch`` mode waits on: issue that pass's gather (no-op
+    otherwise)."""
+    shards = engine.__dict__.get("mtds_zero3_params")
+    if shards is not None and shards.mode == "micro-batch":
+        shards.prefetch()
+
+
+def wait_for_prefetch(engine) -> None:
+    """mtds's engines, at a pass after its receive, in the ``micro-batch`` mode: the parameters whole (the
+    prefetched gather waited for, or gathered now without one; no-op otherwise)."""
+    shards = engine.__dict__.get("mtds_zero3_params")
+    if shards is not None and shards.mode == "micro-batch":
+        shards.gather()
+
+
+def parameters_received(engine) -> None:
+    shards = engine.__dict__.get("mtds_zero3_params")
+    if shards is not None:
+        shards.received()
+
+
 @contextlib.contextmanager
 def gathered_per_pass(engine):
     """mtds's engines, around each forward and (input) backward: in the ``micro-batch`` mode the parameters are
-    gathered for it and freed after (no-op otherwise; ZB-H1's W needs no parameters)."""
+    gathered for it (issued here, waited for by :func:`wait_for_prefetch` after the pass's receive) and freed
+    after (no-op otherwise; ZB-H1's W needs no parameters)."""
     shards = engine.__dict__.get("mtds_zero3_params")
     if shards is None or shards.mode != "micro-batch":
         yield
         return
-    shards.gather()
+    shards.prefetch()
     try:
         yield
     finally:

@@ -28,7 +28,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from mtds.deepspeed_compat import pipeline as ds
 from mtds.deepspeed_compat.zero1_reduce import reduce_early
 from mtds.deepspeed_compat.zero2_reduce import micro_batch_done
-from mtds.deepspeed_compat.zero3_params import gathered_per_pass
+from mtds.deepspeed_compat.zero3_params import gathered_per_pass, parameters_received, wait_for_prefetch
 from mtds.pipe.exchange import ACT, Compute, engine_program, group_names
 from mtds.pipe.p2p import StageP2P
 from mtds.tp.weight_grad_store import WeightGradStore
@@ -193,10 +193,12 @@ class ScheduledPipelineEngine(PipelineEngine):
             else:
                 with self._span("recv", chunk, micro):
                     inputs = self.p2p.take(item.needs)
+                parameters_received(self)     # ZeRO-3 micro-batch: its gather was issued before this wait
                 if not torch.is_grad_enabled():
                     inputs = tuple(t.detach() for t in inputs) if isinstance(inputs, tuple) else inputs.detach()
             if last:
                 self._labels[micro] = ds.next_batch(self)[1].to(self.device)
+            wait_for_prefetch(self)
             with self._span("F", chunk, micro):
                 outputs = ds.forward(self, inputs)
                 if last:
@@ -228,11 +230,14 @@ class ScheduledPipelineEngine(PipelineEngine):
         with self._chunk(chunk):
             first = self.is_first_stage()
             if self.is_last_stage():
+                wait_for_prefetch(self)
                 with self._span("B", chunk, micro):
                     ds.loss_backward(self, self._losses.pop(micro))
             else:
                 with self._span("recv", chunk, micro):
                     grad = self.p2p.take(item.needs)
+                parameters_received(self)
+                wait_for_prefetch(self)     # ZeRO-3 micro-batch: the gather issued before the receive
                 with self._span("B", chunk, micro):
                     ds.stage_backward(self, self._outputs.pop((chunk, micro)), grad)
             inputs = self._inputs.pop((chunk, micro), None)

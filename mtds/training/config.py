@@ -249,7 +249,8 @@ class TrainConfig:
         help="ZeRO-3 with --pp > 1: gather the stage's parameters once per step at its first forward and free "
              "them after its last backward, gradients reduce-scattered once (step: ZeRO-1's bytes), or gather "
              "before and free after every forward and backward, gradients reduce-scattered per micro-batch "
-             "(micro-batch: least memory, 2m all-gathers a step) [step]")
+             "(micro-batch: least memory, 2m all-gathers a step, each issued before its pass's receive so it "
+             "overlaps the wait for the other stage) [step]")
     # checkpoints and logs
     save: str | None = opt(
         None, "--save", section=LOGS, metavar="DIR", help="checkpoint directory")

@@ -18,7 +18,8 @@ from mtds.deepspeed_compat.bf16_reduce import install_bf16_reduce_scatter
 from mtds.deepspeed_compat.bf16_zero2 import install_bf16_zero2
 from mtds.deepspeed_compat.zero1_reduce import install_reduce_scatter, reduce_early
 from mtds.deepspeed_compat.zero2_reduce import install_zero2_reduce_scatter, micro_batch_done
-from mtds.deepspeed_compat.zero3_params import free_parameters, gather_parameters, install_stage_parameter_shards
+from mtds.deepspeed_compat.zero3_params import (
+    free_parameters, gather_parameters, install_stage_parameter_shards, parameters_received, prefetch_parameters)
 from mtds.deepspeed_compat.stage_expert_norms import install_stage_expert_norms
 from mtds.deepspeed_compat.zero_norm import install_foreach_norm
 from mtds.deepspeed_compat.zero_repoint import install_skip_repoint
@@ -126,7 +127,7 @@ def install_zero2_pipeline(engine, cfg: TrainConfig, zero_stage: int = 2) -> Non
 def install_zero3_pipeline(engine, reducer, mode: str, own_engine: bool) -> None:
     """ZeRO-3 at p > 1: the stage's parameters freed now, gathered at each forward; freed again after the
     stage's last backward (its early reduction) and, in the ``micro-batch`` mode, after every forward and
-    backward pass, gathered before every backward pass."""
+    backward pass, gathered for every backward pass (prefetched: issued before the pass's receive)."""
     install_stage_parameter_shards(engine, mode, all_gather_single)
     early = reducer.reduce_early
 
@@ -136,7 +137,9 @@ def install_zero3_pipeline(engine, reducer, mode: str, own_engine: bool) -> None
     reducer.reduce_early = reduce_early_then_free
     if mode == "micro-batch" and not own_engine:     # mtds's engines gather per pass themselves
         ds_pipeline.around_passes(engine, before=lambda: gather_parameters(engine),
-                                  after=lambda: free_parameters(engine))
+                                  after=lambda: free_parameters(engine),
+                                  before_receive=lambda: prefetch_parameters(engine),
+                                  received=lambda: parameters_received(engine))
 
 
 def install_zero1_reduce_scatter(engine, cfg: TrainConfig) -> None:
